@@ -1,0 +1,176 @@
+"""`malleus bench planner`: planning time and plan quality from 16 to 1024 devices.
+
+For each cluster size, several random straggler situations (1-3 stragglers per 16 devices at
+rates drawn from {1.5, 2.5, 5, 12}); for each, the objective (malleus.md §1.3, units of t0) of:
+  ideal      - the straggler-free plan,
+  unchanged  - the healthy baseline plan run as is under the stragglers (Megatron-style static 3D),
+  data-only  - the baseline's groups and layers with re-balanced micro-batches,
+  no-split   - layers + data re-planned, TP groups kept whole,
+  authors    - the authors' planner as published (tail-only score, fixed P),
+  malleus    - ours,
+with ratios to the ideal and planning times. Results are printed as a markdown table, written to
+BENCHMARKS.md between markers (--write) and plotted (--plot).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import Scenario
+
+RATES = (1.5, 2.5, 5.0, 12.0)
+SYSTEMS = ("unchanged", "data-only", "no-split", "authors", "malleus")
+
+
+def scenario_for(num_devices: int) -> Scenario:
+    """The paper's shapes: the 16-GPU worked example's profile at 16, the 70B profile beyond."""
+    if num_devices == 16:
+        d = {"cluster": {"nodes": 2, "gpus_per_node": 8, "gpu_memory_mb": 40536}, "model": {"layers": 32},
+             "parallel": {"dp": 2, "tp": 4, "pp": 2}, "batch": {"global": 64, "micro": 1},
+             "profile": {"tp_alpha": [1, 2, 4], "layer_memory_mb": [1500, 1270, 1040, 810],
+                         "embedding_memory_mb": 600, "reserved_memory_mb": 4500, "safety_margin_mb": 4096}}
+    else:
+        dp = num_devices // 32
+        d = {"cluster": {"nodes": num_devices // 8, "gpus_per_node": 8, "gpu_memory_mb": 81252},
+             "model": "llama-70b", "parallel": {"dp": dp, "tp": 8, "pp": 4}, "batch": {"global": 32 * dp, "micro": 1},
+             "profile": {"tp_alpha": [1, 1.90, 3.66, 7.22],
+                         "layer_memory_mb": [2895, 2685, 2485, 2295, 2110, 1933, 1769, 1647],
+                         "embedding_memory_mb": 600, "reserved_memory_mb": 4700, "safety_margin_mb": 4096}}
+    d["planner"] = {"objective": "paper"}
+    return Scenario.from_dict(d, source=f"bench:{num_devices}")
+
+
+def draw_rates(num_devices: int, rng: random.Random) -> dict[int, float]:
+    rates = {}
+    for block in range(0, num_devices, 16):
+        for dev in rng.sample(range(block, min(block + 16, num_devices)), rng.randint(1, 3)):
+            rates[dev] = rng.choice(RATES)
+    return rates
+
+
+@dataclass
+class Case:
+    devices: int
+    seed: int
+    stragglers: int
+    ideal: float
+    objectives: dict[str, float]
+    seconds: dict[str, float]
+
+
+def run_case(num_devices: int, seed: int) -> Case:
+    from ..planner import authors_plan, baseline_plan, evaluate, plan, plan_without_split, rebalance_data
+
+    scenario = scenario_for(num_devices)
+    rates = draw_rates(num_devices, random.Random(seed))
+    problem = scenario.problem(rates=rates)
+    healthy = scenario.problem(rates={})
+    objectives, seconds = {}, {}
+
+    def timed(name, fn):
+        t = time.perf_counter()
+        value = fn()
+        seconds[name] = time.perf_counter() - t
+        objectives[name] = value
+
+    base = baseline_plan(problem)
+    timed("unchanged", lambda: evaluate(problem, base))
+    timed("data-only", lambda: evaluate(problem, rebalance_data(problem, base)))
+    timed("no-split", lambda: plan_without_split(problem).objective)
+    timed("authors", lambda: authors_plan(problem).objective)
+    timed("malleus", lambda: plan(problem).objective)
+    ideal = evaluate(healthy, baseline_plan(healthy))
+    return Case(num_devices, seed, len(rates), ideal, objectives, seconds)
+
+
+def table(cases: list[Case]) -> str:
+    head = ("| devices | cases | stragglers | ideal (t0) | " + " | ".join(f"{s} / ideal" for s in SYSTEMS)
+            + " | malleus ≤ authors | malleus solve s (mean / max) | authors solve s (mean) |")
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for n in sorted({c.devices for c in cases}):
+        cs = [c for c in cases if c.devices == n]
+        ratio = {s: statistics.mean(c.objectives[s] / c.ideal for c in cs) for s in SYSTEMS}
+        never_worse = sum(c.objectives["malleus"] <= c.objectives["authors"] * (1 + 1e-9) for c in cs)
+        ms = [c.seconds["malleus"] for c in cs]
+        rows.append(f"| {n} | {len(cs)} | {statistics.mean(c.stragglers for c in cs):.1f} | "
+                    f"{statistics.mean(c.ideal for c in cs):.0f} | "
+                    + " | ".join(f"{ratio[s]:.3f}" for s in SYSTEMS)
+                    + f" | {never_worse}/{len(cs)} | {statistics.mean(ms):.3f} / {max(ms):.3f} | "
+                    f"{statistics.mean(c.seconds['authors'] for c in cs):.3f} |")
+    return "\n".join(rows)
+
+
+def plot(cases: list[Case], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({c.devices for c in cases})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for s in SYSTEMS:
+        ax1.plot(sizes, [statistics.mean(c.objectives[s] / c.ideal for c in cases if c.devices == n) for n in sizes],
+                 marker="o", label=s)
+    ax1.set(xscale="log", yscale="log", xlabel="devices", ylabel="iteration time / straggler-free",
+            title="Plan quality under 1-3 stragglers per 16 devices")
+    ax1.set_xticks(sizes, [str(n) for n in sizes])
+    ax1.legend()
+    for s in ("authors", "malleus"):
+        ax2.plot(sizes, [max(c.seconds[s] for c in cases if c.devices == n) for n in sizes], marker="o", label=f"{s} (max)")
+    ax2.set(xscale="log", yscale="log", xlabel="devices", ylabel="planning seconds", title="Planning time (2-core machine)")
+    ax2.set_xticks(sizes, [str(n) for n in sizes])
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_section(markdown: str, path: Path, marker: str) -> None:
+    """Replace the text between <!-- marker --> and <!-- /marker --> in `path` (append if absent)."""
+    start, end = f"<!-- {marker} -->", f"<!-- /{marker} -->"
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    block = f"{start}\n{markdown}\n{end}"
+    if start in text and end in text:
+        text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    path.write_text(text)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="malleus bench planner", description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="16,64,256,1024", help="cluster sizes (devices, 8 per node)")
+    ap.add_argument("--seeds", type=int, default=5, help="random straggler situations per size")
+    ap.add_argument("--write", metavar="MD", help="update this markdown file's planner section (e.g. BENCHMARKS.md)")
+    ap.add_argument("--plot", metavar="PNG", help="write a plot of quality and planning time")
+    args = ap.parse_args(argv)
+    try:
+        sizes = [int(x) for x in args.sizes.split(",")]
+    except ValueError:
+        ap.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
+    for n in sizes:
+        if n != 16 and (n < 32 or n % 32):
+            ap.error(f"--sizes: {n} is not 16 or a multiple of 32 (DP x TP8 x PP4 layouts)")
+    cases = []
+    for n in sizes:
+        for seed in range(args.seeds):
+            c = run_case(n, seed)
+            cases.append(c)
+            print(f"[{len(cases)}/{len(sizes) * args.seeds}] {n} devices, seed {seed}: malleus "
+                  f"{c.objectives['malleus'] / c.ideal:.3f}x ideal in {c.seconds['malleus']:.2f} s, authors "
+                  f"{c.objectives['authors'] / c.ideal:.3f}x in {c.seconds['authors']:.2f} s", file=sys.stderr, flush=True)
+    md = table(cases)
+    print(md)
+    if args.plot:
+        plot(cases, Path(args.plot))
+        print(f"wrote {args.plot}", file=sys.stderr)
+    if args.write:
+        cmd = "malleus bench planner " + " ".join(argv)
+        stamp = time.strftime("%Y-%m-%d")
+        write_section(f"Command: `{cmd.strip()}` — {stamp}, 2-core CPU machine, one process.\n\n{md}",
+                      Path(args.write), "bench:planner")
+    return 0

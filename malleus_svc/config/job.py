@@ -1,0 +1,209 @@
+"""Job files: a scenario (cluster, model, layout, batch, ...) plus what a training run needs.
+
+Format (YAML or JSON); every scenario section (see scenario.py) plus:
+
+    data:    {source: synthetic, seq_len: 64, num_samples: 512, vocab: 256, mode: pack, seed: 0}
+             # python-stdlib also takes corpus_split (pack | documents) and max_files
+    train:   {steps: 10, seed: 0, lr: 3.0e-4, weight_decay: 0.0, grad_clip: 1.0, betas: [0.9, 0.95]}
+    emulate: [{device: 3, factor: 3.0, at_step: 2, until_step: 6}]   # demos/tests only, default none
+    ray:     {address: null}          # null: start a local Ray cluster; "auto" or host:port: join one
+
+Unknown keys and bad values raise ConfigError naming the field, the value and what is accepted.
+This module knows nothing of Ray or torch; the runtime turns `DataConfig` into a dataset spec.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+from .fields import Section
+from .scenario import SCENARIO_KEYS, Scenario, read_mapping
+
+JOB_KEYS = ("data", "train", "emulate", "ray")
+DATA_SOURCES = ("synthetic", "python-stdlib")
+# How samples become a micro-batch (datasets.collate): "pack" concatenates variable-length samples
+# into one row (no padding), "pad" pads every sample to seq_len.
+DATA_MODES = ("pack", "pad")
+# How the python-stdlib corpus is cut into samples: fixed chunks ("pack") or one file per sample,
+# split at seq_len + 1 ("documents": variable lengths).
+CORPUS_SPLITS = ("pack", "documents")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "synthetic"
+    seq_len: int = 64
+    num_samples: int | None = 1024   # synthetic: the dataset size; python-stdlib: a cap (None = all)
+    vocab: int = 256
+    mode: str = "pack"
+    seed: int = 0
+    corpus_split: str = "pack"        # python-stdlib only
+    max_files: int | None = None      # python-stdlib only: use the first files (sorted), for speed
+
+    def spec(self) -> dict[str, Any]:
+        """The dataset spec `runtime.datasets.build_dataset` reads."""
+        if self.source == "synthetic":
+            return {"source": "synthetic", "seq_len": self.seq_len, "num_samples": self.num_samples,
+                    "vocab": self.vocab, "seed": self.seed}
+        return {"source": "python-stdlib", "seq_len": self.seq_len, "mode": self.corpus_split,
+                "max_files": self.max_files, "num_samples": self.num_samples, "vocab": self.vocab}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 10
+    seed: int = 0
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    grad_clip: float | None = 1.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+
+
+@dataclass(frozen=True)
+class EmulateEntry:
+    """Slow `device` by `factor` for steps at_step <= step < until_step (None: to the end)."""
+
+    device: int
+    factor: float
+    at_step: int = 0
+    until_step: int | None = None
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    address: str | None = None
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    name: str
+    scenario: Scenario
+    data: DataConfig
+    train: TrainConfig
+    emulate: tuple[EmulateEntry, ...] = ()
+    ray: RayConfig = RayConfig()
+    source: str | None = None
+
+    @property
+    def shape(self):
+        return self.scenario.shape
+
+    @property
+    def num_devices(self) -> int:
+        return self.scenario.num_devices
+
+    @classmethod
+    def from_dict(cls, d: Any, source: str | None = None) -> "JobConfig":
+        if not isinstance(d, dict):
+            raise ConfigError("job", d, "expected a mapping at the top level", source)
+        known = set(SCENARIO_KEYS) | set(JOB_KEYS)
+        for k in d:
+            if k not in known:
+                raise ConfigError(str(k), d[k], f"unknown top-level field; known fields: {', '.join(sorted(known))}",
+                                  source)
+        scenario = Scenario.from_dict({k: v for k, v in d.items() if k in SCENARIO_KEYS}, source=source)
+        shape = scenario.shape
+        if shape is None:
+            raise ConfigError("model", d.get("model"), "training needs a full model shape (a preset name, or "
+                              "layers, hidden, heads, ffn, vocab, seq_len), not only `layers`", source)
+        data = _parse_data(Section(d.get("data"), "data", source), shape)
+        train = _parse_train(Section(d.get("train"), "train", source))
+        emulate = _parse_emulate(d.get("emulate"), scenario.num_devices, source)
+        ray_cfg = _parse_ray(Section(d.get("ray"), "ray", source))
+        return cls(name=scenario.name if "name" in d else "job", scenario=scenario, data=data, train=train,
+                   emulate=emulate, ray=ray_cfg, source=source)
+
+
+def load_job_config(path: str | Path) -> JobConfig:
+    return JobConfig.from_dict(read_mapping(path), source=str(path))
+
+
+# ---------------------------------------------------------------------- sections
+def _parse_data(s: Section, shape) -> DataConfig:
+    source = s.choice("source", DATA_SOURCES, "synthetic")
+    seq_len = s.int("seq_len", shape.seq_len, minimum=2)
+    if seq_len > shape.seq_len:
+        raise s.error("seq_len", seq_len, f"at most the model's seq_len ({shape.seq_len})")
+    vocab = s.int("vocab", shape.vocab if source == "synthetic" else 256, minimum=2)
+    if vocab > shape.vocab:
+        raise s.error("vocab", vocab, f"at most the model's vocab ({shape.vocab}): token ids must fit the embedding")
+    if source == "python-stdlib" and vocab < 256:
+        raise s.error("vocab", vocab, "python-stdlib is byte-level: vocab must be >= 256 (and the model's vocab too)")
+    if source == "synthetic":
+        num_samples = s.int("num_samples", 1024, minimum=1)
+    else:
+        num_samples = s.raw("num_samples", None)
+        num_samples = None if num_samples is None else s.int("num_samples", minimum=1)
+    max_files = s.raw("max_files", None)
+    if max_files is not None:
+        if source != "python-stdlib":
+            raise s.error("max_files", max_files, "only for source python-stdlib")
+        max_files = s.int("max_files", minimum=1)
+    split = s.choice("corpus_split", CORPUS_SPLITS, "pack")
+    if s.has("corpus_split") and source != "python-stdlib":
+        raise s.error("corpus_split", split, "only for source python-stdlib")
+    cfg = DataConfig(
+        source=source,
+        seq_len=seq_len,
+        num_samples=num_samples,
+        vocab=vocab,
+        mode=s.choice("mode", DATA_MODES, "pack"),
+        seed=s.int("seed", 0, minimum=0),
+        corpus_split=split,
+        max_files=max_files,
+    )
+    s.done()
+    return cfg
+
+
+def _parse_train(s: Section) -> TrainConfig:
+    d = TrainConfig()
+    clip = s.raw("grad_clip", d.grad_clip)
+    if clip is not None:
+        clip = s.float("grad_clip", minimum=0, exclusive=True)
+    betas = s.float_list("betas", list(d.betas), minimum=0)
+    if len(betas) != 2 or not all(b < 1.0 for b in betas):
+        raise s.error("betas", list(betas), "expected two numbers in [0, 1), e.g. [0.9, 0.95]")
+    cfg = TrainConfig(
+        steps=s.int("steps", d.steps, minimum=1),
+        seed=s.int("seed", d.seed, minimum=0),
+        lr=s.float("lr", d.lr, minimum=0, exclusive=True),
+        weight_decay=s.float("weight_decay", d.weight_decay, minimum=0),
+        grad_clip=clip,
+        betas=(betas[0], betas[1]),
+        eps=s.float("eps", d.eps, minimum=0, exclusive=True),
+    )
+    s.done()
+    return cfg
+
+
+def _parse_emulate(v: Any, num_devices: int, source: str | None) -> tuple[EmulateEntry, ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, list):
+        raise ConfigError("emulate", v, "expected a list of {device, factor, at_step, until_step} entries", source)
+    out = []
+    for i, raw in enumerate(v):
+        s = Section(raw, f"emulate[{i}]", source)
+        dev = s.int("device")
+        if not 0 <= dev < num_devices:
+            raise s.error("device", dev, f"expected a device id in 0..{num_devices - 1}")
+        factor = s.float("factor", minimum=1.0)
+        at = s.int("at_step", 0, minimum=0)
+        until = s.raw("until_step", None)
+        if until is not None:
+            until = s.int("until_step", minimum=at + 1)
+        s.done()
+        out.append(EmulateEntry(dev, factor, at, until))
+    return tuple(out)
+
+
+def _parse_ray(s: Section) -> RayConfig:
+    addr = s.raw("address", None)
+    if addr is not None and (not isinstance(addr, str) or not addr.strip()):
+        raise s.error("address", addr, 'expected null (start a local cluster), "auto", or "host:port"')
+    s.done()
+    return RayConfig(address=addr)

@@ -1,0 +1,78 @@
+"""Model shapes, shared by the cost model (FLOPs, bytes) and the runtime (the torch model).
+
+A LLaMA-style decoder: token embedding, `layers` blocks of (RMSNorm, causal attention with
+rotary positions, RMSNorm, SwiGLU MLP), a final RMSNorm and an untied LM head.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int
+    seq_len: int
+    kv_heads: int | None = None  # grouped-query attention; None means kv_heads == heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def block_params(self) -> int:
+        """Parameters of one transformer block (attention + SwiGLU MLP + two RMSNorm weights)."""
+        h, kv = self.hidden, self.n_kv_heads * self.head_dim
+        attn = h * h + 2 * h * kv + h * h          # q, k, v, out projections
+        mlp = 3 * h * self.ffn                      # gate, up, down
+        return attn + mlp + 2 * h
+
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    def head_params(self) -> int:
+        return self.vocab * self.hidden + self.hidden  # LM head + final norm
+
+    def total_params(self) -> int:
+        return self.layers * self.block_params() + self.embedding_params() + self.head_params()
+
+    def block_flops(self, tokens: int, seq_len: int | None = None) -> float:
+        """Forward + backward FLOPs of one block over `tokens` tokens in sequences of `seq_len`.
+
+        6 FLOPs per parameter per token (2 forward, 4 backward) for the matrix multiplies, plus
+        attention scores and values: 4 * seq * hidden per token forward (causal halves it), x3 for
+        forward + backward.
+        """
+        s = seq_len or self.seq_len
+        dense = 6.0 * (self.block_params() - 2 * self.hidden) * tokens
+        attn = 3.0 * 4.0 * s * self.hidden * tokens / 2.0
+        return dense + attn
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# The paper's shapes (malleus.md §5) and a few small GPT shapes that run on a CPU.
+PRESETS: dict[str, ModelShape] = {
+    "tiny": ModelShape(layers=4, hidden=64, heads=4, ffn=128, vocab=256, seq_len=64),
+    "small": ModelShape(layers=8, hidden=256, heads=8, ffn=704, vocab=256, seq_len=128),
+    "gpt-125m": ModelShape(layers=12, hidden=768, heads=12, ffn=3072, vocab=50304, seq_len=2048),
+    "gpt-1.3b": ModelShape(layers=24, hidden=2048, heads=16, ffn=8192, vocab=50304, seq_len=2048),
+    "gpt-32l": ModelShape(layers=32, hidden=4096, heads=32, ffn=11008, vocab=50304, seq_len=4096),
+    "llama-32b": ModelShape(layers=60, hidden=6656, heads=64, ffn=17920, vocab=32000, seq_len=4096),
+    "llama-70b": ModelShape(layers=80, hidden=8192, heads=64, ffn=28672, vocab=32000, seq_len=4096, kv_heads=8),
+    "llama-110b": ModelShape(layers=80, hidden=8192, heads=64, ffn=49152, vocab=32000, seq_len=4096, kv_heads=8),
+}
+
+
+def preset(name: str) -> ModelShape:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}") from None

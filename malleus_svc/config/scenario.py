@@ -1,0 +1,286 @@
+"""Scenario files: a cluster, a model, a baseline layout, a batch, rates -> a PlannerProblem.
+
+Format (YAML or JSON; see README "Scenario format"):
+
+    cluster:  {nodes: 2, gpus_per_node: 8, gpu_memory_mb: 40536}
+    model:    llama-70b                  # a preset name, or a mapping:
+              # {preset: llama-70b, layers: 40}   (override fields of a preset), or
+              # {layers: 32, hidden: 4096, heads: 32, ffn: 11008, vocab: 32000, seq_len: 4096}, or
+              # {layers: 32}   (only when `profile` gives tp_alpha and layer_memory_mb)
+    parallel: {dp: 2, tp: 4, pp: 2}
+    batch:    {global: 64, micro: 1}
+    profile:  {tp_alpha: [1, 2, 4], layer_memory_mb: [1500, 1270, 1040, 810], embedding_memory_mb: 600,
+               reserved_memory_mb: 4500, safety_margin_mb: 4096, t0_seconds: 0.05}
+    device:   {peak_tflops: 312, efficiency: 0.45, intra_node_gbps: 200, inter_node_gbps: 25}
+    rates:    {5: 8.0, 10: 2.0}          # device id -> straggling rate; missing means 1.0
+    excluded: [3]                        # devices not part of the job (dead, drained)
+    planner:  {objective: paper, straggler_threshold: 1.2, time_limit_s: 10, mip_gap: 0,
+               solver: closed_form, allow_split: true, allow_reshape: true}
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..costmodel import analytic
+from ..planner.problem import OBJECTIVES, CommCosts, MemoryProfile, PlannerProblem
+from ..plan import StateSizes
+from .errors import ConfigError
+from .fields import Section, check_float
+from .presets import PRESETS, ModelShape
+
+SCENARIO_KEYS = ("name", "cluster", "model", "parallel", "batch", "profile", "device", "rates",
+                 "excluded", "planner")
+_SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelShape))
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    nodes: int
+    gpus_per_node: int
+    gpu_memory_mb: float
+    num_layers: int
+    shape: ModelShape | None            # None when only `layers` and a full profile are given
+    dp: int
+    tp: int
+    pp: int
+    global_batch: int
+    micro_batch: int
+    memory: MemoryProfile
+    tp_alpha: tuple[float, ...]
+    t0_seconds: float
+    comm: CommCosts
+    state_sizes: StateSizes
+    rates: Mapping[int, float] = field(default_factory=dict)
+    excluded: frozenset[int] = frozenset()
+    tp_weight: tuple[float, ...] | None = None
+    planner: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_devices(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.global_batch // self.micro_batch
+
+    def rate_vector(self, rates: Mapping[int, float] | None = None) -> tuple[float, ...]:
+        r = self.rates if rates is None else rates
+        return tuple(float(r.get(d, 1.0)) for d in range(self.num_devices))
+
+    def problem(self, rates: Mapping[int, float] | None = None, excluded=None,
+                **overrides: Any) -> PlannerProblem:
+        """The planner's input under these (or other) rates and exclusions."""
+        if rates is not None:
+            rates = validate_rates(rates, self.num_devices)
+        kw = dict(self.planner)
+        kw.update(overrides)
+        return PlannerProblem(
+            num_nodes=self.nodes, gpus_per_node=self.gpus_per_node, num_layers=self.num_layers,
+            dp=self.dp, tp=self.tp, pp=self.pp, num_micro_batches=self.num_micro_batches,
+            micro_batch_size=self.micro_batch, rates=self.rate_vector(rates), tp_alpha=self.tp_alpha,
+            memory=self.memory, excluded=frozenset(self.excluded if excluded is None else excluded),
+            comm=self.comm, t0_seconds=self.t0_seconds, tp_weight=self.tp_weight,
+            state_sizes=self.state_sizes, **kw)
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def from_dict(cls, d: Any, source: str | None = None) -> "Scenario":
+        root = Section(d, "", source)
+        name = str(root.raw("name", "scenario"))
+
+        cl = root.section("cluster", required=True)
+        nodes = cl.int("nodes", minimum=1)
+        gpn = cl.int("gpus_per_node", minimum=1)
+        mem_mb = cl.float("gpu_memory_mb", 81920.0, minimum=0, exclusive=True)
+        cl.done()
+
+        shape, num_layers = _parse_model(root, source)
+
+        par = root.section("parallel", required=True)
+        dp, tp, pp = par.int("dp", minimum=1), par.int("tp", minimum=1), par.int("pp", minimum=1)
+        par.done()
+        if tp & (tp - 1):
+            raise ConfigError("parallel.tp", tp, "expected a power of two (groups split into tp/2, tp/4, ..., 1)", source)
+        if gpn % tp:
+            raise ConfigError("parallel.tp", tp, f"a TP group never spans nodes: tp must divide gpus_per_node = {gpn}", source)
+        if dp * tp * pp != nodes * gpn:
+            raise ConfigError("parallel", {"dp": dp, "tp": tp, "pp": pp},
+                              f"dp x tp x pp = {dp * tp * pp} must equal the device count nodes x gpus_per_node = {nodes * gpn}", source)
+        if pp > num_layers:
+            raise ConfigError("parallel.pp", pp, f"at most one stage per block: pp <= {num_layers} layers", source)
+        if shape is not None:
+            for what, n in (("heads", shape.heads), ("kv_heads", shape.n_kv_heads), ("ffn", shape.ffn)):
+                if n % tp:
+                    raise ConfigError("parallel.tp", tp, f"tp must divide the model's {what} ({n})", source)
+
+        bt = root.section("batch", required=True)
+        gb, mb = bt.int("global", minimum=1), bt.int("micro", 1, minimum=1)
+        bt.done()
+        if gb % mb:
+            raise ConfigError("batch.global", gb, f"must be a multiple of batch.micro = {mb}", source)
+        if gb // mb < dp * pp:
+            raise ConfigError("batch.global", gb, f"needs at least dp x pp = {dp * pp} micro-batches of {mb} "
+                              f"(1F1B keeps every stage busy), i.e. global >= {dp * pp * mb}", source)
+
+        dev = _parse_device(root.section("device"))
+        prof = root.section("profile")
+        tp_alpha = prof.float_list("tp_alpha", None, minimum=0, exclusive=True)
+        n_alpha = int(math.log2(tp)) + 1
+        if tp_alpha is None:
+            if shape is None:
+                raise ConfigError("profile.tp_alpha", None, "required when the model gives only `layers`", source)
+            tp_alpha = analytic.tp_alpha(shape, tp, mb, dev)
+        elif len(tp_alpha) < n_alpha:
+            raise ConfigError("profile.tp_alpha", list(tp_alpha), f"needs {n_alpha} values, for group sizes "
+                              f"{', '.join(str(tp >> r) for r in range(n_alpha))}", source)
+        elif abs(tp_alpha[0] - 1.0) > 1e-9:
+            raise ConfigError("profile.tp_alpha", list(tp_alpha), "the first value (full-size group) must be 1", source)
+        tp_alpha = tuple(tp_alpha[:n_alpha])
+        reserved = prof.float("reserved_memory_mb", 4500.0, minimum=0)
+        safety = prof.float("safety_margin_mb", 4096.0, minimum=0)
+        layer_mb = prof.float_list("layer_memory_mb", None, minimum=0, exclusive=True)
+        emb = prof.float("embedding_memory_mb", minimum=0) if prof.has("embedding_memory_mb") else None
+        if shape is None:
+            for key, v in (("layer_memory_mb", layer_mb), ("embedding_memory_mb", emb)):
+                if v is None:
+                    raise ConfigError(f"profile.{key}", None, "required when the model gives only `layers`", source)
+        else:
+            auto = analytic.memory_profile(shape, tp, pp, mb, mem_mb, reserved, safety, dev)
+            layer_mb = auto.layer_mb if layer_mb is None else layer_mb
+            emb = auto.embedding_mb if emb is None else emb
+        memory = MemoryProfile(layer_mb=tuple(layer_mb), embedding_mb=emb, reserved_mb=reserved,
+                               safety_margin_mb=safety, gpu_memory_mb=mem_mb)
+        default_t0 = analytic.block_seconds(shape, tp, mb, dev) if shape is not None else 1.0
+        t0 = prof.float("t0_seconds", default_t0, minimum=0, exclusive=True)
+        tp_weight = prof.float_list("tp_weight", None, minimum=0, exclusive=True)
+        prof.done()
+        comm = analytic.comm_costs(shape, tp, dp, mb, dev) if shape is not None else CommCosts()
+        sizes = analytic.state_sizes(shape) if shape is not None else StateSizes()
+
+        n = nodes * gpn
+        rates = validate_rates(root.raw("rates", {}) or {}, n, source=source)
+        excluded = _parse_devices(root.raw("excluded", []) or [], n, "excluded", source)
+        planner = _parse_planner(root.section("planner"))
+        root.done()
+        return cls(name=name, nodes=nodes, gpus_per_node=gpn, gpu_memory_mb=mem_mb, num_layers=num_layers,
+                   shape=shape, dp=dp, tp=tp, pp=pp, global_batch=gb, micro_batch=mb, memory=memory,
+                   tp_alpha=tp_alpha, t0_seconds=t0, comm=comm, state_sizes=sizes, rates=rates,
+                   excluded=frozenset(excluded), tp_weight=tp_weight, planner=planner)
+
+
+def _parse_model(root: Section, source: str | None) -> tuple[ModelShape | None, int]:
+    raw = root.raw("model")
+    if isinstance(raw, str):
+        if raw not in PRESETS:
+            raise ConfigError("model", raw, f"unknown preset; known presets: {', '.join(sorted(PRESETS))}", source)
+        return PRESETS[raw], PRESETS[raw].layers
+    m = Section(raw, "model", source)
+    base: dict[str, Any] = {}
+    if m.has("preset"):
+        name = m.raw("preset")
+        if name not in PRESETS:
+            raise m.error("preset", name, f"unknown preset; known presets: {', '.join(sorted(PRESETS))}")
+        base = PRESETS[name].to_dict()
+    for f in _SHAPE_FIELDS:
+        if m.has(f):
+            base[f] = None if (f == "kv_heads" and m.raw(f) is None) else m.int(f, minimum=1)
+    m.done()
+    if "layers" not in base:
+        raise ConfigError("model.layers", None, "required (or name a preset)", source)
+    missing = [f for f in _SHAPE_FIELDS if f not in base and f != "kv_heads"]
+    if missing:
+        if len(missing) == len(_SHAPE_FIELDS) - 2:  # only `layers`: the profile must carry the numbers
+            return None, base["layers"]
+        raise ConfigError(f"model.{missing[0]}", None,
+                          f"required with an explicit shape (give all of {', '.join(_SHAPE_FIELDS[:-1])}, or only layers plus a full profile)", source)
+    shape = ModelShape(**base)
+    if shape.hidden % shape.heads:
+        raise ConfigError("model.hidden", shape.hidden, f"must be divisible by heads = {shape.heads}", source)
+    if shape.heads % shape.n_kv_heads:
+        raise ConfigError("model.kv_heads", shape.kv_heads, f"must divide heads = {shape.heads}", source)
+    return shape, shape.layers
+
+
+def _parse_device(s: Section) -> analytic.DeviceSpec:
+    d = analytic.DeviceSpec()
+    spec = analytic.DeviceSpec(**{f.name: s.float(f.name, getattr(d, f.name), minimum=0, exclusive=True)
+                                  for f in dataclasses.fields(analytic.DeviceSpec)})
+    s.done()
+    return spec
+
+
+def _parse_planner(s: Section) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if s.has("objective"):
+        out["objective"] = s.choice("objective", OBJECTIVES)
+    if s.has("solver"):
+        out["solver"] = s.choice("solver", ("closed_form", "highs", "both"))
+    if s.has("straggler_threshold"):
+        out["straggler_threshold"] = s.float("straggler_threshold", minimum=1.0)
+    if s.has("time_limit_s"):
+        out["time_limit_s"] = s.float("time_limit_s", minimum=0, exclusive=True)
+    if s.has("mip_gap"):
+        out["mip_gap"] = s.float("mip_gap", minimum=0)
+    for flag in ("allow_split", "allow_reshape"):
+        if s.has(flag):
+            out[flag] = s.bool(flag)
+    s.done()
+    return out
+
+
+def validate_rates(rates: Any, num_devices: int, source: str | None = None,
+                   field_name: str = "rates") -> dict[int, float]:
+    """device -> rate, each device in range and each rate a finite number >= 1 (1 = healthy)."""
+    if not isinstance(rates, Mapping):
+        raise ConfigError(field_name, rates, "expected a mapping of device id -> straggling rate, e.g. {5: 3.0}", source)
+    out: dict[int, float] = {}
+    for k, v in rates.items():
+        dev = _device_id(k, num_devices, f"{field_name} key", source)
+        rate = check_float(v, f"{field_name}[{dev}]", minimum=0, exclusive=True, source=source)
+        if rate < 1.0:
+            raise ConfigError(f"{field_name}[{dev}]", v, "a straggling rate is time on this device / time on a healthy one, so >= 1.0", source)
+        out[dev] = rate
+    return out
+
+
+def _device_id(k: Any, n: int, field_name: str, source: str | None) -> int:
+    try:
+        dev = int(k) if not isinstance(k, bool) and str(k).strip().lstrip("-").isdigit() else None
+    except (TypeError, ValueError):
+        dev = None
+    if dev is None or not 0 <= dev < n:
+        raise ConfigError(field_name, k, f"expected a device id in 0..{n - 1}", source)
+    return dev
+
+
+def _parse_devices(v: Any, n: int, field_name: str, source: str | None) -> list[int]:
+    if not isinstance(v, (list, tuple)):
+        raise ConfigError(field_name, v, "expected a list of device ids", source)
+    return [_device_id(x, n, field_name, source) for x in v]
+
+
+def read_mapping(path: str | Path) -> dict:
+    """Read a YAML or JSON file into a dict, with a clear error for missing or malformed files."""
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("file", str(p), "no such file")
+    text = p.read_text()
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ConfigError("file", str(p), f"not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("file", str(p), "expected a mapping at the top level")
+    return data
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    return Scenario.from_dict(read_mapping(path), source=str(path))

@@ -1,0 +1,1 @@
+"""Cost model: time and memory of blocks by TP degree, micro-batch and sequence length."""

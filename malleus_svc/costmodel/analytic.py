@@ -1,0 +1,105 @@
+"""Analytic defaults for the planner's profile, computed from a model's shape.
+
+A scenario without a `profile` still plans sensibly: block time from FLOPs at a sustained rate,
+TP collectives from activation bytes over the intra-node link, per-block memory under 1F1B from
+parameter/optimizer bytes plus activations per in-flight micro-batch (malleus.md §1.4, AMP and
+Galvatron cost models, galvatron_amp.md §2.2 and §5). Measured profiles replace these numbers
+(`profile:` in the scenario); these are deliberately simple and documented, not tuned.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config.presets import ModelShape
+from ..plan import StateSizes
+from ..planner.problem import CommCosts, MemoryProfile
+
+MB = 1024.0 * 1024.0
+
+# Mixed-precision AdamW without ZeRO: bf16 weights (2) + fp32 master (4) + fp32 grads (4) + Adam m, v (8).
+TRAIN_STATE_BYTES_PER_PARAM = 18.0
+# What migrates at an iteration boundary: fp32 master weights and the two Adam moments.
+MIGRATED_BYTES_PER_PARAM = 12.0
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Sustained speeds of one accelerator and its links (defaults: an A800/A100-80GB class node)."""
+
+    peak_tflops: float = 312.0          # dense bf16
+    efficiency: float = 0.45            # sustained fraction of peak for transformer blocks
+    intra_node_gbps: float = 200.0      # NVLink, per direction, GB/s
+    inter_node_gbps: float = 25.0       # 200 Gb/s InfiniBand per GPU, GB/s
+    act_bytes: float = 2.0              # bf16 activations
+
+    @property
+    def flops_per_second(self) -> float:
+        return self.peak_tflops * 1e12 * self.efficiency
+
+
+def _allreduce_seconds(nbytes: float, ranks: int, gbps: float) -> float:
+    """Ring all-reduce: each rank sends and receives 2 (n-1)/n of the buffer."""
+    if ranks <= 1:
+        return 0.0
+    return 2.0 * (ranks - 1) / ranks * nbytes / (gbps * 1e9)
+
+
+def block_seconds(shape: ModelShape, tp: int, micro_batch: int, device: DeviceSpec,
+                  seq_len: int | None = None) -> float:
+    """Forward + backward time of one block for one micro-batch on a TP group of `tp` devices."""
+    s = seq_len or shape.seq_len
+    tokens = micro_batch * s
+    compute = shape.block_flops(tokens, s) / (tp * device.flops_per_second)
+    # Megatron TP: 2 all-reduces of the block output forward, 2 backward, each of tokens x hidden.
+    act = tokens * shape.hidden * device.act_bytes
+    comm = 4.0 * _allreduce_seconds(act, tp, device.intra_node_gbps)
+    return compute + comm
+
+
+def tp_alpha(shape: ModelShape, tp: int, micro_batch: int, device: DeviceSpec) -> tuple[float, ...]:
+    """Slowdown of a block on tp/2^r devices instead of tp, r = 0..log2(tp)."""
+    base = block_seconds(shape, tp, micro_batch, device)
+    sizes, t = [], tp
+    while t >= 1:
+        sizes.append(t)
+        if t == 1:
+            break
+        t //= 2
+    return tuple(block_seconds(shape, t, micro_batch, device) / base for t in sizes)
+
+
+def activation_mb(shape: ModelShape, tp: int, micro_batch: int, device: DeviceSpec) -> float:
+    """Activations one block keeps for backward, per micro-batch, per device (flash attention,
+    no sequence parallelism: the 10·s·b·h part is replicated in the TP group, 24·s·b·h/t is split)."""
+    sbh = micro_batch * shape.seq_len * shape.hidden
+    return sbh * (10.0 + 24.0 / tp) * (device.act_bytes / 2.0) / MB
+
+
+def memory_profile(shape: ModelShape, tp: int, pp: int, micro_batch: int, gpu_memory_mb: float,
+                   reserved_mb: float, safety_margin_mb: float, device: DeviceSpec) -> MemoryProfile:
+    """K[d] for d = pp..1 in-flight micro-batches, E for the embedding or head, at TP degree `tp`."""
+    state = shape.block_params() * TRAIN_STATE_BYTES_PER_PARAM / tp / MB
+    act = activation_mb(shape, tp, micro_batch, device)
+    layer_mb = tuple(state + d * act for d in range(max(pp, 2), 0, -1))
+    emb_state = shape.embedding_params() * TRAIN_STATE_BYTES_PER_PARAM / tp / MB
+    logits = micro_batch * shape.seq_len * shape.vocab * 4.0 / tp / MB  # fp32 logits for the loss
+    return MemoryProfile(layer_mb=layer_mb, embedding_mb=emb_state + logits, reserved_mb=reserved_mb,
+                         safety_margin_mb=safety_margin_mb, gpu_memory_mb=gpu_memory_mb)
+
+
+def comm_costs(shape: ModelShape, tp: int, dp: int, micro_batch: int, device: DeviceSpec) -> CommCosts:
+    """p2p per stage boundary per micro-batch and the per-block gradient all-reduce, in t0 units."""
+    t0 = block_seconds(shape, tp, micro_batch, device)
+    act = micro_batch * shape.seq_len * shape.hidden * device.act_bytes
+    p2p_intra = 2.0 * act / (device.intra_node_gbps * 1e9) / t0
+    p2p_inter = 2.0 * act / (device.inter_node_gbps * 1e9) / t0
+    grad_bytes = shape.block_params() * 4.0  # fp32 gradients
+    grad_sync = _allreduce_seconds(grad_bytes, max(dp, 2), device.inter_node_gbps) / t0
+    return CommCosts(p2p_intra_node=p2p_intra, p2p_inter_node=p2p_inter, grad_sync_per_block=grad_sync)
+
+
+def state_sizes(shape: ModelShape) -> StateSizes:
+    """Bytes that migrate per part (fp32 master weights + Adam moments), for plan diffs."""
+    b = MIGRATED_BYTES_PER_PARAM
+    return StateSizes(block=shape.block_params() * b, embedding=shape.embedding_params() * b,
+                      head=shape.head_params() * b)

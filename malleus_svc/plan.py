@@ -1,0 +1,418 @@
+"""The Plan value: who does what. The contract between the planner and the runtime.
+
+A plan says, for one training iteration:
+  * pipelines, each an ordered list of stages; a stage is one tensor-parallel (TP) group of
+    devices (the position of a device in `devices` is its TP rank) holding a contiguous,
+    half-open range of transformer blocks ``[start, end)``;
+  * how many micro-batches each pipeline runs (of `micro_batch_size` samples each); the global
+    batch is ``micro_batch_size * sum(micro_batches)``;
+  * `suspended` devices: alive but given no work (they run probes so the coordinator can see
+    when they heal); `excluded` devices: not part of the job at all (dead, or removed by a user).
+
+The first stage of every pipeline also holds the token embedding, the last stage the final norm
+and the LM head. Every block is sharded across its stage's TP group (Megatron column/row split,
+so device r of a group of t holds the fraction [r/t, (r+1)/t) of each sharded tensor); the
+embedding and head are replicated inside the group.
+
+This module imports no solver, Ray or torch: the runtime reads plans without the planner.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+PLAN_FORMAT_VERSION = 1
+EMBEDDING = "embedding"
+HEAD = "head"
+
+
+class PlanError(ValueError):
+    """A plan that is malformed or inconsistent; the message says what and where."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    devices: tuple[int, ...]
+    layers: tuple[int, int]
+
+    @property
+    def tp(self) -> int:
+        return len(self.devices)
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+    def holds(self, layer: int) -> bool:
+        return self.layers[0] <= layer < self.layers[1]
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    stages: tuple[Stage, ...]
+    micro_batches: int
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return tuple(d for s in self.stages for d in s.devices)
+
+
+@dataclass(frozen=True)
+class DeviceRole:
+    """Where one device sits in a plan."""
+
+    pipeline: int
+    stage: int
+    tp_rank: int
+    tp_size: int
+    layers: tuple[int, int]
+    is_first: bool
+    is_last: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    num_devices: int
+    num_layers: int
+    micro_batch_size: int
+    pipelines: tuple[Pipeline, ...]
+    suspended: tuple[int, ...] = ()
+    excluded: tuple[int, ...] = ()
+    gpus_per_node: int = 8
+    # Prediction and provenance: informative, never part of the plan's identity.
+    objective: str = "paper"
+    objective_value: float | None = field(default=None, compare=False)
+    predicted_iteration_seconds: float | None = field(default=None, compare=False)
+    ideal_iteration_seconds: float | None = field(default=None, compare=False)
+    solve_seconds: float | None = field(default=None, compare=False)
+    inputs: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def plan_id(self) -> str:
+        """Short content hash of the structure (pipelines, stages, data, suspended, excluded)."""
+        core = json.dumps(self._structure(), sort_keys=True).encode()
+        return hashlib.sha256(core).hexdigest()[:12]
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch_size * sum(p.micro_batches for p in self.pipelines)
+
+    @property
+    def num_micro_batches(self) -> int:
+        return sum(p.micro_batches for p in self.pipelines)
+
+    @property
+    def active_devices(self) -> tuple[int, ...]:
+        return tuple(sorted(d for p in self.pipelines for d in p.devices))
+
+    def node_of(self, device: int) -> int:
+        return device // self.gpus_per_node
+
+    def roles(self) -> dict[int, DeviceRole]:
+        """device -> its role, for every device that has work."""
+        out: dict[int, DeviceRole] = {}
+        for i, pipe in enumerate(self.pipelines):
+            last = len(pipe.stages) - 1
+            for j, st in enumerate(pipe.stages):
+                for r, d in enumerate(st.devices):
+                    out[d] = DeviceRole(i, j, r, st.tp, st.layers, j == 0, j == last)
+        return out
+
+    def holders(self, part: int | str) -> list[tuple[int, Stage]]:
+        """(pipeline index, stage) of every stage that holds `part` (a block index, EMBEDDING or HEAD)."""
+        out = []
+        for i, pipe in enumerate(self.pipelines):
+            if part == EMBEDDING:
+                out.append((i, pipe.stages[0]))
+            elif part == HEAD:
+                out.append((i, pipe.stages[-1]))
+            else:
+                out.extend((i, s) for s in pipe.stages if s.holds(int(part)))
+        return out
+
+    def sample_slices(self) -> list[tuple[int, int]]:
+        """Per pipeline, the contiguous half-open range of sample offsets it takes in each global batch."""
+        out, start = [], 0
+        for pipe in self.pipelines:
+            n = pipe.micro_batches * self.micro_batch_size
+            out.append((start, start + n))
+            start += n
+        return out
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self) -> None:
+        if self.num_devices < 1:
+            raise PlanError(f"num_devices must be >= 1, got {self.num_devices}")
+        if self.num_layers < 1:
+            raise PlanError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.micro_batch_size < 1:
+            raise PlanError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.gpus_per_node < 1:
+            raise PlanError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        if not self.pipelines:
+            raise PlanError("a plan needs at least one pipeline")
+        seen: dict[int, str] = {}
+
+        def claim(device: int, where: str) -> None:
+            if not isinstance(device, int) or not 0 <= device < self.num_devices:
+                raise PlanError(f"{where}: device {device!r} is not in 0..{self.num_devices - 1}")
+            if device in seen:
+                raise PlanError(f"{where}: device {device} is already used by {seen[device]}")
+            seen[device] = where
+
+        for i, pipe in enumerate(self.pipelines):
+            if not pipe.stages:
+                raise PlanError(f"pipeline {i} has no stages")
+            if pipe.micro_batches < 1:
+                raise PlanError(f"pipeline {i}: micro_batches must be >= 1, got {pipe.micro_batches}")
+            expected = 0
+            for j, st in enumerate(pipe.stages):
+                where = f"pipeline {i} stage {j}"
+                if not st.devices:
+                    raise PlanError(f"{where} has no devices")
+                start, end = st.layers
+                if start != expected or end <= start:
+                    raise PlanError(
+                        f"{where}: layers [{start}, {end}) do not continue the previous stage "
+                        f"(expected a non-empty range starting at {expected})")
+                expected = end
+                for d in st.devices:
+                    claim(d, where)
+            if expected != self.num_layers:
+                raise PlanError(f"pipeline {i}: stages cover layers [0, {expected}), the model has {self.num_layers}")
+        for d in self.suspended:
+            claim(d, "suspended")
+        for d in self.excluded:
+            claim(d, "excluded")
+        missing = sorted(set(range(self.num_devices)) - set(seen))
+        if missing:
+            raise PlanError(f"devices {missing} are neither in a stage, suspended nor excluded")
+
+    # ------------------------------------------------------------------ JSON round trip
+    def _structure(self) -> dict[str, Any]:
+        return {
+            "num_devices": self.num_devices,
+            "num_layers": self.num_layers,
+            "micro_batch_size": self.micro_batch_size,
+            "gpus_per_node": self.gpus_per_node,
+            "pipelines": [
+                {"micro_batches": p.micro_batches,
+                 "stages": [{"devices": list(s.devices), "layers": list(s.layers)} for s in p.stages]}
+                for p in self.pipelines
+            ],
+            "suspended": sorted(self.suspended),
+            "excluded": sorted(self.excluded),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"format_version": PLAN_FORMAT_VERSION, "plan_id": self.plan_id, **self._structure()}
+        d.update(
+            global_batch=self.global_batch,
+            objective=self.objective,
+            objective_value=self.objective_value,
+            predicted_iteration_seconds=self.predicted_iteration_seconds,
+            ideal_iteration_seconds=self.ideal_iteration_seconds,
+            solve_seconds=self.solve_seconds,
+            inputs=dict(self.inputs),
+        )
+        return d
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
+        if not isinstance(d, Mapping):
+            raise PlanError(f"a plan must be a JSON object, got {type(d).__name__}")
+        version = d.get("format_version", PLAN_FORMAT_VERSION)
+        if version != PLAN_FORMAT_VERSION:
+            raise PlanError(f"plan format_version {version!r} is not supported (this build reads {PLAN_FORMAT_VERSION})")
+        try:
+            pipelines = tuple(
+                Pipeline(
+                    stages=tuple(Stage(tuple(int(x) for x in s["devices"]), _layer_range(s["layers"]))
+                                 for s in p["stages"]),
+                    micro_batches=int(p["micro_batches"]),
+                )
+                for p in d["pipelines"]
+            )
+            plan = cls(
+                num_devices=int(d["num_devices"]),
+                num_layers=int(d["num_layers"]),
+                micro_batch_size=int(d["micro_batch_size"]),
+                gpus_per_node=int(d.get("gpus_per_node", 8)),
+                pipelines=pipelines,
+                suspended=tuple(int(x) for x in d.get("suspended", ())),
+                excluded=tuple(int(x) for x in d.get("excluded", ())),
+                objective=str(d.get("objective", "paper")),
+                objective_value=d.get("objective_value"),
+                predicted_iteration_seconds=d.get("predicted_iteration_seconds"),
+                ideal_iteration_seconds=d.get("ideal_iteration_seconds"),
+                solve_seconds=d.get("solve_seconds"),
+                inputs=dict(d.get("inputs") or {}),
+            )
+        except KeyError as e:
+            raise PlanError(f"plan is missing the field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            if isinstance(e, PlanError):
+                raise
+            raise PlanError(f"plan has a field of the wrong type: {e}") from None
+        if "global_batch" in d and int(d["global_batch"]) != plan.global_batch:
+            raise PlanError(f"global_batch {d['global_batch']} disagrees with micro_batch_size x "
+                            f"sum(micro_batches) = {plan.global_batch}")
+        return plan
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise PlanError(f"plan is not valid JSON: {e}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        p = Path(path)
+        if not p.is_file():
+            raise PlanError(f"plan file {str(p)!r} does not exist")
+        try:
+            return cls.from_json(p.read_text())
+        except PlanError as e:
+            raise PlanError(f"{p}: {e}") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    # ------------------------------------------------------------------ diffs
+    @staticmethod
+    def diff(old: "Plan", new: "Plan", sizes: "StateSizes | None" = None,
+             unavailable: Iterable[int] = ()) -> "PlanDiff":
+        """The state slices that must move so that `new` can run where `old` ran.
+
+        Each part (block, embedding, head) is cut into the finest common partition of its old and
+        new shards. A needer that already holds a piece keeps it; every other (piece, needer)
+        pair is one move, so the total is the minimum any migration must send. The source is an
+        old holder on the needer's node if there is one, else any old holder, choosing the one
+        that has sent the fewest bytes so far (ties: lowest device id). `unavailable` devices
+        (dead) cannot send; pieces only they held are reported in `missing`.
+        """
+        if old.num_layers != new.num_layers:
+            raise PlanError(f"plans have different layer counts ({old.num_layers} vs {new.num_layers})")
+        sizes = sizes or StateSizes()
+        dead = set(unavailable)
+        moves: list[SliceMove] = []
+        missing: list[SliceMove] = []
+        reused = 0.0
+        sent: dict[int, float] = {}
+        parts: list[int | str] = [EMBEDDING, *range(new.num_layers), HEAD]
+        for part in parts:
+            part_bytes = sizes.bytes_of(part)
+            if part_bytes <= 0:
+                continue  # a part the sizes do not count (e.g. the embedding in 'whole blocks' units)
+            sharded = part not in (EMBEDDING, HEAD)
+            owned = _shard_map(old, part, sharded, exclude=dead)
+            needed = _shard_map(new, part, sharded)
+            for dst, (lo, hi) in sorted(needed.items()):
+                cuts = sorted({lo, hi, *(c for a, b in owned.values() for c in (a, b) if lo < c < hi)})
+                for a, b in zip(cuts, cuts[1:]):
+                    nbytes = float((b - a) * part_bytes)
+                    if dst in owned and owned[dst][0] <= a and b <= owned[dst][1]:
+                        reused += nbytes
+                        continue
+                    srcs = [s for s, (x, y) in owned.items() if x <= a and b <= y]
+                    if not srcs:
+                        missing.append(SliceMove(part, a, b, None, dst, nbytes))
+                        continue
+                    same_node = [s for s in srcs if new.node_of(s) == new.node_of(dst)]
+                    src = min(same_node or srcs, key=lambda s: (sent.get(s, 0.0), s))
+                    sent[src] = sent.get(src, 0.0) + nbytes
+                    moves.append(SliceMove(part, a, b, src, dst, nbytes))
+        return PlanDiff(tuple(moves), tuple(missing), reused, new.gpus_per_node)
+
+
+def _layer_range(v: Sequence[int]) -> tuple[int, int]:
+    if len(v) != 2:
+        raise PlanError(f"a stage's layers must be [start, end), got {list(v)!r}")
+    return int(v[0]), int(v[1])
+
+
+def _shard_map(plan: Plan, part: int | str, sharded: bool,
+               exclude: set[int] = frozenset()) -> dict[int, tuple[Fraction, Fraction]]:
+    """device -> the fraction [lo, hi) of `part` it holds under `plan`."""
+    out = {}
+    for _, st in plan.holders(part):
+        for r, d in enumerate(st.devices):
+            if d in exclude:
+                continue
+            out[d] = (Fraction(r, st.tp), Fraction(r + 1, st.tp)) if sharded else (Fraction(0), Fraction(1))
+    return out
+
+
+@dataclass(frozen=True)
+class StateSizes:
+    """Bytes of model + optimizer state of each part at full (unsharded) size.
+
+    The default unit (1.0 per block) makes diffs count in 'whole blocks'; the planner fills in
+    real bytes from the cost model (fp32 params + grads + Adam moments).
+    """
+
+    block: float = 1.0
+    embedding: float = 0.0
+    head: float = 0.0
+
+    def bytes_of(self, part: int | str) -> float:
+        return {EMBEDDING: self.embedding, HEAD: self.head}.get(part, self.block) if isinstance(part, str) else self.block
+
+
+@dataclass(frozen=True)
+class SliceMove:
+    part: int | str          # block index, EMBEDDING or HEAD
+    start: Fraction          # shard range [start, end) as fractions of the part's sharded tensors
+    end: Fraction
+    src: int | None          # None: no surviving holder (restore from a replica-less checkpoint)
+    dst: int
+    bytes: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"part": self.part, "shard": [str(self.start), str(self.end)],
+                "src": self.src, "dst": self.dst, "bytes": self.bytes}
+
+
+@dataclass(frozen=True)
+class PlanDiff:
+    moves: tuple[SliceMove, ...]
+    missing: tuple[SliceMove, ...]
+    reused_bytes: float
+    gpus_per_node: int
+
+    @property
+    def moved_bytes(self) -> float:
+        return sum(m.bytes for m in self.moves)
+
+    @property
+    def inter_node_bytes(self) -> float:
+        g = self.gpus_per_node
+        return sum(m.bytes for m in self.moves if m.src // g != m.dst // g)
+
+    def max_bytes_per_device(self) -> tuple[float, float]:
+        """(largest bytes any device sends, largest bytes any device receives)."""
+        sent: dict[int, float] = {}
+        recv: dict[int, float] = {}
+        for m in self.moves:
+            sent[m.src] = sent.get(m.src, 0.0) + m.bytes
+            recv[m.dst] = recv.get(m.dst, 0.0) + m.bytes
+        return max(sent.values(), default=0.0), max(recv.values(), default=0.0)
+
+    def summary(self) -> dict[str, float]:
+        s, r = self.max_bytes_per_device()
+        return {"moves": len(self.moves), "moved_bytes": self.moved_bytes,
+                "inter_node_bytes": self.inter_node_bytes, "reused_bytes": self.reused_bytes,
+                "missing_bytes": sum(m.bytes for m in self.missing),
+                "max_send_bytes": s, "max_recv_bytes": r}

@@ -1,0 +1,97 @@
+"""The planner's input: everything `plan()` needs, as plain validated numbers.
+
+`malleus_svc.config` builds a `PlannerProblem` from a user's scenario (presets, defaults from the
+cost model); the planner itself never reads files. Times are in units of t0, the forward+backward
+time of one block for one micro-batch on a healthy, full-size TP group (malleus.md §1.3);
+`t0_seconds` converts them to seconds.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..plan import StateSizes
+
+Objective = Literal["paper", "bubble", "full"]
+OBJECTIVES = ("paper", "bubble", "full")
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """Per-device memory model of a stage under 1F1B (malleus.md §1.4), in MB.
+
+    `layer_mb[k]` is the memory of one block at the full TP degree when the stage keeps
+    d = len(layer_mb) - k micro-batches in flight (listed for d = len..1, as in the paper's code).
+    """
+
+    layer_mb: tuple[float, ...]
+    embedding_mb: float
+    reserved_mb: float
+    safety_margin_mb: float
+    gpu_memory_mb: float
+
+    def per_layer_mb(self, in_flight: int) -> float:
+        """K[d]; beyond the listed depths, extrapolate linearly (the authors' code raised IndexError)."""
+        n = len(self.layer_mb)
+        if in_flight <= n:
+            return self.layer_mb[n - in_flight]
+        step = (self.layer_mb[0] - self.layer_mb[1]) if n >= 2 else 0.0
+        return self.layer_mb[0] + step * (in_flight - n)
+
+    @property
+    def budget_mb(self) -> float:
+        """Memory a stage may use for blocks and embedding/head: C - δ - X0."""
+        return self.gpu_memory_mb - self.safety_margin_mb - self.reserved_mb
+
+
+@dataclass(frozen=True)
+class CommCosts:
+    """Communication terms for the `full` objective, in t0 units (all zero = ignore)."""
+
+    p2p_intra_node: float = 0.0   # one stage boundary, one micro-batch, forward + backward, same node
+    p2p_inter_node: float = 0.0   # the same across nodes
+    grad_sync_per_block: float = 0.0  # all-reduce of one full block's gradients at the slowest link, once per iteration
+
+
+@dataclass(frozen=True)
+class PlannerProblem:
+    num_nodes: int
+    gpus_per_node: int
+    num_layers: int
+    dp: int                         # baseline layout: pipelines
+    tp: int                         # baseline (= largest) TP group size k
+    pp: int                         # baseline stages per pipeline S0
+    num_micro_batches: int          # M = global batch / micro-batch size
+    micro_batch_size: int
+    rates: tuple[float, ...]        # straggling rate per device (1.0 healthy)
+    tp_alpha: tuple[float, ...]     # slowdown of a block on tp/2^r devices instead of tp, r = 0, 1, ...
+    memory: MemoryProfile
+    excluded: frozenset[int] = frozenset()   # dead or user-excluded devices: never planned
+    objective: Objective = "paper"
+    comm: CommCosts = CommCosts()
+    t0_seconds: float = 1.0
+    straggler_threshold: float = 1.2        # τ: rates below it count as healthy
+    tp_weight: tuple[float, ...] | None = None  # authors' grouping-score weights w_r (baseline mode only)
+    allow_split: bool = True                # split groups to isolate stragglers
+    allow_reshape: bool = True              # let the number of pipelines change and whole nodes drop
+    time_limit_s: float = 10.0              # per HiGHS solve
+    mip_gap: float = 0.0
+    solver: Literal["closed_form", "highs", "both"] = "closed_form"
+    state_sizes: StateSizes = field(default_factory=StateSizes)
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+    @property
+    def max_split(self) -> int:
+        """Number of halvings allowed: group sizes tp, tp/2, ..., 1."""
+        return int(round(math.log2(self.tp)))
+
+    def alpha(self, group_size: int) -> float:
+        r = int(round(math.log2(self.tp // group_size)))
+        return self.tp_alpha[r]
+
+    def node_of(self, device: int) -> int:
+        return device // self.gpus_per_node

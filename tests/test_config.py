@@ -1,0 +1,130 @@
+"""Scenario files: presets, defaults from the cost model, and clear errors for bad input."""
+import copy
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from malleus_svc.config import ConfigError, PRESETS, Scenario, load_scenario
+from malleus_svc.costmodel import analytic
+from malleus_svc.cli import BUNDLED
+
+GOOD = {
+    "cluster": {"nodes": 2, "gpus_per_node": 8, "gpu_memory_mb": 81920},
+    "model": "llama-32b",
+    "parallel": {"dp": 2, "tp": 4, "pp": 2},
+    "batch": {"global": 64, "micro": 1},
+    "rates": {3: 2.5, "12": 1.5},
+}
+
+
+def test_bundled_scenarios_load_and_build_problems():
+    names = sorted(p.stem for p in BUNDLED.glob("*.yaml"))
+    assert {"paper-fig4-16gpu", "llama70b-64gpu", "llama110b-64gpu"} <= set(names)
+    for name in names:
+        s = load_scenario(BUNDLED / f"{name}.yaml")
+        p = s.problem()
+        assert len(p.rates) == s.num_devices == p.num_devices
+        assert p.num_micro_batches * p.micro_batch_size == s.global_batch
+
+
+def test_fig4_scenario_matches_the_worked_example():
+    p = load_scenario(BUNDLED / "paper-fig4-16gpu.yaml").problem()
+    assert p.tp_alpha == (1.0, 2.0, 4.0) and p.memory.budget_mb == 40536 - 4096 - 4500
+    assert p.rates[5] == 8.0 and p.rates[10] == 2.0 and p.rates[13] == 5.0 and p.rates[0] == 1.0
+    assert p.memory.per_layer_mb(4) == 1500 and p.memory.per_layer_mb(1) == 810
+
+
+def test_defaults_come_from_the_model_shape():
+    s = Scenario.from_dict(GOOD)
+    p = s.problem()
+    assert p.rates[3] == 2.5 and p.rates[12] == 1.5
+    # Halving a TP group roughly doubles block time (less TP communication makes it a bit less).
+    assert p.tp_alpha[0] == 1.0 and 1.5 < p.tp_alpha[1] < 2.0 and p.tp_alpha[1] < p.tp_alpha[2]
+    # More micro-batches in flight need more memory; the list is for d = pp..1.
+    assert list(p.memory.layer_mb) == sorted(p.memory.layer_mb, reverse=True)
+    assert p.t0_seconds == pytest.approx(analytic.block_seconds(PRESETS["llama-32b"], 4, 1, analytic.DeviceSpec()))
+    assert s.state_sizes.block == PRESETS["llama-32b"].block_params() * 12
+
+
+def test_memory_extrapolates_beyond_the_listed_depths():
+    p = load_scenario(BUNDLED / "paper-fig4-16gpu.yaml").problem()
+    step = 1500 - 1270
+    assert p.memory.per_layer_mb(6) == 1500 + 2 * step
+
+
+def test_model_overrides_and_layers_only():
+    d = copy.deepcopy(GOOD)
+    d["model"] = {"preset": "llama-32b", "layers": 30}
+    assert Scenario.from_dict(d).num_layers == 30
+    d["model"] = {"layers": 30}
+    with pytest.raises(ConfigError, match="profile.tp_alpha"):
+        Scenario.from_dict(d)
+
+
+def bad(path, value):
+    d = copy.deepcopy(GOOD)
+    node = d
+    for k in path[:-1]:
+        node = node[k]
+    if value is KeyError:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    return d
+
+
+@pytest.mark.parametrize("scenario, field, hint", [
+    (bad(["cluster", "nodes"], 0), "cluster.nodes", ">= 1"),
+    (bad(["cluster", "gpus_per_node"], "eight"), "cluster.gpus_per_node", "integer"),
+    (bad(["model"], "gpt-9000"), "model", "known presets"),
+    (bad(["parallel", "tp"], 3), "parallel.tp", "power of two"),
+    (bad(["parallel", "dp"], 4), "parallel", "must equal the device count"),
+    (bad(["batch", "global"], 3), "batch.global", "at least"),
+    (bad(["batch"], KeyError), "batch", "required"),
+    (bad(["rates"], {3: -1}), "rates[3]", "> 0"),
+    (bad(["rates"], {3: 0.5}), "rates[3]", ">= 1.0"),
+    (bad(["rates"], {3: float("nan")}), "rates[3]", "finite"),
+    (bad(["rates"], {99: 2.0}), "rates key", "0..15"),
+    (bad(["rates"], [2.0]), "rates", "mapping"),
+    (bad(["planner"], {"objective": "fastest"}), "planner.objective", "paper, bubble, full"),
+    (bad(["cluster", "gpu_mem"], 1), "cluster.gpu_mem", "unknown field"),
+    (bad(["profile"], {"tp_alpha": [1, 2]}), "profile.tp_alpha", "needs 3 values"),
+    (bad(["profile"], {"tp_alpha": [2, 3, 4]}), "profile.tp_alpha", "must be 1"),
+])
+def test_bad_scenarios_name_the_field_and_what_is_accepted(scenario, field, hint):
+    with pytest.raises(ConfigError) as e:
+        Scenario.from_dict(scenario)
+    assert e.value.field == field and hint in str(e.value)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_scenario(tmp_path / "missing.yaml")
+    f = tmp_path / "broken.yaml"
+    f.write_text("cluster: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_scenario(f)
+
+
+_values = st.one_of(st.none(), st.booleans(), st.integers(-5, 100), st.floats(allow_nan=True),
+                    st.text(max_size=5), st.lists(st.integers(-2, 20), max_size=4))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([("cluster", "nodes"), ("cluster", "gpus_per_node"), ("cluster", "gpu_memory_mb"),
+                        ("parallel", "dp"), ("parallel", "tp"), ("parallel", "pp"), ("batch", "global"),
+                        ("batch", "micro"), ("rates", 3), ("model", None), ("planner", "objective"),
+                        ("profile", "tp_alpha"), ("profile", "layer_memory_mb"), ("excluded", None)]),
+       _values)
+def test_fuzzed_fields_give_config_errors_only(path, value):
+    d = copy.deepcopy(GOOD)
+    if path[1] is None:
+        d[path[0]] = value
+    else:
+        d.setdefault(path[0], {})[path[1]] = value
+    try:
+        s = Scenario.from_dict(d)
+    except ConfigError as e:
+        assert e.field and str(e)
+    else:
+        s.problem()  # whatever parses must also build a problem
