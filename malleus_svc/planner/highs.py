@@ -1,0 +1,109 @@
+"""Pyomo + HiGHS models of ILP-1 and ILP-2 (malleus.md §2.3, §3.7).
+
+Used by `lower.solve_layers` / `lower.solve_micro_batches` with solver='highs' (HiGHS answers)
+or 'both' (HiGHS cross-checks the closed form). Imported lazily: Pyomo takes ~0.3 s to import
+and the planner's default closed-form path never needs it.
+
+Both models are linear: the rates y_j (ILP-1) and the bottlenecks z_i (ILP-2) are data, so
+`z >= y_j * l_j + extra_j` and `w >= z_i * m_i + offset_i` are ordinary rows; the bilinear m_i * z_i
+of the joint program never appears (see the `lower` module docstring for why that is exact).
+
+The functions return the integer solution as a list in stage / pipeline order, read by index
+from the indexed variable (never by sorted variable name: the authors' PuLP code read
+`model.variables()`, which sorts 'l_10' before 'l_2' and scrambled pipelines of >= 10 stages).
+They return None when HiGHS proves the model infeasible, and raise `SolverError` when it stops
+without a feasible solution for any other reason (time limit, numerical trouble, ...).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import pyomo.environ as pyo
+from pyomo.opt import SolutionStatus, TerminationCondition
+
+from .lower import SolverError
+from .problem import MemoryProfile
+
+logger = logging.getLogger(__name__)
+
+# Proven infeasible. Our models are bounded (every integer variable has finite bounds and the
+# objective variable is bounded below by them), so 'infeasible or unbounded' means infeasible.
+_INFEASIBLE = {TerminationCondition.infeasible, TerminationCondition.infeasibleOrUnbounded}
+# Stopped by a limit: the incumbent, if there is one, is feasible but maybe not optimal.
+_LIMITS = {TerminationCondition.maxTimeLimit, TerminationCondition.maxIterations,
+           TerminationCondition.maxEvaluations, TerminationCondition.minFunctionValue,
+           TerminationCondition.minStepLength}
+
+
+def solve_layers_model(rates: Sequence[float], mem_factors: Sequence[float], num_layers: int,
+                       memory: MemoryProfile, extra: Sequence[float], time_limit_s: float,
+                       mip_gap: float) -> list[int] | None:
+    """ILP-1 for one pipeline with the memory rows written out as in malleus.md §1.4.
+
+    min z  s.t.  sum_j l_j = L;  z >= y_j l_j + extra_j;  h_j (K[S-j] l_j + E_j) + X0 <= C - delta;
+    l_j in {0..L}.
+    """
+    s = len(rates)
+    m = pyo.ConcreteModel(name="ilp1_layers")
+    m.J = pyo.RangeSet(0, s - 1)
+    m.l = pyo.Var(m.J, domain=pyo.NonNegativeIntegers, bounds=(0, num_layers))
+    m.z = pyo.Var(domain=pyo.Reals)
+    m.obj = pyo.Objective(expr=m.z, sense=pyo.minimize)
+    m.total = pyo.Constraint(expr=sum(m.l[j] for j in m.J) == num_layers)
+    m.bottleneck = pyo.Constraint(m.J, rule=lambda m, j: m.z >= rates[j] * m.l[j] + extra[j])
+
+    def memory_row(m, j):
+        k = memory.per_layer_mb(s - j)
+        e = memory.embedding_mb if j in (0, s - 1) else 0.0
+        return (mem_factors[j] * (k * m.l[j] + e) + memory.reserved_mb
+                <= memory.gpu_memory_mb - memory.safety_margin_mb)
+
+    m.memory = pyo.Constraint(m.J, rule=memory_row)
+    return _solve(m, m.l, s, time_limit_s, mip_gap, f"ILP-1 (layers, {s} stages, L={num_layers})")
+
+
+def solve_micro_batches_model(z: Sequence[float], offsets: Sequence[float], lower: Sequence[int],
+                              num_micro_batches: int, time_limit_s: float, mip_gap: float) -> list[int] | None:
+    """ILP-2: min w  s.t.  sum_i m_i = M;  w >= z_i m_i + offset_i;  m_i in {lower_i..M}."""
+    p = len(z)
+    m = pyo.ConcreteModel(name="ilp2_micro_batches")
+    m.I = pyo.RangeSet(0, p - 1)
+    m.m = pyo.Var(m.I, domain=pyo.NonNegativeIntegers, bounds=lambda m, i: (lower[i], num_micro_batches))
+    m.w = pyo.Var(domain=pyo.Reals)
+    m.obj = pyo.Objective(expr=m.w, sense=pyo.minimize)
+    m.total = pyo.Constraint(expr=sum(m.m[i] for i in m.I) == num_micro_batches)
+    m.bottleneck = pyo.Constraint(m.I, rule=lambda m, i: m.w >= z[i] * m.m[i] + offsets[i])
+    return _solve(m, m.m, p, time_limit_s, mip_gap, f"ILP-2 (micro-batches, {p} pipelines, M={num_micro_batches})")
+
+
+def _solve(model, var, n: int, time_limit_s: float, mip_gap: float, what: str) -> list[int] | None:
+    solver = pyo.SolverFactory("appsi_highs")
+    if not solver.available(exception_flag=False):
+        raise SolverError(f"{what}: the HiGHS solver (Pyomo 'appsi_highs', package highspy) is not available")
+    # mip_abs_gap defaults to 1e-6 in HiGHS; an exact request (gap 0) should be exact in both senses.
+    options = {"mip_rel_gap": mip_gap}
+    if mip_gap == 0:
+        options["mip_abs_gap"] = 0.0
+    # The legacy interface resets config.time_limit from its `timelimit` argument on every call.
+    res = solver.solve(model, load_solutions=False, timelimit=time_limit_s, options=options)
+    tc = res.solver.termination_condition
+    has_solution = len(res.solution) > 0 and res.solution(0).status != SolutionStatus.infeasible
+    if tc in _INFEASIBLE:
+        return None
+    if tc == TerminationCondition.optimal:
+        pass
+    elif tc in _LIMITS and has_solution:
+        logger.warning("%s: HiGHS stopped (%s) after %.3g s limit; using its best feasible solution, "
+                       "which may not be optimal", what, tc, time_limit_s)
+    elif tc in _LIMITS:
+        raise SolverError(f"{what}: HiGHS stopped ({tc}) within the {time_limit_s} s time limit before "
+                          f"finding any feasible solution; raise time_limit_s or use solver='closed_form'")
+    else:
+        raise SolverError(f"{what}: HiGHS ended with termination condition {tc} "
+                          f"({res.solver.termination_message}); no solution was loaded")
+    model.solutions.load_from(res)
+    values = [var[i].value for i in range(n)]          # by index: stage / pipeline order
+    if any(v is None for v in values):
+        raise SolverError(f"{what}: HiGHS reported {tc} but returned no value for some variables")
+    return [int(round(v)) for v in values]

@@ -1,0 +1,432 @@
+"""Lower level of the Malleus planner: layers per stage (ILP-1) and micro-batches per pipeline (ILP-2).
+
+The upper level fixes a pipeline organisation: P pipelines, pipeline i has S_i stages, and stage j
+of pipeline i is a TP group with rate y_ij (t0 units per block and micro-batch, malleus.md §1.3)
+and memory multiplier h_ij = k / |group| (§1.4). What is left to decide is
+
+  l_ij  blocks held by stage j of pipeline i  (integers >= 0, sum_j l_ij = L), and
+  m_i   micro-batches run by pipeline i       (integers, sum_i m_i = M).
+
+Joint program (a MINLP: the objective multiplies two decision-dependent quantities)
+---------------------------------------------------------------------------------
+  min_{l, m}  max_i  T_i(m_i, z_i)   with   z_i = max_j (y_ij * l_ij + extra_ij)
+  s.t.  sum_j l_ij = L,  memory row of every stage (below),  sum_i m_i = M,  m_i >= lb_i,
+
+where T_i is the pipeline's iteration time in t0 units:
+  'paper'            T_i = m_i * z_i                  lb_i = S_i   (the authors' code)
+  'bubble' / 'full'  T_i = (m_i + S_i - 1) * z_i      lb_i = 1     (1F1B fill and drain)
+('full' differs from 'bubble' only in what the caller folds into `extra` and z, e.g. p2p time.)
+The memory row of stage j of a pipeline with S stages is
+  h_j * (K[S - j] * l_j + E * [j == 0 or j == S - 1]) + X0 <= C - delta.
+It does not depend on m because 1F1B keeps at most S - j micro-batches in flight at stage j; with
+m_i >= S_i that is exact, with m_i < S_i ('bubble') it is an upper bound, so it stays safe.
+
+Why two ILPs solve it exactly (malleus.md §2.3)
+-----------------------------------------------
+The constraints on l (per pipeline) and on m (global) share no variable, and T_i is
+non-decreasing in z_i for every m_i >= 0. Take any jointly optimal (l+, m+). Replacing pipeline
+i's layers by a minimiser of z_i (ILP-1) cannot increase z_i, hence cannot increase any T_i under
+the same m+; so (ILP-1 layers, m+) is optimal too, and then minimising over m for those fixed
+z_i* (ILP-2) is optimal for the joint program. The bilinear product m_i * z_i therefore never
+reaches a solver: inside ILP-2 z_i* is data, so w >= z_i* * m_i + (S_i - 1) * z_i* is a linear row.
+In ILP-1 the products y_ij * l_ij are linear because y_ij is data. HiGHS accepts both models.
+
+Both ILPs are instances of one problem:
+  min v  s.t.  v >= a_j * x_j + b_j,  lo_j <= x_j <= hi_j integer,  sum_j x_j = total,
+(ILP-1: a = y, b = extra, lo = 0, hi = memory cap; ILP-2: a = z, b = 0 or (S-1) z, lo = lb),
+which has an exact closed form. Every x_j needs "slots" whose values are a_j * n + b_j,
+n = lo_j+1, lo_j+2, ...; a solution with bottleneck v exists iff at least `total - sum lo`
+slots have value <= v (and v >= max_j a_j * lo_j + b_j). So the optimum is
+  v* = max( max_j a_j*lo_j + b_j,  the (total - sum lo)-th smallest slot value ),
+which is the binary-search formula of §2.3 (smallest candidate v = a_j * n + b_j with
+sum_j min(hi_j, floor((v - b_j) / a_j)) >= total). We find that order statistic directly: a
+continuous relaxation places a level just below it in O(S log S), then a heap pops the remaining
+<= S slots. Cost: O(S log S) per call, independent of L and M (plus one heap step per unit
+moved by the `prefer` tie-break); no solver is imported.
+
+Tie-break (optimal x is rarely unique; the rule is a pure function of the inputs and of v*, so
+'closed_form', 'highs' and 'both' return the same vectors)
+-------------------------------------------------------------------------------------------
+Let c_j be the cap at v*: the largest n <= hi_j with a_j * n + b_j <= v*. Every x with
+lo <= x <= c and sum x = total is optimal, and these are all the optimal solutions.
+  * default: start from x = c and remove the surplus one unit at a time from the stage whose
+    current time a_j * x_j + b_j is largest (equal times: lowest index). This lowers the slowest stages
+    first, so the stages end as balanced as the optimum allows.
+  * prefer=p (e.g. the previous plan's layer counts): start from p clipped into [lo_j, c_j]. Every
+    unit still to move costs one unit of L1 distance whichever stage it comes from, so clipping
+    then moving the rest is L1-closest to p among optimal solutions; the remaining units are
+    removed as in the default, or added to the stage whose time after adding is smallest
+    (equal times: lowest index). A p that is itself optimal is returned unchanged.
+
+Floating point: rates are floats, so v = a * n + b products of equal rationals can differ in the
+last bit. A slot counts as "<= v" when a * n + b <= v + 1e-9 * max(1, |v|) (relative tolerance
+`REL_TOL`), so such ties are ties and no candidate loses to rounding. The reported z / w is
+recomputed from the chosen integers, so it is exactly max_j (a_j * x_j + b_j) of what is returned.
+
+Solvers. 'closed_form' (default) is the above. 'highs' builds the Pyomo model (memory rows written
+out as in §1.4; `malleus_svc.planner.highs`, imported lazily) and lets HiGHS find the optimum v;
+its integer vector is checked against the model and the returned vector is then chosen by the
+same tie-break at HiGHS's v, so the solver never changes the layout. 'both' runs the two and
+raises PlannerInternalError unless they agree on feasibility and on v within HiGHS's own
+tolerance (1e-6 absolute + REL_TOL, widened by mip_gap when one is set); it returns the closed form.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Sequence
+
+from .problem import OBJECTIVES, MemoryProfile
+
+REL_TOL = 1e-9      # relative tolerance when comparing a slot value a*n+b with a bottleneck v
+SOLVERS = ("closed_form", "highs", "both")
+
+
+class PlannerInternalError(RuntimeError):
+    """An internal invariant broke (e.g. the closed form and HiGHS disagree): a bug, not bad input."""
+
+
+class SolverError(RuntimeError):
+    """HiGHS could not answer: error status, or a limit was hit before any feasible solution."""
+
+
+@dataclass(frozen=True)
+class LayerSolution:
+    z: float                  # bottleneck per-micro-batch stage time, t0 units: max_j (y_j*l_j + extra_j)
+    layers: tuple[int, ...]   # blocks per stage, sums to num_layers; 0 = stage gets no block (suspended)
+
+
+@dataclass(frozen=True)
+class DataSolution:
+    w: float                        # max_i m_i*z_i ('paper') or max_i (m_i+S_i-1)*z_i ('bubble'/'full')
+    micro_batches: tuple[int, ...]  # per pipeline, sums to M
+
+
+# ---------------------------------------------------------------------------- public API
+
+def layer_caps(mem_factors: Sequence[float], num_layers: int, memory: MemoryProfile) -> tuple[int, ...]:
+    """Memory cap u_j on the blocks of each stage of a pipeline with S = len(mem_factors) stages.
+
+    u_j is the largest integer l with h_j * (K[S-j] * l + E_j) + X0 <= C - delta (malleus.md §1.4),
+    E_j = E on the first and last stage; clipped into [0, num_layers]. K beyond the profiled depths
+    is extrapolated by `MemoryProfile.per_layer_mb` (authors' fault 4). A stage whose fixed part
+    (E_j, X0) alone does not fit also gets 0 here; `solve_layers` treats such a pipeline as
+    infeasible, since the memory row must hold for every stage, even one left without blocks.
+    """
+    return tuple(max(0, u) for u in _stage_caps(mem_factors, num_layers, memory))
+
+
+def _stage_caps(mem_factors: Sequence[float], num_layers: int, memory: MemoryProfile) -> list[int]:
+    """As `layer_caps`, but -1 for a stage whose memory row fails even with 0 blocks."""
+    h = _floats("mem_factors", mem_factors, positive=True)
+    if not h:
+        raise ValueError("mem_factors is empty: a pipeline needs at least one stage")
+    _check_count("num_layers", num_layers, minimum=1)
+    s = len(h)
+    budget = memory.budget_mb
+    slack = REL_TOL * max(1.0, abs(budget))
+    caps = []
+    for j, hj in enumerate(h):
+        k = memory.per_layer_mb(s - j)
+        if not (math.isfinite(k) and k > 0):
+            raise ValueError(f"per-layer memory K[{s - j}] = {k!r} for stage {j} of {s}: must be a positive number")
+        e = memory.embedding_mb if j in (0, s - 1) else 0.0
+
+        def fits(n: int) -> bool:
+            return hj * (k * n + e) <= budget + slack
+
+        if not fits(0):
+            caps.append(-1)
+            continue
+        n = min(num_layers, max(0, math.floor((budget / hj - e) / k)))
+        while n < num_layers and fits(n + 1):   # the division may round either way: fix it up
+            n += 1
+        while n > 0 and not fits(n):
+            n -= 1
+        caps.append(n)
+    return caps
+
+
+def solve_layers(rates: Sequence[float], mem_factors: Sequence[float], num_layers: int, memory: MemoryProfile,
+                 extra: Sequence[float] | None = None, solver: str = "closed_form",
+                 prefer: Sequence[int] | None = None, time_limit_s: float = 10.0,
+                 mip_gap: float = 0.0) -> LayerSolution | None:
+    """ILP-1 for one pipeline: blocks per stage minimising the bottleneck stage time.
+
+    min z  s.t.  sum_j l_j = L,  z >= y_j * l_j + extra_j,  memory row of each stage,  l_j >= 0 integer.
+    `extra_j` (default 0) is a per-micro-batch time the stage pays whatever it holds (e.g. p2p);
+    it counts even for a stage given 0 blocks. Returns None when the memory caps sum to < L, or
+    when some stage's memory row fails even with 0 blocks (embedding/head or X0 alone too big).
+    See the module docstring for the solvers and the tie-break (default: balanced; `prefer`:
+    L1-closest to the given layer counts).
+    """
+    y = _floats("rates", rates, positive=True)
+    s = len(y)
+    if s == 0:
+        raise ValueError("rates is empty: a pipeline needs at least one stage")
+    if len(mem_factors) != s:
+        raise ValueError(f"mem_factors has {len(mem_factors)} entries, rates has {s}: one per stage")
+    e = [0.0] * s if extra is None else _floats("extra", extra, nonnegative=True)
+    if len(e) != s:
+        raise ValueError(f"extra has {len(e)} entries, rates has {s}: one per stage")
+    _check_solver(solver, time_limit_s, mip_gap)
+    pref = _prefer(prefer, s)
+    caps = _stage_caps(mem_factors, num_layers, memory)
+    lo = [0] * s
+
+    def exact() -> LayerSolution | None:
+        if min(caps) < 0:   # a first/last stage cannot even hold the embedding/head
+            return None
+        v = _optimum(y, e, lo, caps, num_layers)
+        if v is None:
+            return None
+        x = _choose(y, e, lo, _caps_at(v, y, e, lo, caps), num_layers, pref)
+        return LayerSolution(_bottleneck(y, e, x), tuple(x))
+
+    if solver == "closed_form":
+        return exact()
+    from . import highs  # lazy: Pyomo costs ~0.3 s to import and is not needed on the closed-form path
+
+    h = _floats("mem_factors", mem_factors, positive=True)
+    raw = highs.solve_layers_model(y, h, num_layers, memory, e, time_limit_s, mip_gap)
+    via_highs = None
+    if raw is not None:
+        _check_solution(raw, y, e, lo, caps, num_layers, "ILP-1 (layers)")
+        v = _bottleneck(y, e, raw)
+        x = _choose(y, e, lo, _caps_at(v, y, e, lo, caps), num_layers, pref)
+        via_highs = LayerSolution(_bottleneck(y, e, x), tuple(x))
+    if solver == "highs":
+        return via_highs
+    closed = exact()
+    _cross_check(closed and closed.z, via_highs and via_highs.z, mip_gap,
+                 f"ILP-1 rates={y} mem_factors={list(mem_factors)} L={num_layers} extra={e}")
+    return closed
+
+
+def solve_micro_batches(z: Sequence[float], stages: Sequence[int], num_micro_batches: int, objective: str = "paper",
+                        solver: str = "closed_form", prefer: Sequence[int] | None = None,
+                        time_limit_s: float = 10.0, mip_gap: float = 0.0) -> DataSolution | None:
+    """ILP-2: micro-batches per pipeline minimising the slowest pipeline's iteration time.
+
+    'paper':           min max_i m_i * z_i,               m_i >= S_i (as the authors' code)
+    'bubble' / 'full': min max_i (m_i + S_i - 1) * z_i,   m_i >= 1   (1F1B fill/drain included)
+    s.t. sum_i m_i = M, m_i integer. Returns None when the lower bounds sum to more than M.
+    Tie-break as in the module docstring (default: balanced; `prefer`: L1-closest).
+    """
+    zz = _floats("z", z, positive=True)
+    p = len(zz)
+    if p == 0:
+        raise ValueError("z is empty: need at least one pipeline")
+    if len(stages) != p:
+        raise ValueError(f"stages has {len(stages)} entries, z has {p}: one per pipeline")
+    for i, st in enumerate(stages):
+        _check_count(f"stages[{i}]", st, minimum=1)
+    _check_count("num_micro_batches", num_micro_batches, minimum=1)
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective {objective!r} is not one of {OBJECTIVES}")
+    _check_solver(solver, time_limit_s, mip_gap)
+    pref = _prefer(prefer, p)
+    if objective == "paper":
+        b = [0.0] * p
+        lo = [int(st) for st in stages]
+    else:
+        b = [(st - 1) * zi for st, zi in zip(stages, zz)]
+        lo = [1] * p
+    hi = [int(num_micro_batches)] * p
+
+    def exact() -> DataSolution | None:
+        v = _optimum(zz, b, lo, hi, num_micro_batches)
+        if v is None:
+            return None
+        x = _choose(zz, b, lo, _caps_at(v, zz, b, lo, hi), num_micro_batches, pref)
+        return DataSolution(_bottleneck(zz, b, x), tuple(x))
+
+    if solver == "closed_form":
+        return exact()
+    from . import highs
+
+    raw = highs.solve_micro_batches_model(zz, b, lo, num_micro_batches, time_limit_s, mip_gap)
+    via_highs = None
+    if raw is not None:
+        _check_solution(raw, zz, b, lo, hi, num_micro_batches, "ILP-2 (micro-batches)")
+        v = _bottleneck(zz, b, raw)
+        x = _choose(zz, b, lo, _caps_at(v, zz, b, lo, hi), num_micro_batches, pref)
+        via_highs = DataSolution(_bottleneck(zz, b, x), tuple(x))
+    if solver == "highs":
+        return via_highs
+    closed = exact()
+    _cross_check(closed and closed.w, via_highs and via_highs.w, mip_gap,
+                 f"ILP-2 z={zz} stages={list(stages)} M={num_micro_batches} objective={objective}")
+    return closed
+
+
+# ---------------------------------------------------------------------------- the closed form
+
+def _tol(v: float) -> float:
+    return REL_TOL * max(1.0, abs(v))
+
+
+def _count_at(v: float, a: float, b: float, lo: int, hi: int) -> int:
+    """Largest n in [lo, hi] with a*n + b <= v (within tolerance); lo - 1 if even lo does not fit."""
+    limit = v + _tol(v)
+    if a * lo + b > limit:
+        return lo - 1
+    n = min(hi, max(lo, math.floor((limit - b) / a)))
+    while n < hi and a * (n + 1) + b <= limit:   # the division may round either way: fix it up
+        n += 1
+    while n > lo and a * n + b > limit:
+        n -= 1
+    return n
+
+
+def _caps_at(v: float, a: Sequence[float], b: Sequence[float], lo: Sequence[int], hi: Sequence[int]) -> list[int]:
+    return [_count_at(v, a[j], b[j], lo[j], hi[j]) for j in range(len(a))]
+
+
+def _bottleneck(a: Sequence[float], b: Sequence[float], x: Sequence[int]) -> float:
+    return max(a[j] * x[j] + b[j] for j in range(len(a)))
+
+
+def _relaxed_level(a, b, lo, hi, total) -> float:
+    """A level v where the continuous relaxation sum_j clip((v - b_j)/a_j, lo_j, hi_j) reaches `total`.
+
+    The integer slot count at v is at most that, and at least `total - S`, so it is a cheap
+    starting point for the exact order statistic. Requires sum(lo) <= total <= sum(hi).
+    """
+    events = []
+    for j in range(len(a)):
+        if hi[j] > lo[j]:
+            events.append((a[j] * lo[j] + b[j], 1.0 / a[j]))
+            events.append((a[j] * hi[j] + b[j], -1.0 / a[j]))
+    events.sort()
+    level, slope, v = float(sum(lo)), 0.0, events[0][0] if events else 0.0
+    for t, d_slope in events:
+        reach = level + slope * (t - v)
+        if reach >= total and slope > 0:
+            return v + (total - level) / slope
+        level, v = reach, t
+        slope += d_slope
+    return v
+
+
+def _optimum(a: Sequence[float], b: Sequence[float], lo: Sequence[int], hi: Sequence[int], total: int) -> float | None:
+    """v* = min max_j (a_j x_j + b_j) over integers lo <= x <= hi with sum x = total; None if none exist."""
+    if sum(lo) > total or sum(hi) < total:
+        return None
+    s = len(a)
+    base = max(a[j] * lo[j] + b[j] for j in range(s))
+    need = total - sum(lo)
+    if need == 0:
+        return base
+    # Take every slot below the relaxed level (never more than `need` of them) ...
+    level = _relaxed_level(a, b, lo, hi, total)
+    x = [max(lo[j], min(hi[j], math.floor((level - b[j]) / a[j]))) for j in range(s)]
+    surplus = sum(x) - total
+    if surplus > 0:  # rounding put us a hair above: give back the largest slots
+        heap = [(-(a[j] * x[j] + b[j]), j) for j in range(s) if x[j] > lo[j]]
+        heapq.heapify(heap)
+        for _ in range(surplus):
+            _, j = heapq.heappop(heap)
+            x[j] -= 1
+            if x[j] > lo[j]:
+                heapq.heappush(heap, (-(a[j] * x[j] + b[j]), j))
+    # ... then the remaining smallest slots one by one; v* is the largest slot taken.
+    heap = [(a[j] * (x[j] + 1) + b[j], j) for j in range(s) if x[j] < hi[j]]
+    heapq.heapify(heap)
+    for _ in range(total - sum(x)):
+        _, j = heapq.heappop(heap)
+        x[j] += 1
+        if x[j] < hi[j]:
+            heapq.heappush(heap, (a[j] * (x[j] + 1) + b[j], j))
+    return max(base, max(a[j] * x[j] + b[j] for j in range(s) if x[j] > lo[j]))
+
+
+def _choose(a: Sequence[float], b: Sequence[float], lo: Sequence[int], caps: Sequence[int], total: int,
+            prefer: Sequence[int] | None) -> list[int]:
+    """The tie-break among optimal solutions {lo <= x <= caps, sum x = total} (module docstring)."""
+    s = len(a)
+    x = list(caps) if prefer is None else [min(max(prefer[j], lo[j]), caps[j]) for j in range(s)]
+    diff = sum(x) - total
+    if diff > 0:   # remove from the slowest stage first
+        heap = [(-(a[j] * x[j] + b[j]), j) for j in range(s) if x[j] > lo[j]]
+        heapq.heapify(heap)
+        for _ in range(diff):
+            _, j = heapq.heappop(heap)
+            x[j] -= 1
+            if x[j] > lo[j]:
+                heapq.heappush(heap, (-(a[j] * x[j] + b[j]), j))
+    elif diff < 0:  # add where the stage stays fastest
+        heap = [(a[j] * (x[j] + 1) + b[j], j) for j in range(s) if x[j] < caps[j]]
+        heapq.heapify(heap)
+        for _ in range(-diff):
+            _, j = heapq.heappop(heap)
+            x[j] += 1
+            if x[j] < caps[j]:
+                heapq.heappush(heap, (a[j] * (x[j] + 1) + b[j], j))
+    return x
+
+
+# ---------------------------------------------------------------------------- checks
+
+def _check_solution(x, a, b, lo, hi, total, what: str) -> None:
+    """HiGHS's integers must satisfy the model we built; anything else is a bug in the model."""
+    bad = [j for j in range(len(x)) if not lo[j] <= x[j] <= hi[j]]
+    if bad or sum(x) != total:
+        raise PlannerInternalError(
+            f"{what}: HiGHS returned {list(x)} which violates the model (sum must be {total}, "
+            f"bounds {list(zip(lo, hi))}, out of bounds at {bad})")
+
+
+def _cross_check(closed: float | None, via_highs: float | None, mip_gap: float, what: str) -> None:
+    """solver='both': the objective values must agree (HiGHS within its gap and 1e-6 feasibility tolerance)."""
+    if (closed is None) != (via_highs is None):
+        raise PlannerInternalError(
+            f"{what}: closed form says {'infeasible' if closed is None else closed}, "
+            f"HiGHS says {'infeasible' if via_highs is None else via_highs}")
+    if closed is None:
+        return
+    tol = 1e-6 + _tol(closed)
+    upper = closed / (1.0 - mip_gap) if mip_gap > 0 else closed
+    if not closed - tol <= via_highs <= upper + tol:
+        raise PlannerInternalError(f"{what}: closed form optimum {closed!r} differs from HiGHS {via_highs!r}")
+
+
+def _floats(name: str, values: Sequence[float], positive: bool = False, nonnegative: bool = False) -> list[float]:
+    out = []
+    for i, v in enumerate(values):
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name}[{i}] = {v!r} is not a number") from None
+        if not math.isfinite(f) or (positive and f <= 0) or (nonnegative and f < 0):
+            need = "a positive" if positive else "a non-negative" if nonnegative else "a finite"
+            raise ValueError(f"{name}[{i}] = {v!r}: must be {need} finite number")
+        out.append(f)
+    return out
+
+
+def _check_count(name: str, v: int, minimum: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < minimum:
+        raise ValueError(f"{name} = {v!r}: must be an integer >= {minimum}")
+
+
+def _check_solver(solver: str, time_limit_s: float, mip_gap: float) -> None:
+    if solver not in SOLVERS:
+        raise ValueError(f"solver {solver!r} is not one of {SOLVERS}")
+    if not (time_limit_s > 0):
+        raise ValueError(f"time_limit_s = {time_limit_s!r}: must be > 0 seconds")
+    if not (0 <= mip_gap < 1):
+        raise ValueError(f"mip_gap = {mip_gap!r}: must be in [0, 1)")
+
+
+def _prefer(prefer: Sequence[int] | None, n: int) -> list[int] | None:
+    if prefer is None:
+        return None
+    p = list(prefer)
+    if len(p) != n:
+        raise ValueError(f"prefer has {len(p)} entries, expected {n} (one per stage / pipeline)")
+    for i, v in enumerate(p):
+        _check_count(f"prefer[{i}]", v, minimum=0)
+    return [int(v) for v in p]

@@ -1,0 +1,167 @@
+"""Deterministic sample order for the runtime: a seeded global sampler and per-plan slicing.
+
+The sample stream
+-----------------
+Epoch ``e`` is a seeded permutation of ``range(num_samples)`` (a function of ``(seed, e)`` only).
+Concatenating the epochs gives one infinite stream; `GlobalSampler.position` is an index into
+that stream (a plain int: the whole sampler state, apart from the configuration, so it is
+trivially checkpointable). A global batch of ``B`` samples is the next ``B`` samples of the
+stream.
+
+drop_last: a global batch never spans two epochs. If fewer than ``B`` samples are left in the
+current epoch, they are skipped (they count as consumed: `position` jumps to the start of the
+next epoch) and the batch is taken from the next epoch. So within an epoch every sample is used
+at most once, and exactly once when the batch sizes used during the epoch add up to
+``num_samples``.
+
+The global batch size may change between steps (a new plan may change it):
+``next_global_batch(size)`` takes a batch of ``size`` and makes it the size from then on.
+
+Per-plan slicing
+----------------
+`split_for_plan` hands pipeline ``i`` the contiguous slice ``plan.sample_slices()[i]`` of each
+global batch, cut into micro-batches of ``plan.micro_batch_size`` (see malleus.md §3.6 fault 8:
+a Megatron-style round-robin stride lets pipelines with different micro-batch counts drift apart
+in the stream; contiguous slices of every global batch cannot).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from malleus_svc.plan import Plan
+
+SAMPLER_STATE_VERSION = 1
+
+
+class DataError(ValueError):
+    """Bad data configuration or a request the data layer cannot serve; the message says what."""
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise DataError(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise DataError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+class GlobalSampler:
+    """Seeded, per-epoch permutation of ``range(num_samples)``, cut into global batches.
+
+    ``position`` is the number of samples consumed since the start, counted in the stream of
+    concatenated epochs (samples skipped by drop_last at the end of an epoch count as consumed).
+    ``epoch == position // num_samples``: the epoch the next sample of the stream belongs to
+    (the next batch comes from the following epoch if it does not fit in the rest of this one).
+    """
+
+    def __init__(self, num_samples: int, global_batch: int, seed: int = 0):
+        self.num_samples = _check_int("num_samples", num_samples, 1)
+        self.seed = _check_int("seed", seed, 0)
+        self.global_batch = self._check_size(global_batch)
+        self.position = 0
+        self._perms: dict[int, np.ndarray] = {}
+
+    # ------------------------------------------------------------------ stream
+    @property
+    def epoch(self) -> int:
+        return self.position // self.num_samples
+
+    def _check_size(self, size: Any) -> int:
+        size = _check_int("global batch size", size, 1)
+        if size > self.num_samples:
+            raise DataError(f"global batch size {size} is larger than the dataset ({self.num_samples} samples); "
+                            f"use a global batch of at most {self.num_samples}")
+        return size
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """The sample order of `epoch` (read-only; a function of (seed, epoch) only)."""
+        epoch = _check_int("epoch", epoch, 0)
+        perm = self._perms.get(epoch)
+        if perm is None:
+            rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, epoch])))
+            perm = rng.permutation(self.num_samples)
+            perm.setflags(write=False)
+            if len(self._perms) >= 3:  # keep the current epoch and a couple of neighbours (peek)
+                self._perms.pop(max(self._perms, key=lambda e: (abs(e - epoch), e)))
+            self._perms[epoch] = perm
+        return perm
+
+    def _take(self, position: int, size: int) -> tuple[list[int], int]:
+        """The batch of `size` starting at `position` (after drop_last) and the position after it."""
+        epoch, offset = divmod(position, self.num_samples)
+        if offset + size > self.num_samples:  # drop_last: the tail of this epoch is skipped
+            epoch, offset = epoch + 1, 0
+        batch = self.permutation(epoch)[offset:offset + size].tolist()
+        return batch, epoch * self.num_samples + offset + size
+
+    def next_global_batch(self, size: int | None = None) -> list[int]:
+        """Consume and return the next global batch.
+
+        `size`: if given, the global batch size for this step and every later one (a new plan
+        changed it); otherwise the current `global_batch`.
+        """
+        if size is not None:
+            self.global_batch = self._check_size(size)
+        batch, self.position = self._take(self.position, self.global_batch)
+        return batch
+
+    def peek(self, k: int = 0, size: int | None = None) -> list[int]:
+        """The global batch `k` steps ahead (k=0: the next one), without consuming anything.
+
+        Assumes every batch until then has `size` samples (default: the current `global_batch`).
+        """
+        k = _check_int("k", k, 0)
+        size = self.global_batch if size is None else self._check_size(size)
+        pos = self.position
+        for _ in range(k):
+            _, pos = self._take(pos, size)
+        return self._take(pos, size)[0]
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, int]:
+        return {"version": SAMPLER_STATE_VERSION, "position": self.position, "global_batch": self.global_batch,
+                "seed": self.seed, "num_samples": self.num_samples}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        if not isinstance(d, Mapping):
+            raise DataError(f"sampler state must be a dict, got {type(d).__name__}")
+        missing = [k for k in ("position", "global_batch", "seed", "num_samples") if k not in d]
+        if missing:
+            raise DataError(f"sampler state is missing {missing}; expected the keys of GlobalSampler.state_dict()")
+        version = d.get("version", SAMPLER_STATE_VERSION)
+        if version != SAMPLER_STATE_VERSION:
+            raise DataError(f"sampler state version {version!r} is not supported (this build reads {SAMPLER_STATE_VERSION})")
+        if d["num_samples"] != self.num_samples:
+            raise DataError(f"sampler state is for a dataset of {d['num_samples']} samples, this sampler has "
+                            f"{self.num_samples}; resuming would not visit every sample exactly once")
+        if d["seed"] != self.seed:
+            raise DataError(f"sampler state was saved with seed {d['seed']}, this sampler has seed {self.seed}; "
+                            f"construct the sampler with the same seed to resume")
+        position = _check_int("sampler state position", d["position"], 0)
+        self.global_batch = self._check_size(d["global_batch"])
+        self.position = position
+
+    def __repr__(self) -> str:
+        return (f"GlobalSampler(num_samples={self.num_samples}, global_batch={self.global_batch}, seed={self.seed}, "
+                f"position={self.position}, epoch={self.epoch})")
+
+
+def split_for_plan(indices: Sequence[int], plan: Plan) -> list[list[list[int]]]:
+    """Per pipeline, per micro-batch, the sample indices of one global batch under `plan`.
+
+    Pipeline ``i`` takes the contiguous slice ``plan.sample_slices()[i]`` of `indices`, cut into
+    ``plan.pipelines[i].micro_batches`` micro-batches of ``plan.micro_batch_size`` samples.
+    Concatenating the result over pipelines and micro-batches gives `indices` back, in order.
+    """
+    indices = [int(i) for i in indices]
+    if len(indices) != plan.global_batch:
+        raise DataError(f"global batch has {len(indices)} samples but plan {plan.plan_id} needs exactly "
+                        f"{plan.global_batch} (micro_batch_size {plan.micro_batch_size} x "
+                        f"{plan.num_micro_batches} micro-batches)")
+    b = plan.micro_batch_size
+    out = []
+    for start, end in plan.sample_slices():
+        out.append([indices[j:j + b] for j in range(start, end, b)])
+    return out

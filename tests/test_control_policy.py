@@ -1,0 +1,114 @@
+"""Rate estimation and the re-plan trigger (malleus.md §1.2, §4.1, §6.10), without Ray."""
+import random
+
+import pytest
+
+from malleus_svc.control.measure import RateEstimator, WorkSample
+from malleus_svc.control.policy import Option, ReplanPolicy, choose
+
+
+def feed(est, true_rates, work, steps, jitter, rng, t0=0.01):
+    for _ in range(steps):
+        est.observe([WorkSample(d, t0 * work[d] * x * (1 + rng.uniform(-jitter, jitter)), work[d])
+                     for d, x in true_rates.items()])
+
+
+def test_rates_are_fair_across_uneven_work():
+    """Devices with very different shares of the plan get their true rate back."""
+    rng = random.Random(0)
+    true = {0: 1.0, 1: 1.0, 2: 3.0, 3: 1.0, 4: 1.0, 5: 2.0, 6: 1.0, 7: 1.0}
+    work = {0: 32.0, 1: 8.0, 2: 4.0, 3: 64.0, 4: 16.0, 5: 24.0, 6: 40.0, 7: 12.0}
+    est = RateEstimator()
+    feed(est, true, work, 5, 0.0, rng)
+    rates = est.rates()
+    for d, x in true.items():
+        assert rates[d] == pytest.approx(x, rel=1e-9)
+
+
+def test_noise_stays_inside_the_hysteresis_band():
+    """±20% random jitter with no real change never moves a rate by the band (0.3)."""
+    rng = random.Random(1)
+    true = {d: 1.0 for d in range(8)}
+    work = {d: 10.0 + d for d in range(8)}
+    est, policy = RateEstimator(), ReplanPolicy()
+    feed(est, true, work, 5, 0.2, rng)
+    planned = est.rates()
+    for _ in range(200):
+        feed(est, true, work, 1, 0.2, rng)
+        assert policy.rate_trigger(planned, est.rates(), set(true), set()) is None
+
+
+def test_a_slowed_device_is_detected_within_the_window():
+    rng = random.Random(2)
+    true = {d: 1.0 for d in range(8)}
+    work = {d: 10.0 for d in range(8)}
+    est, policy = RateEstimator(window=5), ReplanPolicy()
+    feed(est, true, work, 5, 0.1, rng)
+    planned = est.rates()
+    true[3] = 3.0
+    fired_after = None
+    for i in range(1, 6):
+        feed(est, true, work, 1, 0.1, rng)
+        if policy.rate_trigger(planned, est.rates(), set(true), set()):
+            fired_after = i
+            break
+    assert fired_after is not None and fired_after <= 3
+    feed(est, true, work, 5, 0.1, rng)
+    assert est.rates()[3] == pytest.approx(3.0, rel=0.15)
+
+
+def test_outliers_are_rejected():
+    est = RateEstimator(window=5)
+    work = {0: 10.0, 1: 10.0, 2: 10.0, 3: 10.0}
+    for step in range(5):
+        spike = 20.0 if step == 2 else 1.0  # one 20x hiccup on device 0
+        est.observe([WorkSample(d, 0.1 * (spike if d == 0 else 1.0), w) for d, w in work.items()])
+    assert est.rates()[0] == pytest.approx(1.0)
+
+
+def test_probes_give_rates_of_suspended_devices():
+    est = RateEstimator()
+    est.set_probe_baseline(5, 0.2)
+    for _ in range(3):
+        est.observe_probe(5, 0.6)
+    assert est.rates()[5] == pytest.approx(3.0)
+    est.observe([WorkSample(5, 1.0, 10.0)])  # back at work: the probe history no longer applies
+    assert 5 not in est._probe
+
+
+@pytest.mark.parametrize("planned, current, suspended, fires", [
+    ({10: 2.0}, {10: 2.2}, set(), False),    # §6.10: |Δ| = 0.2 < 0.3
+    ({10: 2.0}, {10: 2.4}, set(), True),     # §6.10: re-plan
+    ({5: 8.0}, {5: 3.0}, {5}, False),        # §6.10: suspended, slow before and after
+    ({5: 8.0}, {5: 1.1}, {5}, True),         # §6.10: suspended device healed
+    ({}, {3: 3.0}, set(), True),             # a healthy device slowed
+])
+def test_trigger_vectors(planned, current, suspended, fires):
+    active = set(range(16)) - suspended
+    assert (ReplanPolicy().rate_trigger(planned, current, active, suspended) is not None) == fires
+
+
+def test_min_interval_prevents_thrashing():
+    p = ReplanPolicy(min_interval=3)
+    assert p.due(10, None) and not p.due(11, 10) and p.due(13, 10)
+
+
+def test_choose_weighs_gain_against_migration():
+    keep, reb, rep = Option("keep", 2.0, 0.0), Option("rebalance", 1.5, 0.0), Option("replan", 1.1, 30.0)
+    assert choose([keep, reb, rep], remaining_iterations=10).name == "rebalance"   # 15 < 41 < 20
+    assert choose([keep, reb, rep], remaining_iterations=100).name == "replan"     # 140 < 150
+    assert choose([keep, rep], remaining_iterations=5).name == "keep"
+    with pytest.raises(ValueError, match="keep"):
+        choose([rep], 3)
+
+
+def test_calibration_measures_a_majority_of_stragglers():
+    """Without calibration the median assumes a healthy majority; calibrated, 5 of 8 slow devices are right."""
+    rng = random.Random(3)
+    work = {d: 10.0 for d in range(8)}
+    est = RateEstimator()
+    feed(est, {d: 1.0 for d in range(8)}, work, 5, 0.0, rng)
+    assert est.calibrate() == pytest.approx(0.01)
+    slow = {d: (2.0 if d < 5 else 1.0) for d in range(8)}
+    feed(est, slow, work, 5, 0.0, rng)
+    assert [round(est.rates()[d], 6) for d in range(8)] == [2.0] * 5 + [1.0] * 3
