@@ -163,7 +163,7 @@ def _parse_train(s: Section) -> TrainConfig:
     d = TrainConfig()
     clip = s.raw("grad_clip", d.grad_clip)
     if clip is not None:
-        clip = s.float("grad_clip", minimum=0, exclusive=True)
+        clip = s.float("grad_clip", clip, minimum=0, exclusive=True)
     betas = s.float_list("betas", list(d.betas), minimum=0)
     if len(betas) != 2 or not all(b < 1.0 for b in betas):
         raise s.error("betas", list(betas), "expected two numbers in [0, 1), e.g. [0.9, 0.95]")

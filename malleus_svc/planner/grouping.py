@@ -1,0 +1,286 @@
+"""Upper level, part A: how each node's devices form tensor-parallel groups (malleus.md §2.2, §3.2).
+
+A node's devices are put in an order, the first positions form full-size groups of `tp` devices
+and the last few positions ("the tail") may be split into smaller groups tp/2, tp/4, ..., 1, which
+lets a straggler be isolated (or left out) without slowing a whole group. Whatever is left after
+the tail is suspended. This module produces, per node, the *candidate family* of such groupings;
+which candidate wins is decided by the full lower level in `search.py` (fixing fault 2 of §3.6).
+
+Generalisations over the authors' family (§3.2):
+  * any number of a node's devices may be excluded: the number of full groups is
+    ceil(available / tp) - 1, the tail holds the remaining 1..tp devices;
+  * every prefix of a geometric tail series is a candidate (the rest is suspended), so a bad
+    straggler need not be given a stage of its own;
+  * a node may be dropped entirely (all its devices suspended);
+  * the ordering is FIX 1: healthy devices by local id, then stragglers by rate (never mixed).
+
+Theorem 1 (consecutive grouping of the rate-sorted order is optimal for equal-size groups) is what
+justifies grouping stragglers together in the full positions; `theorem1_holds` checks it by brute
+force for tests.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Mapping, Sequence
+
+from .problem import PlannerProblem
+
+
+@dataclass(frozen=True, order=True)
+class Group:
+    """One TP group. `devices` is in TP-rank order; `rate` is y_g (§1.3); `h` = tp/|g| (§1.4)."""
+
+    devices: tuple[int, ...]
+    rate: float
+    h: int
+    node: int
+
+    @property
+    def size(self) -> int:
+        return len(self.devices)
+
+    @property
+    def is_normal(self) -> bool:
+        """A full-size group at healthy speed: interchangeable with any other normal group."""
+        return self.rate == 1.0 and self.h == 1
+
+    @property
+    def cls(self) -> tuple[float, int]:
+        """What the lower level sees of a group (rate, memory factor)."""
+        return (self.rate, self.h)
+
+
+def group_rate(problem: PlannerProblem, devices: Sequence[int]) -> float:
+    """y_g = alpha(|g|) * max x over g, snapped to 1.0 below the straggler threshold τ."""
+    y = problem.alpha(len(devices)) * max(problem.rates[d] for d in devices)
+    return 1.0 if y < problem.straggler_threshold else y
+
+
+def make_group(problem: PlannerProblem, devices: Sequence[int]) -> Group:
+    devices = tuple(devices)
+    return Group(devices, group_rate(problem, devices), problem.tp // len(devices),
+                 problem.node_of(devices[0]))
+
+
+def is_straggler(problem: PlannerProblem, device: int) -> bool:
+    return problem.rates[device] >= problem.straggler_threshold
+
+
+# ----------------------------------------------------------------------------- node options
+@dataclass(frozen=True)
+class NodeOption:
+    """One way to use one node: its groups and its suspended devices."""
+
+    node: int
+    groups: tuple[Group, ...]
+    suspended: tuple[int, ...]
+    tail_score: float = 0.0   # the authors' R (§3.2 step 4), used only in authors' mode
+
+    @property
+    def capacity(self) -> float:
+        """Σ 1/y: the node's share of the total-capacity lower bound (see search.lower_bound)."""
+        return sum(1.0 / g.rate for g in self.groups)
+
+    @property
+    def key(self) -> tuple:
+        return (tuple(sorted(tuple(sorted(g.devices)) for g in self.groups)),
+                tuple(sorted(self.suspended)))
+
+    @property
+    def shape(self) -> tuple:
+        """Sizes with their sorted rates, for dominance checks."""
+        by_size: dict[int, list[float]] = {}
+        for g in self.groups:
+            by_size.setdefault(g.size, []).append(g.rate)
+        return tuple(sorted((s, tuple(sorted(r))) for s, r in by_size.items()))
+
+
+def available_devices(problem: PlannerProblem, node: int) -> list[int]:
+    g = problem.gpus_per_node
+    return [d for d in range(node * g, (node + 1) * g) if d not in problem.excluded]
+
+
+def base_order(problem: PlannerProblem, devices: Iterable[int]) -> list[int]:
+    """FIX 1 of §3.6: healthy devices by local id, then stragglers by rate (ascending), then id."""
+    g = problem.gpus_per_node
+    return sorted(devices, key=lambda d: (is_straggler(problem, d),
+                                          problem.rates[d] if is_straggler(problem, d) else 0.0,
+                                          d % g))
+
+
+def slide_orders(base: Sequence[int], num_healthy: int, num_stragglers: int) -> Iterator[tuple[int, ...]]:
+    """The authors' candidate orders (§3.2 step 3): for block size β = 1..s-1 the β mildest
+    stragglers slide left one slot at a time, so they may be absorbed into full-size groups."""
+    yield tuple(base)
+    for beta in range(1, num_stragglers):
+        order = list(base)
+        for idx in range(num_healthy - 1, -2, -1):
+            yield tuple(order)
+            if idx >= 0:
+                order.insert(idx + beta, order.pop(idx))
+
+
+def tail_splits(tail_len: int, tp: int, prefixes: bool = True, allow_split: bool = True) -> list[tuple[int, ...]]:
+    """Group sizes for the tail: decreasing geometric series h0, h0/2, ..., cut while they fit.
+
+    The authors take, for each start size h0 (a power of two <= min(tail_len, tp)), the longest
+    series that fits; with `prefixes` every non-empty prefix is also a candidate (the rest is
+    suspended). Without splitting only a full group (or nothing) is possible.
+    """
+    if not allow_split:
+        return [(tp,)] if tail_len >= tp else [()]
+    out: list[tuple[int, ...]] = []
+    h0 = 1 << int(math.floor(math.log2(min(tail_len, tp))))
+    while h0 >= 1:
+        sizes, used, h = [], 0, h0
+        while h >= 1 and used + h <= tail_len:
+            sizes.append(h)
+            used += h
+            h //= 2
+        series = [tuple(sizes[:n]) for n in range(1, len(sizes) + 1)] if prefixes else [tuple(sizes)]
+        out.extend(s for s in series if s not in out)
+        h0 //= 2
+    return out
+
+
+def assemble_full_groups(problem: PlannerProblem, devices: Sequence[int],
+                         previous_groups: Mapping[int, tuple[int, ...]] | None = None) -> list[tuple[int, ...]]:
+    """Partition the full-size positions into groups of tp devices.
+
+    Stragglers are grouped consecutively by rate (Theorem 1: this minimises every monotone
+    objective); the remaining healthy slots keep old TP groups together where possible (an old
+    groupmate joins its straggler's group first, then whole old groups, then the rest by id),
+    so that an unchanged situation reproduces the old groups and migration stays small.
+    """
+    k = problem.tp
+    prev = previous_groups or {}
+    strag = sorted((d for d in devices if is_straggler(problem, d)), key=lambda d: (-problem.rates[d], d))
+    healthy = sorted(d for d in devices if not is_straggler(problem, d))
+    pool = set(healthy)
+    groups = [list(strag[i:i + k]) for i in range(0, len(strag), k)]
+    for grp in groups:  # fill the partial straggler group with old groupmates first
+        for d in list(grp):
+            for mate in prev.get(d, ()):
+                if len(grp) < k and mate in pool:
+                    grp.append(mate)
+                    pool.discard(mate)
+    for d in healthy:   # whole old groups that survive intact
+        old = prev.get(d)
+        if old and len(old) == k and set(old) <= pool and len(groups) < len(devices) // k:
+            groups.append(list(old))
+            pool -= set(old)
+    rest = sorted(pool)
+    for grp in groups:
+        while len(grp) < k and rest:
+            grp.append(rest.pop(0))
+    while rest:
+        groups.append(rest[:k])
+        rest = rest[k:]
+    return [tuple(g) for g in groups]
+
+
+def tp_order(devices: Iterable[int], previous_roles: Mapping[int, tuple[int, int]] | None = None) -> tuple[int, ...]:
+    """TP-rank order inside a new group: each device keeps the slot whose shard contains its old
+    shard (old rank r of t maps to slot r*n//t when n <= t), so kept groups keep their order."""
+    devs = sorted(devices)
+    n = len(devs)
+    prev = previous_roles or {}
+    slots: list[int | None] = [None] * n
+    rest = []
+    for d in devs:
+        if d in prev:
+            r, t = prev[d]
+            if n <= t and slots[r * n // t] is None:
+                slots[r * n // t] = d
+                continue
+        rest.append(d)
+    it = iter(rest)
+    return tuple(s if s is not None else next(it) for s in slots)
+
+
+def node_options(problem: PlannerProblem, node: int,
+                 previous_groups: Mapping[int, tuple[int, ...]] | None = None,
+                 previous_roles: Mapping[int, tuple[int, int]] | None = None,
+                 allow_drop: bool | None = None) -> list[NodeOption]:
+    """The generalised candidate family of one node, de-duplicated and without dominated options.
+
+    A node without stragglers and without exclusions has exactly one option (all full groups).
+    Option B is dominated by option A when they have the same group sizes and A's rates are
+    elementwise no worse; a monotone objective can then never prefer B.
+    """
+    avail = available_devices(problem, node)
+    if not avail:
+        return [NodeOption(node, (), ())]
+    k = problem.tp
+    order = base_order(problem, avail)
+    s = sum(is_straggler(problem, d) for d in avail)
+    drop = problem.allow_reshape if allow_drop is None else allow_drop
+    if s == 0 and len(avail) % k == 0:
+        groups = assemble_full_groups(problem, avail, previous_groups)
+        return [NodeOption(node, tuple(make_group(problem, tp_order(g, previous_roles)) for g in groups), ())]
+    n_full = math.ceil(len(avail) / k) - 1
+    tail_len = len(avail) - n_full * k
+    options: dict[tuple, NodeOption] = {}
+    for o in slide_orders(order, len(avail) - s, s):
+        full = assemble_full_groups(problem, o[:n_full * k], previous_groups)
+        for sizes in tail_splits(tail_len, k, prefixes=True, allow_split=problem.allow_split):
+            pos, tail = n_full * k, []
+            for sz in sizes:
+                tail.append(o[pos:pos + sz])
+                pos += sz
+            groups = tuple(make_group(problem, tp_order(g, previous_roles)) for g in [*full, *tail])
+            opt = NodeOption(node, groups, tuple(sorted(o[pos:])))
+            options.setdefault(opt.key, opt)
+    if drop:
+        opt = NodeOption(node, (), tuple(avail))
+        options.setdefault(opt.key, opt)
+    return _undominated(list(options.values()))
+
+
+def _undominated(options: list[NodeOption]) -> list[NodeOption]:
+    def dominates(a: NodeOption, b: NodeOption) -> bool:
+        sa, sb = a.shape, b.shape
+        return ([s for s, _ in sa] == [s for s, _ in sb]
+                and all(x <= y for (_, ra), (_, rb) in zip(sa, sb) for x, y in zip(ra, rb)))
+    keep: list[NodeOption] = []
+    for i, b in enumerate(options):
+        if any(dominates(a, b) and (a.shape != b.shape or j < i) for j, a in enumerate(options) if j != i):
+            continue
+        keep.append(b)
+    return sorted(keep, key=lambda o: -o.capacity)
+
+
+# ----------------------------------------------------------------------------- Theorem 1
+def consecutive_grouping(rates: Sequence[float], k: int) -> list[tuple[int, ...]]:
+    """Theorem 1's grouping: indices sorted by rate (descending), cut into consecutive blocks of k."""
+    order = sorted(range(len(rates)), key=lambda i: (-rates[i], i))
+    return [tuple(order[i:i + k]) for i in range(0, len(order), k)]
+
+
+def all_groupings(n: int, k: int) -> Iterator[list[tuple[int, ...]]]:
+    """Every partition of range(n) into groups of k (brute force, for tests on small n)."""
+    def rec(rest: tuple[int, ...]) -> Iterator[list[tuple[int, ...]]]:
+        if not rest:
+            yield []
+            return
+        first, others = rest[0], rest[1:]
+        for mates in itertools.combinations(others, k - 1):
+            left = tuple(x for x in others if x not in mates)
+            for tail in rec(left):
+                yield [(first, *mates), *tail]
+    yield from rec(tuple(range(n)))
+
+
+def group_maxima(rates: Sequence[float], groups: Sequence[Sequence[int]]) -> tuple[float, ...]:
+    """The groups' maxima, sorted descending: what every monotone symmetric objective sees."""
+    return tuple(sorted((max(rates[i] for i in g) for g in groups), reverse=True))
+
+
+def theorem1_holds(rates: Sequence[float], k: int) -> bool:
+    """True iff the consecutive grouping's sorted maxima are elementwise <= those of every
+    partition, i.e. it is optimal for every objective non-decreasing in each group rate."""
+    best = group_maxima(rates, consecutive_grouping(rates, k))
+    return all(all(a <= b + 1e-12 for a, b in zip(best, group_maxima(rates, g)))
+               for g in all_groupings(len(rates), k))

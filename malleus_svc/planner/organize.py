@@ -1,0 +1,342 @@
+"""Upper level, part B: which group sits at which (pipeline, stage) (malleus.md §3.3).
+
+A *template* fixes, per pipeline, the ordered "special" groups (every group that is not a normal
+full-size healthy group) in its first stages and a number of placeholders for normal groups after
+them. Normal groups are interchangeable for the time model, so the lower level can score a
+template before any concrete normal group is chosen (`fill` does that afterwards, for migration
+and locality only).
+
+Two generators, one scorer:
+  * `dfs_templates`: the authors' DFS over stage-count plans S_i in [q-1, q+r+1] and subsets of
+    special groups (sorted by rate, slowest first), with symmetry pruning. In the authors' mode
+    the pruning is theirs (straggler counts non-increasing over all pipelines); otherwise only
+    pipelines with equal S_i are treated as interchangeable (a superset of their family), and
+    subsets that differ only by which of several identical (rate, h) groups they take are
+    explored once. A visit budget bounds it; past it, the caller uses
+  * `greedy_templates`: balanced stage counts, special groups dealt out in a snake over the
+    pipelines (slowest first), then a bounded local search moving one special group at a time.
+  * `Scorer`: ILP-1 per pipeline (memoised on the pipeline's (y, h, extra) signature: templates
+    repeat pipelines massively) and ILP-2, returning the objective of malleus.md §1.3 or its
+    bubble-aware variants.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Iterator, Mapping, Sequence
+
+from .grouping import Group
+from .lower import LayerSolution, solve_layers, solve_micro_batches
+from .problem import PlannerProblem
+
+NORMAL = -1   # a placeholder for a normal group in a template
+Template = tuple[tuple[int, ...], ...]   # per pipeline: special-group indices then NORMAL slots
+
+
+class TooManyTemplates(Exception):
+    """The DFS exceeded its visit budget; switch to the greedy generator."""
+
+
+# ----------------------------------------------------------------------------- scoring
+@dataclass(frozen=True)
+class Score:
+    objective: float
+    z: tuple[float, ...]
+    layers: tuple[tuple[int, ...], ...]
+    micro_batches: tuple[int, ...]
+
+
+class Scorer:
+    """The lower level for a fixed organisation, with ILP-1 memoised across templates.
+
+    `effective_stages`: a stage that gets 0 blocks is dropped from the plan (its devices are
+    suspended), so ILP-2 sees only the stages that hold blocks (m_i >= S_i then counts real
+    stages). The authors' code keeps the nominal S_i; `authors.py` turns this off.
+    """
+
+    def __init__(self, problem: PlannerProblem, objective: str | None = None, effective_stages: bool = True):
+        self.problem = problem
+        self.objective = objective or problem.objective
+        self.effective_stages = effective_stages
+        self._memo: dict[tuple, LayerSolution | None] = {}
+        self.ilp1_calls = 0
+
+    def layers(self, ys: Sequence[float], hs: Sequence[int], extra: Sequence[float] | None = None,
+               prefer: Sequence[int] | None = None) -> LayerSolution | None:
+        key = (tuple(ys), tuple(hs), None if extra is None or not any(extra) else tuple(extra))
+        if prefer is None and key in self._memo:
+            return self._memo[key]
+        sol = self._solve(list(ys), list(hs), None if key[2] is None else list(extra), prefer)
+        if self.effective_stages:
+            # A stage with 0 blocks is dropped; if it was the first or last one, its neighbour
+            # takes over the embedding/head, so re-solve the pipeline without it until stable.
+            while sol is not None and 0 in sol.layers and any(sol.layers):
+                keep = [j for j, l in enumerate(sol.layers) if l > 0]
+                sub = self._solve([ys[j] for j in keep], [hs[j] for j in keep],
+                                  None if key[2] is None else [extra[j] for j in keep],
+                                  None if prefer is None else [prefer[j] for j in keep])
+                if sub is None:
+                    sol = None
+                    break
+                full = [0] * len(ys)
+                for j, l in zip(keep, sub.layers):
+                    full[j] = l
+                sol = LayerSolution(sub.z, tuple(full))
+                if 0 not in sub.layers:
+                    break
+        if prefer is None:
+            self._memo[key] = sol
+        return sol
+
+    def _solve(self, ys, hs, extra, prefer) -> LayerSolution | None:
+        p = self.problem
+        self.ilp1_calls += 1
+        return solve_layers(ys, [float(h) for h in hs], p.num_layers, p.memory, extra=extra,
+                            solver=p.solver, prefer=prefer, time_limit_s=p.time_limit_s, mip_gap=p.mip_gap)
+
+    def grad_term(self, layers: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> float:
+        g = self.problem.comm.grad_sync_per_block
+        if self.objective != "full" or not g:
+            return 0.0
+        return max(l * g / s for ls, ss in zip(layers, sizes) for l, s in zip(ls, ss))
+
+    def score(self, pipelines: Sequence[Sequence[tuple[float, int]]],
+              extras: Sequence[Sequence[float]] | None = None,
+              sizes: Sequence[Sequence[int]] | None = None,
+              prefer_layers: Sequence[Sequence[int] | None] | None = None,
+              prefer_micro_batches: Sequence[int] | None = None) -> Score | None:
+        """Objective of an organisation given per pipeline its stages' (y, h); None = infeasible."""
+        sols = []
+        for i, pipe in enumerate(pipelines):
+            ex = extras[i] if extras is not None else None
+            pref = prefer_layers[i] if prefer_layers is not None else None
+            sol = self.layers([y for y, _ in pipe], [h for _, h in pipe], ex, pref)
+            if sol is None:
+                return None
+            sols.append(sol)
+        stages = [sum(1 for l in s.layers if l > 0) if self.effective_stages else len(s.layers) for s in sols]
+        p = self.problem
+        data = solve_micro_batches([s.z for s in sols], stages, p.num_micro_batches, self.objective,
+                                   solver=p.solver, prefer=prefer_micro_batches,
+                                   time_limit_s=p.time_limit_s, mip_gap=p.mip_gap)
+        if data is None:
+            return None
+        layers = tuple(s.layers for s in sols)
+        obj = data.w
+        if sizes is not None:
+            obj += self.grad_term(layers, sizes)
+        return Score(obj, tuple(s.z for s in sols), layers, data.micro_batches)
+
+
+def p2p_extras(problem: PlannerProblem, nodes: Sequence[int | None]) -> tuple[float, ...]:
+    """Per-stage p2p time per micro-batch: each stage pays both of its boundaries (receive its
+    input / send its gradient, send its output / receive its gradient), intra- or inter-node.
+    An unknown node (a placeholder) next to a known one counts as inter-node; two placeholders
+    side by side count as intra-node (`fill` puts consecutive normal groups on one node if it can)."""
+    c = problem.comm
+    if not (c.p2p_intra_node or c.p2p_inter_node):
+        return (0.0,) * len(nodes)
+
+    def edge(a: int | None, b: int | None) -> float:
+        same = (a is None and b is None) or (a is not None and a == b)
+        return c.p2p_intra_node if same else c.p2p_inter_node
+    s = len(nodes)
+    return tuple((edge(nodes[j - 1], nodes[j]) if j > 0 else 0.0) + (edge(nodes[j], nodes[j + 1]) if j < s - 1 else 0.0)
+                 for j in range(s))
+
+
+def template_classes(template: Template, specials: Sequence[Group]) -> list[list[tuple[float, int]]]:
+    return [[specials[g].cls if g != NORMAL else (1.0, 1) for g in pipe] for pipe in template]
+
+
+def score_template(scorer: Scorer, template: Template, specials: Sequence[Group], tp: int) -> Score | None:
+    full = scorer.objective == "full"
+    extras = [p2p_extras(scorer.problem, [specials[g].node if g != NORMAL else None for g in pipe])
+              for pipe in template] if full else None
+    sizes = [[specials[g].size if g != NORMAL else tp for g in pipe] for pipe in template] if full else None
+    return scorer.score(template_classes(template, specials), extras, sizes)
+
+
+# ----------------------------------------------------------------------------- generators
+MAX_STAGE_PLANS = 48
+
+
+def stage_plans(num_groups: int, num_pipelines: int, baseline_stages: int | None = None,
+                authors: bool = False, max_plans: int = MAX_STAGE_PLANS) -> list[tuple[int, ...]]:
+    """Non-increasing stage counts S_1 >= ... >= S_P in [q-1, q+r+1] (at least 1) summing to the
+    group count (§3.3 step 2); the authors use S0 everywhere when the group count allows it.
+
+    With many pipelines the authors' range explodes combinatorially (32 pipelines of ~4 stages
+    have ~10^8 such sequences), so ours keeps S_i <= q+2 and then the `max_plans` most balanced
+    sequences (least total deviation from the even split): stragglers need a few longer
+    pipelines, never a wildly uneven layout. The authors' mode enumerates their full range.
+    """
+    P = num_pipelines
+    if P < 1 or num_groups < P:
+        return []
+    if authors and baseline_stages is not None and num_groups == P * baseline_stages:
+        return [(baseline_stages,) * P]
+    q, r = divmod(num_groups, P)
+    lo, hi = max(1, q - 1), q + r + 1
+    if not authors:
+        hi = min(hi, q + 2)
+    out: list[tuple[int, ...]] = []
+
+    def rec(prefix: list[int], left: int, cap: int) -> None:
+        slots = P - len(prefix)
+        if slots == 0:
+            if left == 0:
+                out.append(tuple(prefix))
+            return
+        for v in range(min(cap, left - lo * (slots - 1)), lo - 1, -1):
+            if v * slots < left:
+                break
+            rec(prefix + [v], left - v, v)
+    rec([], num_groups, hi)
+    if authors or len(out) <= max_plans:
+        return out
+    mean = num_groups / P
+    return sorted(out, key=lambda S: (sum(abs(s - mean) for s in S), S))[:max_plans]
+
+
+def dfs_templates(specials: Sequence[Group], stages: Sequence[int], authors: bool = False,
+                  budget: list[int] | None = None) -> Iterator[Template]:
+    """The authors' template DFS for one stage plan (§3.3 step 3); `specials` sorted slowest first.
+
+    `budget` is a one-element list of remaining visits, shared across calls; TooManyTemplates is
+    raised when it runs out.
+    """
+    n, P = len(specials), len(stages)
+    ys = [g.rate for g in specials]
+    remaining_cap = [sum(stages[i:]) for i in range(P)] + [0]
+
+    def rec(i: int, left: tuple[int, ...], prev_count: int, prev_first: float, acc: list) -> Iterator[Template]:
+        if budget is not None:
+            budget[0] -= 1
+            if budget[0] < 0:
+                raise TooManyTemplates()
+        if i == P:
+            if not left:
+                yield tuple(acc)
+            return
+        sym = authors or (i > 0 and stages[i] == stages[i - 1])
+        max_c = min(stages[i], len(left), prev_count if sym and i > 0 else len(left))
+        seen: set = set()
+        for c in range(max_c, -1, -1):
+            if len(left) - c > remaining_cap[i + 1]:
+                break
+            for chosen in itertools.combinations(left, c):
+                if budget is not None:
+                    budget[0] -= 1
+                    if budget[0] < 0:
+                        raise TooManyTemplates()
+                if sym and i > 0 and c == prev_count and c >= 1 and ys[chosen[0]] > prev_first:
+                    continue
+                if not authors:
+                    sig = tuple(specials[g].cls for g in chosen)
+                    if sig in seen:
+                        continue
+                    seen.add(sig)
+                rest = tuple(g for g in left if g not in chosen)
+                pipe = tuple(chosen) + (NORMAL,) * (stages[i] - c)
+                yield from rec(i + 1, rest, c, ys[chosen[0]] if c else float("inf"), acc + [pipe])
+    yield from rec(0, tuple(range(n)), len(specials), float("inf"), [])
+
+
+def greedy_templates(specials: Sequence[Group], num_normal: int, num_pipelines: int) -> list[Template]:
+    """Balanced stage counts with special groups dealt out in a snake (slowest first), so every
+    pipeline gets a similar share of slow and fast groups. Two deals: plain, and with the stage
+    counts ordered so that pipelines holding more special groups also have more stages."""
+    n = len(specials) + num_normal
+    P = num_pipelines
+    if P < 1 or n < P:
+        return []
+    q, r = divmod(n, P)
+    stages = [q + 1 if i < r else q for i in range(P)]
+    out = []
+    for rev in (False, True):
+        st = stages[::-1] if rev else stages
+        lists: list[list[int]] = [[] for _ in range(P)]
+        order = list(range(P)) + list(range(P - 1, -1, -1))
+        pos = 0
+        for g in range(len(specials)):
+            for _ in range(2 * P):
+                i = order[pos % len(order)]
+                pos += 1
+                if len(lists[i]) < st[i]:
+                    lists[i].append(g)
+                    break
+        t = tuple(tuple(lists[i]) + (NORMAL,) * (st[i] - len(lists[i])) for i in range(P))
+        if t not in out:
+            out.append(t)
+    return out
+
+
+def improve(template: Template, specials: Sequence[Group], scorer: Scorer, tp: int,
+            max_evals: int = 200) -> tuple[Template, Score | None]:
+    """Bounded first-improvement local search: move one special group to another pipeline
+    (trading places with a placeholder), or swap two special groups of different pipelines."""
+    best = score_template(scorer, template, specials, tp)
+    evals = 0
+    improved = True
+
+    def canon(pipes: list[list[int]]) -> Template:
+        return tuple(tuple(sorted((g for g in p if g != NORMAL))) + (NORMAL,) * sum(g == NORMAL for g in p)
+                     for p in pipes)
+    while improved and evals < max_evals:
+        improved = False
+        pipes = [list(p) for p in template]
+        moves = []
+        for a, b in itertools.permutations(range(len(pipes)), 2):
+            for x in (g for g in pipes[a] if g != NORMAL):
+                if NORMAL in pipes[b]:
+                    moves.append((a, x, b, NORMAL))
+                for y in (g for g in pipes[b] if g != NORMAL and g > x):
+                    moves.append((a, x, b, y))
+        for a, x, b, y in moves:
+            if evals >= max_evals:
+                break
+            new = [list(p) for p in pipes]
+            new[a][new[a].index(x)] = y
+            new[b][new[b].index(y)] = x
+            cand = canon(new)
+            evals += 1
+            s = score_template(scorer, cand, specials, tp)
+            if s is not None and (best is None or s.objective < best.objective - 1e-9):
+                template, best, improved = cand, s, True
+                break
+    return template, best
+
+
+# ----------------------------------------------------------------------------- concrete groups
+def fill(template: Template, specials: Sequence[Group], normals: Sequence[Group],
+         layers: Sequence[Sequence[int]],
+         previous_ranges: Mapping[int, tuple[int, int]] | None = None) -> list[list[Group]]:
+    """Put concrete normal groups into the placeholders.
+
+    With a previous plan, each placeholder takes the free normal group whose devices already hold
+    most of the slot's new layer range (the authors' IoU fill, §3.3 step 5, measured in blocks
+    that stay in place); otherwise, and for ties, a group on the same node as the previous stage
+    (p2p locality), then the lowest node and device ids (determinism).
+    """
+    prev = previous_ranges or {}
+    free = sorted(normals, key=lambda g: (g.node, g.devices))
+    out: list[list[Group]] = []
+    for i, pipe in enumerate(template):
+        start, row = 0, []
+        for j, g in enumerate(pipe):
+            lo, hi = start, start + layers[i][j]
+            start = hi
+            if g != NORMAL:
+                row.append(specials[g])
+                continue
+            last_node = row[-1].node if row else None
+
+            def key(c: Group) -> tuple:
+                kept = sum(max(0, min(hi, prev[d][1]) - max(lo, prev[d][0])) for d in c.devices if d in prev)
+                return (-kept, c.node != last_node, c.node, c.devices)
+            pick = min(free, key=key)
+            free.remove(pick)
+            row.append(pick)
+        out.append(row)
+    return out

@@ -1,0 +1,458 @@
+"""The whole planner: the bi-level search of malleus.md §2, with the fixes of §3.6-3.7.
+
+Upper level: per node a small family of groupings (`grouping.node_options`); a combination of one
+option per node gives the set of groups; for each number of pipelines P in a small range, the
+groups are organised into pipelines (`organize`). Lower level: ILP-1 per pipeline and ILP-2
+(`lower`). Every combination is scored with the FULL lower level (fault 2 of §3.6), not a
+per-node proxy.
+
+Keeping it fast:
+  * dominated node options are removed (same group sizes, elementwise no faster);
+  * combinations are enumerated best-first by total capacity C = Σ_g 1/y_g, which gives the
+    lower bound M·L/C on every objective (z_i >= L / Σ_j 1/y_ij and w >= M / Σ_i 1/z_i); the
+    enumeration stops as soon as the bound cannot beat the incumbent (within the 0.5% band kept
+    for migration-aware tie-breaking when a previous plan is given);
+  * beam: at most `max_combinations(problem)` combinations are scored (all of them for small
+    clusters; fewer for large ones, in capacity order);
+  * ILP-1 is memoised on the pipeline signature (y, h, extra).
+
+Objectives ('paper', 'bubble', 'full') are those of `lower`; for 'full', z_ij includes the p2p
+time of the stage's boundaries (intra- or inter-node, `organize.p2p_extras`) and the objective
+adds max over stages of l_ij · grad_sync_per_block / |g_ij| after the max over pipelines. That
+coupling term is evaluated exactly (in `evaluate` and when choosing among finalists) but
+optimised only through the candidate search, not inside the ILPs.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Iterator, Sequence
+
+from ..plan import Pipeline, Plan, Stage
+from .grouping import Group, NodeOption, group_rate, make_group, node_options
+from .lower import layer_caps, solve_micro_batches
+from .organize import (NORMAL, Score, Scorer, Template, TooManyTemplates, dfs_templates, fill,
+                       greedy_templates, improve, p2p_extras, score_template, stage_plans)
+from .problem import OBJECTIVES, PlannerProblem
+
+NEAR_OPTIMAL = 0.005        # plans within 0.5% of the best compete on migration bytes
+DFS_BUDGET = 4000           # DFS visits per (combination, P) before switching to the greedy generator
+THOROUGH = 2                # best combinations (after the greedy pass) that also get the template DFS
+FINALISTS = 6               # organisations kept for concretisation
+
+
+class InfeasibleError(ValueError):
+    """No plan fits; the message says why and what would make it feasible."""
+
+
+@dataclass
+class PlannerResult:
+    plan: Plan
+    objective: float
+    ideal_objective: float
+    candidates: int                 # node-option combinations scored with the full lower level
+    solve_seconds: float
+    templates: int = 0              # pipeline organisations scored
+    ilp1_calls: int = 0             # ILP-1 solves actually run (after memoisation)
+    moved_bytes: float | None = None  # vs `previous`, when given
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(order=True)
+class _Finalist:
+    objective: float
+    order: int
+    template: Template = field(compare=False)
+    specials: tuple[Group, ...] = field(compare=False)
+    normals: tuple[Group, ...] = field(compare=False)
+    score: Score = field(compare=False)
+
+
+# ----------------------------------------------------------------------------- public API
+def plan(problem: PlannerProblem, previous: Plan | None = None) -> PlannerResult:
+    """The best plan for `problem`; with `previous`, among plans within 0.5% of the best objective
+    the one moving the fewest bytes (so an unchanged situation returns the previous plan)."""
+    t_start = time.perf_counter()
+    _check_problem(problem)
+    prev = previous if _compatible(problem, previous) else None
+    ctx = _PrevInfo(prev)
+    scorer = Scorer(problem)
+    per_node = [node_options(problem, n, ctx.groups, ctx.roles) for n in range(problem.num_nodes)]
+    fixed = [opts[0] for opts in per_node if len(opts) == 1]
+    varying = [opts for opts in per_node if len(opts) > 1]
+    band = NEAR_OPTIMAL if prev is not None else 0.0
+    finalists: list[_Finalist] = []
+    best = math.inf
+    combos = 0
+    templates = [0]
+    limit = max_combinations(problem, sum(len(o.groups) for o in fixed) + sum(len(v[0].groups) for v in varying))
+    base_capacity = sum(o.capacity for o in fixed)
+    screened: list[tuple[float, int, list[Group]]] = []
+    for choice in _best_first(varying):   # pass 1: every combination, greedy organisation
+        capacity = base_capacity + sum(o.capacity for o in choice)
+        if capacity <= 0 or lower_bound(problem, capacity) > best * (1 + band) + 1e-9:
+            break
+        if combos >= limit:
+            break
+        combos += 1
+        groups = [g for o in (*fixed, *choice) for g in o.groups]
+        fs = _organise(problem, scorer, groups, _pipeline_counts(problem, len(groups)), templates, thorough=False)
+        finalists.extend(fs)
+        v = min((f.objective for f in fs), default=math.inf)
+        best = min(best, v)
+        screened.append((v, combos, groups))
+    for v, _, groups in sorted(screened, key=lambda t: t[:2])[:THOROUGH]:   # pass 2: the DFS
+        if v < math.inf:
+            finalists.extend(_organise(problem, scorer, groups, _pipeline_counts(problem, len(groups)), templates))
+    finalists = sorted(finalists)[:FINALISTS]
+    if not finalists:
+        finalists = _fallback(problem, scorer, per_node, templates)
+    if not finalists:
+        raise InfeasibleError(_infeasibility_reason(problem, [g for o in per_node for g in o[0].groups]))
+    plans = [_concretise(problem, scorer, f, ctx) for f in finalists]
+    plans = [p for p in plans if p is not None]
+    if prev is not None:
+        plans += [p for p in (_reuse(problem, prev), _safe_rebalance(problem, prev)) if p is not None]
+    chosen, moved = _choose(problem, plans, prev)
+    ideal = ideal_objective(problem)
+    elapsed = time.perf_counter() - t_start
+    chosen = _finish(problem, chosen, ideal, elapsed, {"pipelines": len(chosen.pipelines), "candidates": combos})
+    return PlannerResult(chosen, chosen.objective_value, ideal, combos, elapsed, templates[0],
+                         scorer.ilp1_calls, moved)
+
+
+def evaluate(problem: PlannerProblem, plan: Plan) -> float:
+    """Objective of `plan` under `problem`'s rates (same definition as the planner's)."""
+    z, sizes, layers = [], [], []
+    for pipe in plan.pipelines:
+        nodes = [plan.node_of(s.devices[0]) for s in pipe.stages]
+        ex = p2p_extras(problem, nodes) if problem.objective == "full" else (0.0,) * len(nodes)
+        z.append(max(group_rate(problem, s.devices) * s.num_layers + e for s, e in zip(pipe.stages, ex)))
+        sizes.append([s.tp for s in pipe.stages])
+        layers.append([s.num_layers for s in pipe.stages])
+    if problem.objective == "paper":
+        w = max(p.micro_batches * zi for p, zi in zip(plan.pipelines, z))
+    else:
+        w = max((p.micro_batches + len(p.stages) - 1) * zi for p, zi in zip(plan.pipelines, z))
+    return w + Scorer(problem).grad_term(layers, sizes)
+
+
+def memory_violations(problem: PlannerProblem, plan: Plan) -> list[str]:
+    """Stages whose blocks exceed the memory cap of malleus.md §1.4 (empty = the plan fits)."""
+    out = []
+    for i, pipe in enumerate(plan.pipelines):
+        caps = layer_caps([problem.tp / s.tp for s in pipe.stages], problem.num_layers, problem.memory)
+        for j, (s, c) in enumerate(zip(pipe.stages, caps)):
+            if s.num_layers > c:
+                out.append(f"pipeline {i} stage {j}: {s.num_layers} blocks at TP {s.tp}, memory allows {c}")
+    return out
+
+
+def baseline_plan(problem: PlannerProblem) -> Plan:
+    """The healthy homogeneous dp×tp×pp layout (Megatron order), ignoring rates."""
+    dp, tp, pp, L, M = problem.dp, problem.tp, problem.pp, problem.num_layers, problem.num_micro_batches
+    if dp * tp * pp > problem.num_devices:
+        raise InfeasibleError(f"the baseline layout needs dp*tp*pp = {dp * tp * pp} devices, the cluster has "
+                              f"{problem.num_devices}")
+    base, rem = divmod(L, pp)
+    counts = [base + (1 if j >= pp - rem else 0) for j in range(pp)]
+    mb, mrem = divmod(M, dp)
+    pipes, used = [], set()
+    for i in range(dp):
+        stages, start = [], 0
+        for j in range(pp):
+            devs = tuple((i * pp + j) * tp + r for r in range(tp))
+            used.update(devs)
+            stages.append(Stage(devs, (start, start + counts[j])))
+            start += counts[j]
+        pipes.append(Pipeline(tuple(stages), mb + (1 if i < mrem else 0)))
+    clash = sorted(used & set(problem.excluded))
+    if clash:
+        raise InfeasibleError(f"the baseline layout needs devices {clash}, which are excluded")
+    rest = [d for d in range(problem.num_devices) if d not in used and d not in problem.excluded]
+    p = Plan(problem.num_devices, L, problem.micro_batch_size, tuple(pipes), tuple(rest),
+             tuple(sorted(problem.excluded)), problem.gpus_per_node, problem.objective)
+    return _finish(problem, p, None, 0.0, {"mode": "baseline"})
+
+
+def rebalance_data(problem: PlannerProblem, plan: Plan) -> Plan:
+    """Data-only re-balancing: same groups and layers, micro-batches re-solved (ILP-2)."""
+    z = []
+    for pipe in plan.pipelines:
+        nodes = [plan.node_of(s.devices[0]) for s in pipe.stages]
+        ex = p2p_extras(problem, nodes) if problem.objective == "full" else (0.0,) * len(nodes)
+        z.append(max(group_rate(problem, s.devices) * s.num_layers + e for s, e in zip(pipe.stages, ex)))
+    data = solve_micro_batches(z, [len(p.stages) for p in plan.pipelines], problem.num_micro_batches,
+                               problem.objective, solver=problem.solver,
+                               prefer=[p.micro_batches for p in plan.pipelines])
+    if data is None:
+        raise InfeasibleError(f"{problem.num_micro_batches} micro-batches cannot cover pipelines of "
+                              f"{[len(p.stages) for p in plan.pipelines]} stages (the 'paper' objective needs "
+                              f"m_i >= S_i): use a larger global batch or fewer stages")
+    pipes = tuple(replace(p, micro_batches=m) for p, m in zip(plan.pipelines, data.micro_batches))
+    return _finish(problem, replace(plan, pipelines=pipes), None, 0.0, {"mode": "rebalance_data"})
+
+
+def plan_without_split(problem: PlannerProblem, previous: Plan | None = None) -> PlannerResult:
+    """Layers and data re-planned with the groups kept whole (the previous plan's groups, else the
+    baseline's): no splitting, no suspension by the grouping, P fixed (stages given 0 blocks by
+    ILP-1 are still dropped)."""
+    t_start = time.perf_counter()
+    _check_problem(problem)
+    prev = previous if _compatible(problem, previous) else None
+    if prev is not None:
+        devsets = [s.devices for p in prev.pipelines for s in p.stages]
+        P = len(prev.pipelines)
+    else:
+        k = problem.tp
+        devsets = [tuple(range(s, s + k)) for s in range(0, problem.num_devices - k + 1, k)]
+        P = problem.dp
+    groups = [make_group(problem, d) for d in devsets if not set(d) & set(problem.excluded)]
+    scorer = Scorer(problem)
+    templates = [0]
+    finalists = sorted(_organise(problem, scorer, groups, [P], templates))[:FINALISTS]
+    if not finalists:
+        finalists = sorted(_organise(problem, scorer, groups, list(range(P - 1, 0, -1)), templates))[:FINALISTS]
+    if not finalists:
+        raise InfeasibleError(_infeasibility_reason(problem, groups))
+    ctx = _PrevInfo(prev)
+    plans = [p for p in (_concretise(problem, scorer, f, ctx) for f in finalists) if p is not None]
+    chosen, moved = _choose(problem, plans, prev)
+    ideal = ideal_objective(problem)
+    elapsed = time.perf_counter() - t_start
+    chosen = _finish(problem, chosen, ideal, elapsed, {"mode": "without_split"})
+    return PlannerResult(chosen, chosen.objective_value, ideal, 1, elapsed, templates[0], scorer.ilp1_calls, moved)
+
+
+def ideal_objective(problem: PlannerProblem) -> float:
+    """The best objective of the same cluster with every device healthy and none excluded."""
+    healthy = replace(problem, rates=(1.0,) * problem.num_devices, excluded=frozenset())
+    scorer = Scorer(healthy)
+    groups = [g for n in range(healthy.num_nodes) for o in node_options(healthy, n)[:1] for g in o.groups]
+    fs = _organise(healthy, scorer, groups, _pipeline_counts(healthy, len(groups)), [0])
+    return min((f.objective for f in fs), default=math.inf)
+
+
+def lower_bound(problem: PlannerProblem, capacity: float) -> float:
+    """M·L / Σ_g 1/y_g: no organisation of groups with this total capacity can do better."""
+    return problem.num_micro_batches * problem.num_layers / capacity
+
+
+def max_combinations(problem: PlannerProblem, num_groups: int) -> int:
+    """The beam: how many node-option combinations get the full lower level. All (up to 512) on
+    small clusters; on large ones the lower level costs more, so fewer, in capacity order."""
+    return max(8, min(512, 2000 // max(1, num_groups)))
+
+
+# ----------------------------------------------------------------------------- internals
+class _PrevInfo:
+    """What the previous plan says about each device: its group, TP slot and layer range."""
+
+    def __init__(self, prev: Plan | None):
+        self.plan = prev
+        self.groups: dict[int, tuple[int, ...]] = {}
+        self.roles: dict[int, tuple[int, int]] = {}
+        self.ranges: dict[int, tuple[int, int]] = {}
+        self.stage_layers: dict[frozenset, int] = {}
+        if prev is None:
+            return
+        for pipe in prev.pipelines:
+            for st in pipe.stages:
+                self.stage_layers[frozenset(st.devices)] = st.num_layers
+                for r, d in enumerate(st.devices):
+                    self.groups[d] = st.devices
+                    self.roles[d] = (r, st.tp)
+                    self.ranges[d] = st.layers
+
+
+def _check_problem(problem: PlannerProblem) -> None:
+    if len(problem.rates) != problem.num_devices:
+        raise ValueError(f"rates has {len(problem.rates)} entries, the cluster has {problem.num_devices} devices")
+    if problem.objective not in OBJECTIVES:
+        raise ValueError(f"objective {problem.objective!r} is not one of {OBJECTIVES}")
+    bad = [d for d, x in enumerate(problem.rates) if not (x > 0 and math.isfinite(x))]
+    if bad:
+        raise ValueError(f"rates must be positive and finite; devices {bad[:8]} are not")
+    if problem.tp & (problem.tp - 1) or problem.gpus_per_node % problem.tp:
+        raise ValueError(f"tp={problem.tp} must be a power of two dividing gpus_per_node={problem.gpus_per_node}")
+    if len(problem.tp_alpha) < problem.max_split + 1:
+        raise ValueError(f"tp_alpha needs {problem.max_split + 1} entries (group sizes {problem.tp}..1), "
+                         f"got {len(problem.tp_alpha)}")
+
+
+def _compatible(problem: PlannerProblem, prev: Plan | None) -> bool:
+    return (prev is not None and prev.num_devices == problem.num_devices
+            and prev.num_layers == problem.num_layers and prev.gpus_per_node == problem.gpus_per_node)
+
+
+def _best_first(varying: list[list[NodeOption]]) -> Iterator[tuple[NodeOption, ...]]:
+    """Combinations of one option per node in increasing total capacity loss (options are sorted
+    by capacity, descending). Each combination is reached by exactly one path that increments
+    node positions in non-decreasing order, so none is produced twice."""
+    n = len(varying)
+    loss = [[opts[0].capacity - o.capacity for o in opts] for opts in varying]
+    heap = [(0.0, (0,) * n, 0)]
+    while heap:
+        total, idx, last = heapq.heappop(heap)
+        yield tuple(varying[v][i] for v, i in enumerate(idx))
+        for v in range(last, n):
+            if idx[v] + 1 < len(varying[v]):
+                nxt = idx[:v] + (idx[v] + 1,) + idx[v + 1:]
+                heapq.heappush(heap, (total - loss[v][idx[v]] + loss[v][idx[v] + 1], nxt, v))
+
+
+def _pipeline_counts(problem: PlannerProblem, num_groups: int) -> list[int]:
+    """P values to try: the baseline dp, and with reshaping dp±1 and divisors of the group count
+    within a factor 2 of dp (those give equal stage counts)."""
+    dp = problem.dp
+    ps = {dp}
+    if problem.allow_reshape:
+        ps |= {dp - 1, dp + 1}
+        ps |= {d for d in range(max(1, dp // 2), 2 * dp + 1) if num_groups % d == 0}
+    return sorted((p for p in ps if 1 <= p <= num_groups), key=lambda p: (abs(p - dp), p))
+
+
+def _organise(problem: PlannerProblem, scorer: Scorer, groups: Sequence[Group], counts: Sequence[int],
+              templates: list[int], authors: bool = False, thorough: bool = True) -> list[_Finalist]:
+    """The best organisations of `groups` into P pipelines, for each P in `counts`: the template
+    DFS (`thorough`, falling back to greedy past its budget) or the greedy generator alone."""
+    # Slowest first (§3.3). The authors sort stably by rate alone (emission order: node, full
+    # groups, tail); we break ties by memory factor so that the groups needing the most memory
+    # per block sit deeper in the pipeline, where fewer micro-batches are in flight.
+    key = (lambda g: -g.rate) if authors else (lambda g: (-g.rate, g.h, g.node, g.devices))
+    specials = tuple(sorted((g for g in groups if not g.is_normal), key=key))
+    normals = tuple(g for g in groups if g.is_normal)
+    out: list[_Finalist] = []
+    for P in counts:
+        found: list[_Finalist] = []
+        budget = [DFS_BUDGET if thorough else -1]
+        try:
+            if not thorough:
+                raise TooManyTemplates()
+            for S in stage_plans(len(groups), P, problem.pp, authors=authors):
+                for t in dfs_templates(specials, S, authors=authors, budget=budget):
+                    templates[0] += 1
+                    s = score_template(scorer, t, specials, problem.tp)
+                    if s is not None:
+                        found.append(_Finalist(s.objective, len(found), t, specials, normals, s))
+        except TooManyTemplates:
+            for t0 in greedy_templates(specials, len(normals), P):
+                t, s = improve(t0, specials, scorer, problem.tp, max_evals=200 if thorough else 40)
+                templates[0] += 1
+                if s is not None:
+                    found.append(_Finalist(s.objective, len(found), t, specials, normals, s))
+        out.extend(sorted(found)[:FINALISTS])
+    return out
+
+
+def _fallback(problem: PlannerProblem, scorer: Scorer, per_node: list[list[NodeOption]],
+              templates: list[int]) -> list[_Finalist]:
+    """Nothing fit with the usual pipeline counts: try fewer pipelines (deeper pipelines hold
+    more blocks in total), best-capacity option per node."""
+    groups = [g for opts in per_node for g in opts[0].groups]
+    tried = set(_pipeline_counts(problem, len(groups)))
+    rest = [p for p in range(min(problem.dp, len(groups)), 0, -1) if p not in tried]
+    return sorted(_organise(problem, scorer, groups, rest, templates))[:FINALISTS]
+
+
+def _concretise(problem: PlannerProblem, scorer: Scorer, f: _Finalist, ctx: _PrevInfo) -> Plan | None:
+    """A finalist organisation as a Plan: concrete normal groups, layers re-solved with the exact
+    p2p terms ('full') and preferring the previous plan's layer counts, 0-block stages dropped."""
+    rows = fill(f.template, f.specials, f.normals, f.score.layers, ctx.ranges)
+    extras = [p2p_extras(problem, [g.node for g in row]) for row in rows] if problem.objective == "full" else None
+    prefer = [[ctx.stage_layers.get(frozenset(g.devices), l) for g, l in zip(row, ls)]
+              for row, ls in zip(rows, f.score.layers)] if ctx.plan is not None else None
+    prev_m = ([p.micro_batches for p in ctx.plan.pipelines]
+              if ctx.plan is not None and len(ctx.plan.pipelines) == len(rows) else None)
+    s = scorer.score([[g.cls for g in row] for row in rows], extras,
+                     [[g.size for g in row] for row in rows], prefer, prev_m)
+    if s is None:
+        return None
+    pipes = []
+    for row, ls, m in zip(rows, s.layers, s.micro_batches):
+        stages, start = [], 0
+        for g, l in zip(row, ls):
+            if l > 0:
+                stages.append(Stage(g.devices, (start, start + l)))
+                start += l
+        pipes.append(Pipeline(tuple(stages), m))
+    used = {d for p in pipes for d in p.devices}
+    suspended = tuple(d for d in range(problem.num_devices) if d not in used and d not in problem.excluded)
+    return Plan(problem.num_devices, problem.num_layers, problem.micro_batch_size, tuple(pipes), suspended,
+                tuple(sorted(problem.excluded)), problem.gpus_per_node, problem.objective)
+
+
+def _reuse(problem: PlannerProblem, prev: Plan) -> Plan | None:
+    """The previous plan as it is, if it is still valid (no excluded device in it, memory fits)."""
+    if set(prev.active_devices) & set(problem.excluded) or memory_violations(problem, prev):
+        return None
+    try:
+        return Plan(problem.num_devices, problem.num_layers, problem.micro_batch_size, prev.pipelines,
+                    tuple(d for d in range(problem.num_devices)
+                          if d not in prev.active_devices and d not in problem.excluded),
+                    tuple(sorted(problem.excluded)), problem.gpus_per_node, problem.objective)
+    except ValueError:
+        return None
+
+
+def _safe_rebalance(problem: PlannerProblem, prev: Plan) -> Plan | None:
+    p = _reuse(problem, prev)
+    if p is None:
+        return None
+    try:
+        return rebalance_data(problem, p)
+    except InfeasibleError:
+        return None
+
+
+def _choose(problem: PlannerProblem, plans: list[Plan], prev: Plan | None) -> tuple[Plan, float | None]:
+    """Best objective; with a previous plan, fewest moved bytes within the near-optimal band."""
+    scored = [(evaluate(problem, p), i, p) for i, p in enumerate(plans)]
+    best = min(v for v, _, _ in scored)
+    if prev is None:
+        v, _, p = min(scored, key=lambda t: (t[0], t[1]))
+        return p, None
+    near = [(Plan.diff(prev, p, problem.state_sizes).moved_bytes, v, i, p)
+            for v, i, p in scored if v <= best * (1 + NEAR_OPTIMAL) + 1e-9]
+    moved, _, _, p = min(near, key=lambda t: (t[0], t[1], t[2]))
+    return p, moved
+
+
+def _finish(problem: PlannerProblem, plan: Plan, ideal: float | None, seconds: float, extra: dict) -> Plan:
+    value = evaluate(problem, plan)
+    inputs = {"rates": {d: x for d, x in enumerate(problem.rates) if x != 1.0},
+              "objective": problem.objective, "dp": problem.dp, "tp": problem.tp, "pp": problem.pp,
+              "num_micro_batches": problem.num_micro_batches, "excluded": sorted(problem.excluded), **extra}
+    return replace(plan, objective=problem.objective, objective_value=value,
+                   predicted_iteration_seconds=value * problem.t0_seconds,
+                   ideal_iteration_seconds=None if ideal is None else ideal * problem.t0_seconds,
+                   solve_seconds=seconds, inputs=inputs)
+
+
+def _gb(mb: float) -> str:
+    return f"{mb / 1000:.1f} GB"
+
+
+def _infeasibility_reason(problem: PlannerProblem, groups: Sequence[Group]) -> str:
+    """Why nothing fits, with the numbers, and what would help."""
+    mem = problem.memory
+    k = problem.tp
+    limit = mem.gpu_memory_mb - mem.safety_margin_mb
+    one_block = mem.per_layer_mb(1) + mem.embedding_mb + mem.reserved_mb
+    if one_block > limit:
+        return (f"the smallest stage needs {_gb(one_block)} per device (1 block at TP {k} with 1 micro-batch in "
+                f"flight + embedding + {_gb(mem.reserved_mb)} reserved), devices have {_gb(limit)} usable "
+                f"({_gb(mem.gpu_memory_mb)} minus {_gb(mem.safety_margin_mb)} margin): use a larger tp, or "
+                f"devices with more memory")
+    if not groups:
+        return "no device is available (all excluded or too slow): add devices or lower the exclusions"
+    hs = [g.h for g in sorted(groups, key=lambda g: g.h)]
+    caps = layer_caps([float(h) for h in hs], problem.num_layers, mem)
+    deepest = mem.per_layer_mb(len(hs)) + mem.embedding_mb + mem.reserved_mb
+    return (f"the model has {problem.num_layers} blocks but all {len(groups)} usable groups together hold at most "
+            f"{sum(caps)} in one pipeline of {len(hs)} stages (the first stage needs {_gb(deepest)} per device "
+            f"for 1 block at TP {k} with {len(hs)} micro-batches in flight + embedding; devices have "
+            f"{_gb(limit)} usable): use a larger tp, fewer pipeline stages in flight, more devices, or devices "
+            f"with more memory")

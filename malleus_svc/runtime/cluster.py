@@ -1,0 +1,315 @@
+"""`WorkerGroup`: the set of device actors of one job, their placement, world and steps.
+
+Placement. A plan numbers devices node-major (device d is on node d // gpus_per_node) and keeps
+each TP group inside one node, so the group reserves ONE placement group PER LOGICAL NODE with the
+STRICT_PACK strategy: node n's devices land together on one Ray node (their TP and intra-node
+traffic stays local), while different logical nodes may share a Ray node (a laptop emulating two
+nodes) or not. A single PACK placement group would only *prefer* co-location and could split a
+logical node across machines.
+
+Resources. On GPUs each bundle is {GPU: 1, CPU: 1} and workers use nccl. On CPU each bundle is
+{CPU: cpus_per_worker}; by default 1.0 when the cluster declares at least one CPU per device,
+otherwise the cluster's CPUs shared evenly (fractional). A local cluster started by this package
+(`start_local_ray`) declares max(cores, devices + 1) logical CPUs, so 8 one-CPU workers fit on a
+2-core laptop: the OS time-slices the real cores (which is why compute is timed per thread, see
+DESIGN.md "Measuring on a machine with fewer cores than devices").
+
+World. Rank = device id, world size = plan.num_devices (all devices, suspended included, so a
+re-plan never needs a new world). Rank 0 picks its node IP and a free port; every worker then
+calls init_process_group(tcp://ip:port) concurrently. A port lost to a race is retried.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from malleus_svc.plan import Plan
+
+from .data import split_for_plan
+from .worker import WORKER
+
+log = logging.getLogger(__name__)
+
+
+class WorkerGroupError(RuntimeError):
+    """The group cannot be placed, initialised or stepped; the message says which device and why."""
+
+
+def start_local_ray(num_devices: int, **kwargs: Any) -> dict:
+    """ray.init() for a single machine with enough logical CPUs for one CPU per worker (see above)."""
+    num_cpus = max(os.cpu_count() or 1, num_devices + 1)
+    kwargs.setdefault("include_dashboard", False)
+    kwargs.setdefault("log_to_driver", True)
+    return ray.init(num_cpus=num_cpus, **kwargs)
+
+
+@dataclass
+class StepRecord:
+    step: int
+    plan_id: str
+    loss: float
+    loss_tokens: int
+    tokens: int
+    samples: int
+    iteration_seconds: float
+    grad_norm: float | None
+    devices: dict[int, dict[str, Any]] = field(default_factory=dict)   # device -> its StepStats + extras
+    sample_ids: list[list[int]] = field(default_factory=list)          # per pipeline, as the workers saw them
+
+    def metrics(self) -> dict[str, Any]:
+        """One JSON-able line for --metrics-out."""
+        def per(key):
+            return {str(d): s.get(key) for d, s in sorted(self.devices.items())}
+        return {
+            "step": self.step, "plan_id": self.plan_id, "loss": self.loss, "loss_tokens": self.loss_tokens,
+            "tokens": self.tokens, "samples": self.samples, "iteration_seconds": self.iteration_seconds,
+            "tokens_per_second": self.tokens / self.iteration_seconds if self.iteration_seconds > 0 else None,
+            "grad_norm": self.grad_norm,
+            "compute_seconds": per("compute_seconds"), "wall_seconds": per("wall_seconds"),
+            "comm_seconds": per("comm_seconds"), "slowdown": per("slowdown"),
+        }
+
+
+class WorkerGroup:
+    """One actor per device; see the module docstring for placement and the world."""
+
+    def __init__(self, num_devices: int, gpus_per_node: int, *, use_gpu: bool | None = None,
+                 cpus_per_worker: float | None = None, timeout_s: float = 120.0, name: str = "malleus"):
+        if num_devices < 1 or gpus_per_node < 1:
+            raise WorkerGroupError(f"need num_devices >= 1 and gpus_per_node >= 1, got {num_devices}, {gpus_per_node}")
+        if not ray.is_initialized():
+            raise WorkerGroupError("Ray is not initialised: call ray.init() (or start_local_ray) first")
+        self.num_devices, self.gpus_per_node = num_devices, gpus_per_node
+        self.timeout_s, self.name = timeout_s, name
+        res = ray.cluster_resources()
+        self.use_gpu = res.get("GPU", 0) >= num_devices if use_gpu is None else use_gpu
+        if self.use_gpu and res.get("GPU", 0) < num_devices:
+            raise WorkerGroupError(f"{num_devices} devices need {num_devices} GPUs; the Ray cluster has {res.get('GPU', 0):g}")
+        if cpus_per_worker is None:
+            cpus = res.get("CPU", 0)
+            cpus_per_worker = 1.0 if self.use_gpu or cpus >= num_devices else math.floor(100 * cpus / num_devices) / 100
+        if cpus_per_worker <= 0:
+            raise WorkerGroupError(f"the Ray cluster has {res.get('CPU', 0):g} CPUs, too few for {num_devices} workers; "
+                                   "start it with more (logical) CPUs, e.g. ray start --num-cpus N")
+        self.cpus_per_worker = cpus_per_worker
+        self.placement_groups: list = []
+        self.workers: list = []
+        self.infos: list[dict] = []
+        self.backend: str | None = None
+        self.rendezvous: str | None = None   # tcp://ip:port of the torch.distributed store
+        self.plan: Plan | None = None
+        self.dataset = None      # the driver's copy: lengths for token counts, never shipped
+        self.data_mode: str | None = None
+        self.seq_len: int | None = None
+        self._step = 0
+        self._started = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> "WorkerGroup":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def start(self) -> "WorkerGroup":
+        try:
+            self._place()
+            self._spawn()
+            self._init_world()
+        except BaseException:
+            self.shutdown()
+            raise
+        self._started = True
+        return self
+
+    def _bundle(self) -> dict[str, float]:
+        return {"CPU": 1.0, "GPU": 1.0} if self.use_gpu else {"CPU": self.cpus_per_worker}
+
+    def _place(self) -> None:
+        nodes = math.ceil(self.num_devices / self.gpus_per_node)
+        for n in range(nodes):
+            k = min(self.gpus_per_node, self.num_devices - n * self.gpus_per_node)
+            self.placement_groups.append(placement_group([self._bundle()] * k, strategy="STRICT_PACK",
+                                                         name=f"{self.name}-node{n}"))
+        for n, pg in enumerate(self.placement_groups):
+            if not pg.wait(timeout_seconds=self.timeout_s):
+                raise WorkerGroupError(
+                    f"placement group for logical node {n} ({len(pg.bundle_specs)} bundles of {self._bundle()}, "
+                    f"all on one Ray node) was not placed within {self.timeout_s:g} s; the cluster has "
+                    f"{ray.available_resources()} available. Lower gpus_per_node or add resources.")
+
+    def _spawn(self) -> None:
+        for d in range(self.num_devices):
+            pg = self.placement_groups[d // self.gpus_per_node]
+            opts = dict(
+                num_cpus=self._bundle()["CPU"], num_gpus=1 if self.use_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=d % self.gpus_per_node),
+                max_restarts=0,  # a lost device is the coordinator's decision, not a silent restart
+            )
+            self.workers.append(WORKER.options(**opts).remote(d, self.use_gpu))
+        self.infos = self._get([w.info.remote() for w in self.workers], "start")
+
+    def _init_world(self, attempts: int = 3) -> None:
+        last: Exception | None = None
+        for _ in range(attempts):
+            addr, port = ray.get(self.workers[0].pick_port.remote(), timeout=self.timeout_s)
+            refs = [w.init_world.remote(addr, port, self.num_devices, self.timeout_s) for w in self.workers]
+            try:
+                self.backend = self._get(refs, f"init_world tcp://{addr}:{port}")[0]
+                self.rendezvous = f"tcp://{addr}:{port}"
+                return
+            except WorkerGroupError as e:  # most likely the port was taken between pick and bind
+                last = e
+                # A half-initialised world cannot be re-entered: close what did come up and retry.
+                ray.get([w.close.remote() for w in self.workers], timeout=self.timeout_s)
+        raise WorkerGroupError(f"torch.distributed rendezvous failed {attempts} times: {last}")
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            try:
+                ray.kill(w)
+            except Exception:  # already dead: nothing to release
+                pass
+        for pg in self.placement_groups:
+            try:
+                remove_placement_group(pg)
+            except Exception:
+                pass
+        self.workers, self.placement_groups, self._started = [], [], False
+
+    # ------------------------------------------------------------------ data and plan
+    def set_data(self, spec: dict, mode: str, seq_len: int) -> int:
+        """Every worker builds the dataset from `spec` once (steps then ship only sample ids)."""
+        from .datasets import build_dataset
+
+        self.dataset = build_dataset(spec)
+        self.data_mode, self.seq_len = mode, int(seq_len)
+        sizes = self._get([w.set_data.remote(spec, mode, seq_len) for w in self.workers], "set_data")
+        if any(n != len(self.dataset) for n in sizes):
+            raise WorkerGroupError(f"workers built datasets of sizes {sorted(set(sizes))}, the driver {len(self.dataset)}: "
+                                   "the dataset must be the same everywhere (same files, same spec)")
+        return len(self.dataset)
+
+    def check_plan(self, plan: Plan, shape) -> None:
+        if plan.num_devices != self.num_devices:
+            raise WorkerGroupError(f"plan {plan.plan_id} is for {plan.num_devices} devices, this job has "
+                                   f"{self.num_devices} (nodes x gpus_per_node)")
+        if plan.num_layers != shape.layers:
+            raise WorkerGroupError(f"plan {plan.plan_id} covers {plan.num_layers} layers, the model has {shape.layers}")
+        if plan.gpus_per_node != self.gpus_per_node:
+            raise WorkerGroupError(f"plan {plan.plan_id} assumes {plan.gpus_per_node} devices per node, this job has "
+                                   f"{self.gpus_per_node}")
+
+    def apply_plan(self, plan: Plan, shape, *, seed: int = 0, optim=None) -> list[dict]:
+        """Every worker builds its Engine for `plan` (fresh parameters from `seed`); devices without
+        work build none. All workers take part, because building an Engine creates process groups."""
+        from .engine import OptimConfig, validate_plan_for_model
+
+        self.check_plan(plan, shape)
+        try:  # fail here, not in one worker while the others wait for it in new_group
+            validate_plan_for_model(shape, plan)
+        except ValueError as e:
+            raise WorkerGroupError(f"plan {plan.plan_id} cannot run this model: {e}") from None
+        optim = optim or OptimConfig()
+        d = plan.to_dict()
+        out = self._get([w.apply_plan.remote(shape, d, seed, optim) for w in self.workers], "apply_plan")
+        self.plan = plan
+        return out
+
+    # ------------------------------------------------------------------ steps
+    def count_tokens(self, ids: Sequence[int]) -> tuple[int, int]:
+        """(input tokens, loss tokens) of these samples under the collate mode, from lengths alone."""
+        lengths = getattr(self.dataset, "lengths", None)
+        if lengths is None:  # a dataset without a length table: collate to count
+            from .datasets import collate
+            mb = collate(self.dataset, list(ids), self.data_mode, self.seq_len)
+            return mb.num_tokens, mb.num_loss_tokens
+        loss = int(sum(int(lengths[i]) - 1 for i in ids))
+        tokens = len(ids) * self.seq_len if self.data_mode == "pad" else loss
+        return tokens, loss
+
+    def step(self, sample_ids: Sequence[int]) -> StepRecord:
+        """One iteration on the global batch `sample_ids` under the applied plan."""
+        if self.plan is None or self.dataset is None:
+            raise WorkerGroupError("apply_plan and set_data must run before step")
+        plan = self.plan
+        t0 = time.perf_counter()
+        splits = split_for_plan(sample_ids, plan)
+        tokens, loss_tokens = self.count_tokens(sample_ids)
+        roles = plan.roles()
+        devices = sorted(roles)
+        refs = [self.workers[d].train_step.remote(splits[roles[d].pipeline], loss_tokens) for d in devices]
+        results = self._get(refs, f"train_step {self._step}", devices=devices)
+        dt = time.perf_counter() - t0
+        per = {r["device"]: r for r in results}
+        # Per pipeline, what its first stage's TP rank 0 actually trained on (every rank of the
+        # pipeline collates the same list; the test audits this, not the driver's intention).
+        seen = []
+        for i, pipe in enumerate(plan.pipelines):
+            seen.append([s for mb in per[pipe.stages[0].devices[0]]["sample_ids"] for s in mb])
+        loss = _global_loss(plan, per)
+        gn = per[devices[0]].get("grad_norm")
+        rec = StepRecord(step=self._step, plan_id=plan.plan_id, loss=loss, loss_tokens=loss_tokens,
+                         tokens=tokens, samples=len(sample_ids), iteration_seconds=dt,
+                         grad_norm=None if gn is None else float(gn),
+                         devices=per,
+                         sample_ids=seen)
+        self._step += 1
+        return rec
+
+    # ------------------------------------------------------------------ state and control
+    def export_states(self) -> dict[int, Any]:
+        if self.plan is None:
+            raise WorkerGroupError("no plan applied: nothing to export")
+        active = sorted(self.plan.roles())
+        states = self._get([self.workers[d].export_state.remote() for d in active], "export_state", devices=active)
+        return dict(zip(active, states))
+
+    def full_state(self):
+        """The whole model's parameters and optimizer state, assembled from every worker's slice."""
+        from .engine import assemble_full
+
+        return assemble_full(list(self.export_states().values()))
+
+    def set_slowdown(self, device: int, factor: float) -> float:
+        """Emulation only (straggler.py). Served by the worker's control thread, so it works mid-step."""
+        return ray.get(self.workers[device].set_slowdown.remote(factor), timeout=self.timeout_s)
+
+    def set_slowdowns(self, factors: dict[int, float]) -> None:
+        ray.get([self.workers[d].set_slowdown.remote(f) for d, f in factors.items()], timeout=self.timeout_s)
+
+    # ------------------------------------------------------------------ helpers
+    def _get(self, refs: list, what: str, devices: Sequence[int] | None = None) -> list:
+        """ray.get that names the failing device and does not hang on the others (which would wait in
+        a collective for the failed one until the torch.distributed timeout)."""
+        devices = list(range(len(refs))) if devices is None else list(devices)
+        index = {r: i for i, r in enumerate(refs)}
+        pending, deadline = list(refs), time.monotonic() + self.timeout_s + 30
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise WorkerGroupError(f"{what}: devices {[devices[index[r]] for r in pending]} did not answer "
+                                       f"within {self.timeout_s + 30:g} s")
+            try:
+                ray.get(ready[0])
+            except Exception as e:
+                raise WorkerGroupError(f"{what} failed on device {devices[index[ready[0]]]}: {e}") from e
+        return ray.get(refs)
+
+
+def _global_loss(plan: Plan, per: dict[int, dict]) -> float:
+    """The global batch's mean loss. The Engine all-reduces it over the active devices
+    (`global_loss`, the same everywhere); `loss` is only each pipeline's share on its last stage."""
+    any_device = per[min(per)]
+    if "global_loss" in any_device:
+        return float(any_device["global_loss"])
+    return sum(float(per[p.stages[-1].devices[0]]["loss"]) for p in plan.pipelines)

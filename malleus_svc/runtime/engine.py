@@ -1,0 +1,404 @@
+"""The engine that runs one device's share of a plan for one training step, exactly.
+
+Exact means: the update equals the one a single process computes on the whole global batch.
+Three things make it so:
+  * loss weighting: each micro-batch's loss is its summed token cross-entropy divided by the
+    GLOBAL batch's loss-token count, and pipelines are summed, never averaged (Malleus fault 7);
+  * gradient reduction: every piece of every tensor (the finest common partition of its holders'
+    TP shards, see groups.py) is summed once over the pipelines, one holder per pipeline;
+  * clipping by the norm over unique elements, each piece counted by exactly one device.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from malleus_svc.config.presets import ModelShape
+from malleus_svc.plan import Plan
+from malleus_svc.runtime.batch import IGNORE_INDEX, MicroBatch
+from malleus_svc.runtime.groups import Groups, Piece, ordered_group_ranks
+from malleus_svc.runtime.model import (StageModel, full_shape_of, part_tensor_names, shard_range,
+                                       shard_spec, tp_divisibility_error)
+from malleus_svc.runtime.schedule import StageTransport, one_f_one_b
+
+# Keys of optimizer state in the flat dicts of assemble_full() and reference_train().
+EXP_AVG, EXP_AVG_SQ, STEP = ":exp_avg", ":exp_avg_sq", ":step"
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float | None = 1.0   # max global grad norm; None or <= 0: no clipping
+
+    def make(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.AdamW:
+        return torch.optim.AdamW(list(params), lr=self.lr, betas=self.betas, eps=self.eps,
+                                 weight_decay=self.weight_decay)
+
+
+@dataclass
+class StepStats:
+    loss: float              # this pipeline's share of the global loss (last stage; 0 elsewhere)
+    loss_tokens: int         # loss tokens in this pipeline's micro-batches
+    grad_norm: float         # global gradient norm before clipping
+    compute_seconds: float   # this device's forward/backward compute (thread CPU time on CPU)
+    wall_seconds: float
+    comm_seconds: float      # wall time waiting in p2p and collectives
+    global_loss: float = 0.0  # the whole global batch's mean loss, the same on every active device
+
+
+@dataclass(frozen=True)
+class ShardState:
+    """One device's slice of one tensor: rows [start, end) along `dim` of the full tensor.
+
+    Replicated tensors have dim None and the whole tensor (start 0, end full_shape[0]).
+    exp_avg / exp_avg_sq are zeros and step 0 before the first optimizer step.
+    """
+
+    dim: int | None
+    start: int
+    end: int
+    param: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: int
+    full_shape: tuple[int, ...]
+
+
+def validate_plan_for_model(shape: ModelShape, plan: Plan) -> None:
+    """Raise ValueError if this model cannot run under this plan."""
+    if plan.num_layers != shape.layers:
+        raise ValueError(f"plan {plan.plan_id} has {plan.num_layers} layers, the model has {shape.layers}")
+    for i, pipe in enumerate(plan.pipelines):
+        for j, st in enumerate(pipe.stages):
+            err = tp_divisibility_error(shape, st.tp)
+            if err:
+                raise ValueError(f"pipeline {i} stage {j} (devices {list(st.devices)}): {err}")
+
+
+def _check_rank(plan: Plan, rank: int) -> None:
+    if not 0 <= rank < plan.num_devices:
+        raise ValueError(f"rank {rank} is not a device of plan {plan.plan_id} (devices 0..{plan.num_devices - 1})")
+    for kind, devices in (("suspended", plan.suspended), ("excluded", plan.excluded)):
+        if rank in devices:
+            raise ValueError(f"rank {rank} is {kind} in plan {plan.plan_id}: it has no work, "
+                             "so it builds no Engine")
+
+
+class _ComputeClock:
+    """Seconds of this device's own compute: thread CPU time on CPU, synchronised wall time on CUDA."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return time.thread_time()
+
+
+class GradientSync:
+    """Sums each gradient piece over the pipelines holding it, and measures the global norm.
+
+    Sharded pieces: flattened into one buffer per group (same order on every member, since every
+    member walks the same pieces in plan order) and all-reduced among one holder per pipeline.
+    Replicated tensors: all-reduced among the TP-rank-0 holders, then broadcast in the TP group.
+    """
+
+    def __init__(self, groups: Groups, params: Mapping[str, torch.nn.Parameter], shape: ModelShape):
+        self.groups, self.rank = groups, groups.rank
+        r, t = groups.tp.rank, groups.tp.size
+        self.buckets: dict[tuple[int, ...], list[tuple[str, int | None, int, int]]] = {}
+        self.norm_items: list[tuple[str, int | None, int, int]] = []
+        self.broadcast_items: list[tuple[str, int | None, int, int]] = []
+        sharded, replicated = groups.local_pieces()
+
+        def add(piece: Piece, item) -> None:
+            if len(set(piece.members)) > 1:
+                self.buckets.setdefault(tuple(sorted(piece.members)), []).append(item)
+            if piece.members[0] == self.rank:
+                self.norm_items.append(item)
+
+        for piece in sharded:
+            for name in part_tensor_names(piece.part):
+                dim = shard_spec(name)
+                if dim is None:
+                    continue
+                full = full_shape_of(shape, name)[dim]
+                offset = r * full // t
+                lo, hi = piece.start * full - offset, piece.end * full - offset
+                add(piece, (name, dim, int(lo), int(hi)))
+        for piece in replicated:
+            for name in part_tensor_names(piece.part):
+                if shard_spec(name) is not None:
+                    continue
+                item = (name, None, 0, 0)
+                if self.rank in piece.members:
+                    add(piece, item)
+                if t > 1 and len(piece.members) > 1:
+                    self.broadcast_items.append(item)
+        self.order = [k for k in ordered_group_ranks(groups.plan) if k in self.buckets]
+        self.params = params
+
+    def _view(self, item) -> torch.Tensor:
+        name, dim, lo, hi = item
+        g = self.params[name].grad
+        return g if dim is None else g.narrow(dim, lo, hi - lo)
+
+    def _collective(self, items, op: Callable[[torch.Tensor], None]) -> None:
+        views = [self._view(it) for it in items]
+        flat = torch.cat([v.reshape(-1) for v in views])
+        op(flat)
+        offset = 0
+        for v in views:
+            n = v.numel()
+            v.copy_(flat[offset:offset + n].view_as(v))
+            offset += n
+
+    def reduce(self) -> None:
+        for key in self.order:  # one global order on every rank: no cycle of waiting groups
+            group = self.groups.group(key)
+            self._collective(self.buckets[key], lambda f: dist.all_reduce(f, group=group))
+        if self.broadcast_items:
+            tp_group, src = self.groups.tp.group, self.groups.stage_devices[0]
+            self._collective(self.broadcast_items, lambda f: dist.broadcast(f, src=src, group=tp_group))
+
+    def local_square_norm(self) -> float:
+        """Sum of squares of the pieces this device counts (each unique element exactly once)."""
+        total = 0.0
+        for item in self.norm_items:
+            total += float(self._view(item).double().pow(2).sum())
+        return total
+
+
+class Engine:
+    """One device's share of a plan: its stage model, optimizer, groups and transport."""
+
+    def __init__(self, shape: ModelShape, plan: Plan, rank: int, *, seed: int = 0,
+                 optim: OptimConfig = OptimConfig(), device: torch.device | None = None,
+                 after_compute: Callable[[float], None] | None = None, dtype: torch.dtype = torch.float32):
+        validate_plan_for_model(shape, plan)
+        _check_rank(plan, rank)
+        self.shape, self.plan, self.rank, self.optim = shape, plan, rank, optim
+        self.device = device or (torch.device("cuda", torch.cuda.current_device())
+                                 if torch.cuda.is_available() else torch.device("cpu"))
+        self.after_compute = after_compute
+        self.groups = Groups(plan, rank)
+        self.role = self.groups.role
+        self.num_stages = len(plan.pipelines[self.role.pipeline].stages)
+        self.model = StageModel(shape, self.role.layers, has_embedding=self.role.is_first,
+                                has_head=self.role.is_last, tp=self.groups.tp)
+        self.model.init_from_seed(seed)
+        self.model.to(device=self.device, dtype=dtype)
+        self.params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
+        self.optimizer = optim.make(self.params.values())
+        self.grad_sync = GradientSync(self.groups, self.params, shape)
+        self.transport = StageTransport(self.groups.peers, self.device, dtype)
+        self._clock = _ComputeClock(self.device)
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self, micro_batches: list[MicroBatch], loss_tokens: int) -> StepStats:
+        expected = self.plan.pipelines[self.role.pipeline].micro_batches
+        if len(micro_batches) != expected:
+            raise ValueError(f"pipeline {self.role.pipeline} runs {expected} micro-batches under plan "
+                             f"{self.plan.plan_id}, got {len(micro_batches)}")
+        if loss_tokens < 1:
+            raise ValueError(f"loss_tokens must count the global batch's loss tokens (>= 1), got {loss_tokens}")
+        wall0 = time.perf_counter()
+        self.transport.comm_seconds = self.groups.tp.comm_seconds = 0.0
+        self._compute = 0.0
+        self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._inflight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.optimizer.zero_grad(set_to_none=False)
+        for p in self.params.values():  # every parameter gets a gradient buffer, even if unused
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+        for kind, i in one_f_one_b(self.num_stages, self.role.stage, len(micro_batches)):
+            if kind == "F":
+                self._forward(i, micro_batches[i], loss_tokens)
+            else:
+                self._backward(i)
+        self.transport.finish()
+
+        comm0 = time.perf_counter()
+        self.grad_sync.reduce()
+        local_loss = self._loss if (self.role.is_last and self.role.tp_rank == 0) else torch.zeros_like(self._loss)
+        totals = torch.stack([torch.tensor(self.grad_sync.local_square_norm(), dtype=torch.float64,
+                                           device=self.device), local_loss])
+        if self.groups.active is not None:
+            dist.all_reduce(totals, group=self.groups.active)
+        comm = time.perf_counter() - comm0
+        grad_norm = float(totals[0].sqrt())
+        self._clip(grad_norm)
+        self.optimizer.step()
+
+        return StepStats(
+            loss=float(self._loss) if self.role.is_last else 0.0,
+            loss_tokens=sum(mb.num_loss_tokens for mb in micro_batches),
+            grad_norm=grad_norm,
+            compute_seconds=self._compute,
+            wall_seconds=time.perf_counter() - wall0,
+            comm_seconds=comm + self.transport.comm_seconds + self.groups.tp.comm_seconds,
+            global_loss=float(totals[1]),
+        )
+
+    def _autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _timed(self, start: float) -> None:
+        seconds = self._clock.now() - start
+        self._compute += seconds
+        if self.after_compute is not None:
+            self.after_compute(seconds)
+
+    def _forward(self, i: int, mb: MicroBatch, loss_tokens: int) -> None:
+        positions = mb.positions().to(self.device)
+        if self.role.is_first:
+            x = mb.tokens.to(self.device)
+        else:
+            x = self.transport.recv_activation((mb.num_tokens, self.shape.hidden), i).requires_grad_(True)
+        start = self._clock.now()
+        with self._autocast():
+            out = self.model(x, positions, mb.cu_seqlens)
+        if self.role.is_last:
+            # summed over tokens, divided by the GLOBAL count: sums to the global mean (fault 7)
+            logits = out.to(torch.promote_types(out.dtype, torch.float32))
+            out = F.cross_entropy(logits, mb.targets.to(self.device), ignore_index=IGNORE_INDEX,
+                                  reduction="sum") / loss_tokens
+            self._loss += out.detach().double()
+        self._timed(start)
+        self._inflight[i] = (x, out)
+        if not self.role.is_last:
+            self.transport.send_activation(out, i)
+
+    def _backward(self, i: int) -> None:
+        x, out = self._inflight.pop(i)
+        grad = None if self.role.is_last else self.transport.recv_gradient(tuple(out.shape), i).to(out.dtype)
+        start = self._clock.now()
+        torch.autograd.backward(out, grad)
+        self._timed(start)
+        if not self.role.is_first:
+            self.transport.send_gradient(x.grad, i)
+
+    def _clip(self, grad_norm: float) -> None:
+        clip = self.optim.grad_clip
+        if clip is None or clip <= 0:
+            return
+        # the same rule as torch.nn.utils.clip_grad_norm_
+        coef = min(clip / (grad_norm + 1e-6), 1.0)
+        for p in self.params.values():
+            p.grad.mul_(coef)
+
+    # ------------------------------------------------------------------ state in and out
+    def _shard_bounds(self, name: str) -> tuple[int | None, int, int, tuple[int, ...]]:
+        full = full_shape_of(self.shape, name)
+        dim = shard_spec(name)
+        if dim is None:
+            return None, 0, full[0], full
+        start, end = shard_range(full[dim], self.groups.tp.rank, self.groups.tp.size)
+        return dim, start, end, full
+
+    def export_state(self) -> dict[str, ShardState]:
+        """Every tensor this device holds, with its Adam moments, as CPU copies."""
+        out = {}
+        for name, p in self.params.items():
+            dim, start, end, full = self._shard_bounds(name)
+            state = self.optimizer.state.get(p, {})
+            exp_avg = state.get("exp_avg", torch.zeros_like(p))
+            exp_avg_sq = state.get("exp_avg_sq", torch.zeros_like(p))
+            out[name] = ShardState(dim, start, end, p.detach().cpu().clone(), exp_avg.detach().cpu().clone(),
+                                   exp_avg_sq.detach().cpu().clone(), int(state.get("step", 0)), full)
+        return out
+
+    def load_state(self, states: Mapping[str, ShardState]) -> None:
+        """Take this device's shards out of `states` (each may cover more than the shard, e.g. the full tensor)."""
+        missing = [n for n in self.params if n not in states]
+        if missing:
+            raise ValueError(f"rank {self.rank}: no state given for {missing}")
+        for name, p in self.params.items():
+            dim, start, end, full = self._shard_bounds(name)
+            st = states[name]
+            if tuple(st.full_shape) != full:
+                raise ValueError(f"{name}: state is of a tensor of shape {tuple(st.full_shape)}, the model's is {full}")
+            if st.dim != dim or not (st.start <= start and end <= st.end):
+                raise ValueError(f"{name}: state covers rows [{st.start}, {st.end}) of dim {st.dim}, "
+                                 f"rank {self.rank} needs [{start}, {end}) of dim {dim}")
+
+            def cut(t: torch.Tensor) -> torch.Tensor:
+                return t if dim is None else t.narrow(dim, start - st.start, end - start)
+
+            with torch.no_grad():
+                p.copy_(cut(st.param).to(p.device))
+            if st.step > 0:
+                self.optimizer.state[p] = {
+                    "step": torch.tensor(float(st.step)),
+                    "exp_avg": cut(st.exp_avg).to(device=p.device, dtype=p.dtype).clone(),
+                    "exp_avg_sq": cut(st.exp_avg_sq).to(device=p.device, dtype=p.dtype).clone(),
+                }
+            else:
+                self.optimizer.state.pop(p, None)
+
+
+def full_shard_states(full: Mapping[str, torch.Tensor]) -> dict[str, ShardState]:
+    """Whole tensors (as assemble_full or reference_train give them) as ShardStates that any
+    device's `load_state` can cut its own shards from, e.g. to restore a checkpoint under a new plan."""
+    out = {}
+    for name, param in full.items():
+        if ":" in name:
+            continue
+        dim = shard_spec(name)
+        step = int(full.get(name + STEP, torch.tensor(0)))
+        zeros = torch.zeros_like(param)
+        out[name] = ShardState(dim, 0, param.shape[0 if dim is None else dim], param,
+                               full.get(name + EXP_AVG, zeros), full.get(name + EXP_AVG_SQ, zeros),
+                               step, tuple(param.shape))
+    return out
+
+
+def assemble_full(exports: Iterable[Mapping[str, ShardState]]) -> dict[str, torch.Tensor]:
+    """Rebuild full tensors from shards: ``name`` (parameter), ``name:exp_avg``, ``name:exp_avg_sq``,
+    ``name:step``. Raises ValueError if copies of the same element disagree, shards disagree about
+    the tensor's shape or step, or part of a tensor is missing."""
+    by_name: dict[str, list[ShardState]] = {}
+    for export in exports:
+        for name, st in export.items():
+            by_name.setdefault(name, []).append(st)
+    out: dict[str, torch.Tensor] = {}
+    for name, shards in sorted(by_name.items()):
+        full = tuple(shards[0].full_shape)
+        if any(tuple(s.full_shape) != full for s in shards):
+            raise ValueError(f"{name}: shards disagree about the full shape")
+        steps = {s.step for s in shards}
+        if len(steps) > 1:
+            raise ValueError(f"{name}: shards are at different optimizer steps {sorted(steps)}")
+        rows = full[0] if shards[0].dim is None else full[shards[0].dim]
+        covered = torch.zeros(rows, dtype=torch.bool)
+        tensors = {key: torch.empty(full, dtype=shards[0].param.dtype) for key in ("", EXP_AVG, EXP_AVG_SQ)}
+        for s in shards:
+            dim = 0 if s.dim is None else s.dim
+            new = ~covered[s.start:s.end]
+            for key, src in (("", s.param), (EXP_AVG, s.exp_avg), (EXP_AVG_SQ, s.exp_avg_sq)):
+                dst = tensors[key].narrow(dim, s.start, s.end - s.start)
+                old_rows = (~new).nonzero().flatten()
+                if len(old_rows) and not torch.equal(dst.index_select(dim, old_rows), src.index_select(dim, old_rows)):
+                    raise ValueError(f"{name}{key}: copies of rows {old_rows.tolist()[:4]}... disagree between devices")
+                dst.copy_(src)
+            covered[s.start:s.end] = True
+        if not bool(covered.all()):
+            raise ValueError(f"{name}: rows {(~covered).nonzero().flatten().tolist()[:8]} are held by no device")
+        for key, t in tensors.items():
+            out[name + key] = t
+        out[name + STEP] = torch.tensor(steps.pop())
+    return out

@@ -1,0 +1,210 @@
+"""Every communication group and peer one device needs under a plan, derived from the plan alone.
+
+* TP group: the devices of the device's stage.
+* Pipeline peers: who sends activations to whom and gradients back (see `PipelinePeers`).
+* Gradient pieces: each part (block, embedding, head) is held once per pipeline, possibly at a
+  different TP size in each. Its sharded tensors are cut into the finest common partition of all
+  holders' shards (fractions [a, b) of the sharded dim); a piece is all-reduced among its one
+  holder per pipeline. Replicated tensors (norms, embedding, head) form one piece reduced among
+  the TP-rank-0 holder of each pipeline, then broadcast inside each TP group, so no pipeline's
+  copy is counted twice.
+* Active group: all devices with work, for the global grad norm and loss.
+
+Groups are created with ``use_local_synchronization=True``: only members call `new_group`, so
+suspended and excluded ranks build nothing. Every rank walks the same plan-ordered list and creates
+the groups it belongs to in that order, which keeps the member-only barriers free of cycles.
+Groups are cached by their sorted rank tuple, so a later plan reuses the groups it shares.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+import torch.distributed as dist
+
+from malleus_svc.plan import EMBEDDING, HEAD, Plan, Stage
+from malleus_svc.runtime.model import Part
+from malleus_svc.runtime.tensor_parallel import TensorParallel
+
+_GROUP_CACHE: dict[tuple[int, tuple[int, ...]], "dist.ProcessGroup"] = {}
+
+
+def clear_group_cache() -> None:
+    """Forget cached groups (after the default process group has been destroyed and re-made)."""
+    _GROUP_CACHE.clear()
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Fraction [start, end) of every sharded tensor of `part`, and its one holder per pipeline."""
+
+    part: Part
+    start: Fraction
+    end: Fraction
+    members: tuple[int, ...]  # in pipeline order; members[0] counts the piece in the grad norm
+
+
+def _holder_shards(plan: Plan, part: Part) -> list[tuple[Stage, list[Fraction]]]:
+    return [(st, [Fraction(r, st.tp) for r in range(st.tp + 1)]) for _, st in plan.holders(part)]
+
+
+def sharded_pieces(plan: Plan, part: Part) -> list[Piece]:
+    """The finest common partition of the holders' TP shards of a part, with who holds each piece."""
+    holders = _holder_shards(plan, part)
+    cuts = sorted({c for _, bounds in holders for c in bounds})
+    pieces = []
+    for a, b in zip(cuts, cuts[1:]):
+        # the holder in each pipeline is the TP rank whose shard [r/t, (r+1)/t) contains [a, b)
+        members = tuple(st.devices[int(a * st.tp)] for st, _ in holders)
+        pieces.append(Piece(part, a, b, members))
+    return pieces
+
+
+def replicated_piece(plan: Plan, part: Part) -> Piece:
+    """The whole of a part's replicated tensors, reduced among TP rank 0 of each holding stage."""
+    return Piece(part, Fraction(0), Fraction(1), tuple(st.devices[0] for _, st in plan.holders(part)))
+
+
+@dataclass(frozen=True)
+class PipelinePeers:
+    """Where activations come from and go to, and where their gradients return.
+
+    Activations at stage boundaries are replicated inside a TP group, so one copy suffices:
+    receiver TP rank r takes its activation from sender TP rank r mod t_send, and on the way back
+    sender TP rank s takes its gradient from receiver TP rank s mod t_recv (gradients at the
+    boundary are replicated too, because TP regions all-reduce the input gradient). A sender of
+    a larger group than its receiver may send nothing; one of a smaller group may send several.
+    """
+
+    recv_activation_from: int | None
+    send_activation_to: tuple[int, ...]
+    recv_gradient_from: int | None
+    send_gradient_to: tuple[int, ...]
+
+
+def pipeline_peers(plan: Plan, rank: int) -> PipelinePeers:
+    role = plan.roles()[rank]
+    stages = plan.pipelines[role.pipeline].stages
+    r, t = role.tp_rank, role.tp_size
+    prev = stages[role.stage - 1] if not role.is_first else None
+    nxt = stages[role.stage + 1] if not role.is_last else None
+    return PipelinePeers(
+        recv_activation_from=prev.devices[r % prev.tp] if prev else None,
+        send_activation_to=tuple(d for q, d in enumerate(nxt.devices) if q % t == r) if nxt else (),
+        recv_gradient_from=nxt.devices[r % nxt.tp] if nxt else None,
+        send_gradient_to=tuple(d for s, d in enumerate(prev.devices) if s % t == r) if prev else (),
+    )
+
+
+def ordered_group_ranks(plan: Plan) -> list[tuple[int, ...]]:
+    """Every multi-member group the plan needs, sorted ranks, deduplicated, in one global order."""
+    out: dict[tuple[int, ...], None] = {}
+
+    def add(ranks) -> None:
+        key = tuple(sorted(ranks))
+        if len(key) > 1:
+            out.setdefault(key, None)
+
+    for pipe in plan.pipelines:
+        for st in pipe.stages:
+            add(st.devices)
+    for part in plan_parts(plan):
+        add(replicated_piece(plan, part).members)
+        for piece in sharded_pieces(plan, part):
+            add(piece.members)
+    add(plan.active_devices)
+    return list(out)
+
+
+def plan_parts(plan: Plan) -> list[Part]:
+    """Every part of the model, in the one order all ranks walk."""
+    return [EMBEDDING, *range(plan.num_layers), HEAD]
+
+
+class Groups:
+    """The groups and peers of one device under one plan. Only members build a group."""
+
+    def __init__(self, plan: Plan, rank: int):
+        roles = plan.roles()
+        if rank not in roles:
+            raise ValueError(f"rank {rank} has no work in plan {plan.plan_id} "
+                             f"(active devices: {list(plan.active_devices)})")
+        self.plan, self.rank, self.role = plan, rank, roles[rank]
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for ranks in ordered_group_ranks(plan):
+            if rank in ranks:
+                self._groups[ranks] = _get_or_create(ranks)
+        stage = plan.pipelines[self.role.pipeline].stages[self.role.stage]
+        self.stage_devices = stage.devices
+        self.tp = TensorParallel(stage.tp, self.role.tp_rank, self.group(stage.devices))
+        self.peers = pipeline_peers(plan, rank)
+        self.active = self.group(plan.active_devices)
+
+    def group(self, ranks) -> "dist.ProcessGroup | None":
+        """The group of these ranks (None for a single rank: nothing to communicate)."""
+        key = tuple(sorted(ranks))
+        if len(key) <= 1:
+            return None
+        if key not in self._groups:
+            raise KeyError(f"rank {self.rank} is not a member of group {key} under this plan")
+        return self._groups[key]
+
+    def parts(self) -> list[Part]:
+        return [p for p in plan_parts(self.plan)
+                if any(self.rank in st.devices for _, st in self.plan.holders(p))]
+
+    def local_pieces(self) -> tuple[list[Piece], list[Piece]]:
+        """(sharded pieces, replicated pieces) of the parts this device holds, in global order.
+
+        Sharded: the pieces inside this device's shard. Replicated: one per held part, whether or
+        not this device is its reducer (TP ranks > 0 receive the result by broadcast).
+        """
+        sharded, replicated = [], []
+        for part in self.parts():
+            replicated.append(replicated_piece(self.plan, part))
+            sharded.extend(p for p in sharded_pieces(self.plan, part) if self.rank in p.members)
+        return sharded, replicated
+
+
+def _get_or_create(ranks: tuple[int, ...]) -> "dist.ProcessGroup":
+    key = (id(dist.group.WORLD), ranks)
+    if key not in _GROUP_CACHE:
+        _agree_on_name_salt(ranks)
+        _GROUP_CACHE[key] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return _GROUP_CACHE[key]
+
+
+_SALT_TAG = 0x6D616C  # keeps this handshake apart from any other point-to-point traffic
+
+
+def _agree_on_name_salt(ranks: tuple[int, ...]) -> None:
+    """Make the members' next member-only group get the same name.
+
+    torch (up to at least 2.13) names a ``use_local_synchronization`` group by hashing its ranks
+    salted with the number of groups THIS process has registered (pytorch/pytorch#189073). After
+    groups with different members, that number differs between ranks, the members compute
+    different names, and gloo waits forever on store keys nobody writes. So the members tell the
+    lowest member their counts, it answers with the largest, and every member pads up to it with
+    single-rank groups (local, cheap) before creating the real group.
+    """
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is None or not hasattr(world, "pg_names"):
+        return  # a torch without the salt: nothing to agree on
+    device = torch.device("cpu")
+    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    me, leader = dist.get_rank(), ranks[0]
+    count = torch.tensor([len(world.pg_names)], dtype=torch.int64, device=device)
+    if me == leader:
+        other = torch.empty_like(count)
+        for r in ranks[1:]:
+            dist.recv(other, src=r, tag=_SALT_TAG)
+            count = torch.maximum(count, other)
+        for r in ranks[1:]:
+            dist.send(count, dst=r, tag=_SALT_TAG)
+    else:
+        dist.send(count, dst=leader, tag=_SALT_TAG)
+        dist.recv(count, src=leader, tag=_SALT_TAG)
+    while len(world.pg_names) < int(count):
+        dist.new_group([me], use_local_synchronization=True)

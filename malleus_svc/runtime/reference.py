@@ -1,0 +1,49 @@
+"""The oracle: plain single-process training of the whole model on the whole global batch.
+
+No pipelines, no tensor parallelism, no gradient plumbing: one model from the same per-part
+initialisation, each global batch's loss = its summed token cross-entropy / its loss-token count,
+torch's own grad-norm clipping and AdamW. The engine's tests compare against this.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from malleus_svc.config.presets import ModelShape
+from malleus_svc.runtime.batch import IGNORE_INDEX, MicroBatch
+from malleus_svc.runtime.engine import EXP_AVG, EXP_AVG_SQ, STEP, OptimConfig
+from malleus_svc.runtime.model import full_model
+
+
+def reference_train(shape: ModelShape, seed: int, optim: OptimConfig,
+                    global_batches: list[list[MicroBatch]], dtype: torch.dtype = torch.float32
+                    ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Train on each global batch in turn (parameters in `dtype`). Returns (loss per step, final parameters, optimizer
+    state as ``name:exp_avg``, ``name:exp_avg_sq``, ``name:step``)."""
+    model = full_model(shape, seed, dtype)
+    params = dict(model.named_parameters())
+    optimizer = torch.optim.AdamW(list(params.values()), lr=optim.lr, betas=optim.betas, eps=optim.eps,
+                                  weight_decay=optim.weight_decay)
+    losses = []
+    for batch in global_batches:
+        loss_tokens = sum(mb.num_loss_tokens for mb in batch)
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for mb in batch:
+            logits = model(mb.tokens, mb.positions(), mb.cu_seqlens)
+            loss = F.cross_entropy(logits, mb.targets, ignore_index=IGNORE_INDEX, reduction="sum") / loss_tokens
+            loss.backward()
+            total += float(loss.detach())
+        losses.append(total)
+        if optim.grad_clip is not None and optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(list(params.values()), optim.grad_clip)
+        optimizer.step()
+
+    final = {name: p.detach().clone() for name, p in params.items()}
+    state: dict[str, torch.Tensor] = {}
+    for name, p in params.items():
+        st = optimizer.state[p]
+        state[name + EXP_AVG] = st["exp_avg"].clone()
+        state[name + EXP_AVG_SQ] = st["exp_avg_sq"].clone()
+        state[name + STEP] = torch.tensor(int(st["step"]))
+    return losses, final, state

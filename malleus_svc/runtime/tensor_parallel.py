@@ -1,0 +1,71 @@
+"""Communication at the edges of a tensor-parallel (TP) region, as autograd functions.
+
+A column-parallel layer needs its (replicated) input on every TP rank and produces a partial
+gradient for it on each; a row-parallel layer produces partial outputs that must be summed.
+So the region is entered with `copy_to_region` (forward identity, backward all-reduce) and left
+with `reduce_from_region` (forward all-reduce, backward identity). With one rank both are no-ops.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class TensorParallel:
+    """One device's place in its TP group, plus a clock for the time spent in TP collectives."""
+
+    size: int = 1
+    rank: int = 0
+    group: "dist.ProcessGroup | None" = None
+    comm_seconds: float = field(default=0.0, compare=False)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"TP rank {self.rank} is outside a group of size {self.size}")
+        if self.size > 1 and self.group is None:
+            raise ValueError(f"a TP group of size {self.size} needs a process group")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.contiguous().clone()
+        start = time.perf_counter()
+        dist.all_reduce(out, group=self.group)
+        self.comm_seconds += time.perf_counter() - start
+        return out
+
+
+SINGLE = TensorParallel()
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        ctx.tp = tp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.tp.all_reduce(grad), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        return tp.all_reduce(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def copy_to_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Enter a TP region: identity forward, sum of the ranks' input gradients backward."""
+    return x if tp.size == 1 else _CopyToRegion.apply(x, tp)
+
+
+def reduce_from_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Leave a TP region: sum of the ranks' partial outputs forward, identity backward."""
+    return x if tp.size == 1 else _ReduceFromRegion.apply(x, tp)

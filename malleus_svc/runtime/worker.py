@@ -1,0 +1,205 @@
+"""One Ray actor per device: owns that device's torch.distributed rank and its Engine.
+
+Lifecycle, driven by `cluster.WorkerGroup`:
+  1. `info()` — where it landed (node, IP, pid, device);
+  2. rank 0 `pick_port()`; every worker `init_world(addr, port, world_size)` (TCP rendezvous);
+  3. `set_data(spec, mode, seq_len)` once — the worker builds its own dataset, so steps ship only
+     sample ids, never tensors;
+  4. `apply_plan(...)` whenever the plan changes: (re)build the Engine, or none when the device is
+     suspended/excluded;
+  5. `train_step(micro_batch_ids, loss_tokens)` per iteration; `export_state()` on demand.
+
+Concurrency: the actor declares a `control` concurrency group (one thread of its own) for
+`set_slowdown`, `ping` and `info`, so a driver can reach a worker while `train_step` holds the
+default group. Everything else runs in the default group with max_concurrency 1, so training
+calls stay strictly serial and never race each other. (A threaded actor with max_concurrency=2
+would also reach set_slowdown, but would let two train_steps overlap if a caller ever misbehaved.)
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from dataclasses import asdict, is_dataclass
+from typing import Any, Sequence
+
+import ray
+
+from .straggler import Slowdown
+
+
+class DeviceWorker:
+    """The plain class; `WORKER` below is its Ray actor form (kept separate so it stays importable
+    and readable without Ray decorators in the way)."""
+
+    def __init__(self, device: int, use_gpu: bool = False):
+        import torch
+
+        self.device_id = int(device)
+        self.use_gpu = bool(use_gpu)
+        if self.use_gpu:
+            # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU: it is always cuda:0 here.
+            self.torch_device = torch.device("cuda", 0)
+            torch.cuda.set_device(self.torch_device)
+        else:
+            self.torch_device = torch.device("cpu")
+            # Several workers share few cores: one intra-op thread each keeps them from thrashing
+            # and makes per-device compute time a property of the work, not of the contention.
+            torch.set_num_threads(1)
+        self.slowdown = Slowdown()
+        self.engine = None
+        self.plan_id: str | None = None
+        self.dataset = None
+        self.mode: str | None = None
+        self.seq_len: int | None = None
+        self.world_ready = False
+
+    # ------------------------------------------------------------------ where am I
+    @ray.method(concurrency_group="control")
+    def info(self) -> dict[str, Any]:
+        ctx = ray.get_runtime_context()
+        return {
+            "device": self.device_id,
+            "node_id": ctx.get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "torch_device": str(self.torch_device),
+            "gpu_ids": ray.get_gpu_ids() if self.use_gpu else [],
+            "plan_id": self.plan_id,
+            "has_engine": self.engine is not None,
+            "slowdown": self.slowdown.factor,
+        }
+
+    @ray.method(concurrency_group="control")
+    def ping(self) -> int:
+        return self.device_id
+
+    # ------------------------------------------------------------------ world
+    def pick_port(self) -> tuple[str, int]:
+        """Rank 0: this node's IP and a port that is free right now, for the TCP rendezvous.
+
+        The port is released before torch binds it, so another process could grab it in between;
+        the group retries the whole rendezvous with a fresh port if init_world fails.
+        """
+        ip = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return ip, s.getsockname()[1]
+
+    def init_world(self, addr: str, port: int, world_size: int, timeout_s: float = 120.0) -> str:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            raise RuntimeError(f"device {self.device_id}: torch.distributed is already initialised; "
+                               "create a new WorkerGroup instead of re-initialising a worker")
+        backend = "nccl" if self.use_gpu else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{addr}:{port}",
+            rank=self.device_id,
+            world_size=int(world_size),
+            timeout=datetime.timedelta(seconds=float(timeout_s)),
+        )
+        self.world_ready = True
+        return backend
+
+    # ------------------------------------------------------------------ data and plan
+    def set_data(self, spec: Any, mode: str, seq_len: int) -> int:
+        from .datasets import build_dataset
+
+        self.dataset = build_dataset(spec)
+        self.mode, self.seq_len = mode, int(seq_len)
+        return len(self.dataset)
+
+    def apply_plan(self, shape, plan_dict: dict, seed: int, optim) -> dict[str, Any]:
+        """Build this device's Engine for the plan (fresh state), or drop it when the device has no
+        work. Migrating state between plans is the migration layer's job, not this one's."""
+        from malleus_svc.plan import Plan
+
+        from .engine import Engine
+
+        if not self.world_ready:
+            raise RuntimeError(f"device {self.device_id}: init_world must run before apply_plan")
+        plan = Plan.from_dict(plan_dict)
+        self._drop_engine()
+        role = plan.roles().get(self.device_id)
+        if role is not None:
+            self.engine = Engine(shape, plan, self.device_id, seed=seed, optim=optim,
+                                 device=self.torch_device, after_compute=self.slowdown)
+        self.plan_id = plan.plan_id
+        return {"device": self.device_id, "plan_id": self.plan_id,
+                "role": None if role is None else asdict(role)}
+
+    def _drop_engine(self) -> None:
+        eng, self.engine = self.engine, None
+        close = getattr(eng, "close", None)
+        if callable(close):
+            close()
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, micro_batch_ids: Sequence[Sequence[int]], loss_tokens: int) -> dict[str, Any]:
+        """Collate this pipeline's micro-batches from sample ids and run one step.
+
+        Returns the Engine's StepStats (as a dict) plus the sample ids this worker actually trained
+        on, so the driver can audit exactly-once consumption from what the workers saw.
+        """
+        from .datasets import collate
+
+        if self.engine is None:
+            raise RuntimeError(f"device {self.device_id} has no work under plan {self.plan_id} "
+                               "(suspended, excluded, or no plan applied yet)")
+        if self.dataset is None:
+            raise RuntimeError(f"device {self.device_id}: set_data must run before train_step")
+        t0 = time.perf_counter()
+        mbs = [collate(self.dataset, list(ids), self.mode, self.seq_len) for ids in micro_batch_ids]
+        collate_s = time.perf_counter() - t0
+        slept0 = self.slowdown.slept_seconds
+        stats = self.engine.train_step(mbs, int(loss_tokens))
+        out = _as_dict(stats)
+        out.update(
+            device=self.device_id,
+            plan_id=self.plan_id,
+            sample_ids=[list(mb.sample_ids) for mb in mbs],
+            tokens=sum(mb.num_tokens for mb in mbs),
+            collate_seconds=collate_s,
+            slowdown=self.slowdown.factor,
+            injected_seconds=self.slowdown.slept_seconds - slept0,
+        )
+        return out
+
+    def export_state(self):
+        if self.engine is None:
+            return None
+        return self.engine.export_state()
+
+    # ------------------------------------------------------------------ straggler control
+    @ray.method(concurrency_group="control")
+    def set_slowdown(self, factor: float) -> float:
+        """Emulation only (see straggler.py): takes effect at this worker's next compute."""
+        return self.slowdown.set(factor)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        from .groups import clear_group_cache
+
+        self._drop_engine()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        clear_group_cache()  # cached subgroups belonged to the world just destroyed
+        self.world_ready = False
+
+
+def _as_dict(stats: Any) -> dict[str, Any]:
+    if is_dataclass(stats):
+        return asdict(stats)
+    if isinstance(stats, dict):
+        return dict(stats)
+    return dict(vars(stats))
+
+
+# The actor: the methods marked `concurrency_group="control"` run on that group's own thread; the
+# default group keeps max_concurrency=1 so train_step, apply_plan and export_state never overlap.
+WORKER = ray.remote(concurrency_groups={"control": 1})(DeviceWorker)

@@ -1,0 +1,332 @@
+"""One training iteration of a Plan under TRUE straggling rates, as a discrete-event simulation.
+
+Why a simulation and not the planner's closed form: the planner scores plans with
+(m_i + S_i - 1)·z_i plus a gradient term (malleus.md §1.3, `planner.lower`), which is exact only
+for uniform stages without communication. Real pipelines have uneven stages, p2p transfers that
+are intra- or inter-node, a gradient all-reduce that waits for the slowest pipeline holding the
+same blocks, and rates that the planner snapped to 1.0 below τ. The simulator replays the 1F1B
+schedule op by op, so its answer is the reference the planner (and the baselines) are judged by.
+
+Time model (all in t0 units: forward+backward of one block, one micro-batch, healthy full-size
+TP group; `problem.t0_seconds` converts):
+  * compute of stage (i, j) per micro-batch: c_ij = l_ij · α(|g_ij|) · max_{d ∈ g_ij} x_d, TP
+    collectives included in α; no τ snap (true rates). Forward takes c/(1+r), backward c·r/(1+r),
+    with r = `SimOptions.backward_ratio` (2: backward ≈ 2× forward);
+  * p2p between stage j and j+1: `CommCosts.p2p_intra_node` or `p2p_inter_node` per micro-batch
+    for forward + backward, split evenly between the activation (forward) and its gradient
+    (backward), since both have the same size. With `p2p="blocking"` (default) the transfer
+    occupies the SENDER's stream right after the op that produced it (Megatron's 1F1B waits on
+    its batched isend/irecv before the next compute op); with `p2p="overlapped"` it occupies a
+    FIFO link per (boundary, direction) and compute goes on;
+  * gradient reduction of stage (i, j): starts when every stage (of any pipeline) that shares a
+    block with it has finished its last op, lasts grad_sync_per_block · Σ_{blocks b of the
+    stage} 1 / min_{holders h of b} |g_h| (each device all-reduces its 1/|g| shard over its own
+    link; a block held by a small group in some pipeline is as slow as that group's shard); 0
+    for blocks held by one pipeline only;
+  * optimizer step of stage (i, j) after its reduction: `optimizer_per_block` · l_ij ·
+    (tp/|g_ij|) · max rate (Adam is memory-bound on the device's state shard; default 0.05 t0 per
+    full-TP block ≈ 1 ms for a 70B block at TP 8, where t0 ≈ 22 ms);
+  * embedding and head compute are not modelled (as in the planner). The iteration ends when
+    every stage has stepped.
+
+Memory: see `memory.py`; the in-flight micro-batch count per stage is read off the simulated
+schedule (forwards issued minus backwards done, maximised), not assumed.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Literal, Mapping, Sequence
+
+from ..plan import Plan
+from ..planner.problem import PlannerProblem
+
+P2PMode = Literal["blocking", "overlapped"]
+
+
+class SimulationError(RuntimeError):
+    """The schedule could not complete (a dependency cycle): a bug in the schedule, not bad input."""
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    backward_ratio: float = 2.0        # backward time / forward time
+    p2p: P2PMode = "blocking"
+    optimizer_per_block: float = 0.05  # t0 per block at full TP on a healthy device
+    record_ops: bool = False           # keep every op's (start, end) in the result (for plots and tests)
+
+    def __post_init__(self) -> None:
+        if self.backward_ratio <= 0:
+            raise ValueError(f"backward_ratio must be > 0, got {self.backward_ratio}")
+        if self.p2p not in ("blocking", "overlapped"):
+            raise ValueError(f"p2p must be 'blocking' or 'overlapped', got {self.p2p!r}")
+        if self.optimizer_per_block < 0:
+            raise ValueError(f"optimizer_per_block must be >= 0, got {self.optimizer_per_block}")
+
+
+# ----------------------------------------------------------------------------- the event engine
+@dataclass
+class _Op:
+    label: tuple            # ("F"|"B"|"sendF"|"sendB"|"sync"|"step", pipeline, stage, micro-batch)
+    resource: tuple
+    duration: float
+    deps: list[int] = field(default_factory=list)
+    start: float = -1.0
+    end: float = -1.0
+
+
+class EventEngine:
+    """Ops on serial resources, each resource running its ops in a fixed order, each op waiting
+    for its dependencies. Completions are processed in time order from a heap; an op starts the
+    moment it is at the head of its resource's queue, the resource is idle and all its
+    dependencies have completed."""
+
+    def __init__(self) -> None:
+        self.ops: list[_Op] = []
+        self.queues: dict[tuple, list[int]] = {}
+
+    def add(self, label: tuple, resource: tuple, duration: float) -> int:
+        if duration < 0:
+            raise ValueError(f"op {label} has a negative duration {duration}")
+        self.ops.append(_Op(label, resource, float(duration)))
+        self.queues.setdefault(resource, []).append(len(self.ops) - 1)
+        return len(self.ops) - 1
+
+    def depend(self, op: int, on: int) -> None:
+        self.ops[op].deps.append(on)
+
+    def run(self) -> None:
+        ops = self.ops
+        waiting = [len(o.deps) for o in ops]
+        dependents: list[list[int]] = [[] for _ in ops]
+        for i, o in enumerate(ops):
+            for d in o.deps:
+                dependents[d].append(i)
+        head = {r: 0 for r in self.queues}
+        busy = {r: False for r in self.queues}
+        heap: list[tuple[float, int]] = []
+        done = 0
+
+        def try_start(resource: tuple, now: float) -> None:
+            q, k = self.queues[resource], head[resource]
+            if busy[resource] or k >= len(q) or waiting[q[k]]:
+                return
+            op = ops[q[k]]
+            op.start, op.end = now, now + op.duration
+            busy[resource] = True
+            heapq.heappush(heap, (op.end, q[k]))
+
+        for r in self.queues:
+            try_start(r, 0.0)
+        while heap:
+            now, i = heapq.heappop(heap)
+            done += 1
+            r = ops[i].resource
+            busy[r] = False
+            head[r] += 1
+            touched = {r}
+            for j in dependents[i]:
+                waiting[j] -= 1
+                if not waiting[j]:
+                    touched.add(ops[j].resource)
+            for res in sorted(touched, key=repr):
+                try_start(res, now)
+        if done != len(ops):
+            stuck = [ops[q[head[r]]].label for r, q in self.queues.items() if head[r] < len(q)]
+            raise SimulationError(f"{len(ops) - done} ops never ran; blocked heads: {stuck[:6]}")
+
+
+# ----------------------------------------------------------------------------- schedule
+def one_f_one_b(num_stages: int, stage: int, micro_batches: int) -> list[tuple[str, int]]:
+    """The non-interleaved 1F1B order of one stage: warm-up forwards, steady F/B pairs, cool-down."""
+    warm = min(num_stages - stage - 1, micro_batches)
+    order = [("F", k) for k in range(warm)]
+    for k in range(micro_batches - warm):
+        order += [("F", warm + k), ("B", k)]
+    order += [("B", k) for k in range(micro_batches - warm, micro_batches)]
+    return order
+
+
+@dataclass(frozen=True)
+class StageResult:
+    pipeline: int
+    stage: int
+    devices: tuple[int, ...]
+    layers: tuple[int, int]
+    rate: float               # α(|g|) · max true rate in the group
+    compute_per_mb: float     # t0, forward + backward of one micro-batch
+    p2p_per_mb: float         # t0, this stage's sends per micro-batch (forward output + backward gradient)
+    busy: float               # t0 of compute and blocking sends
+    last_backward_end: float
+    sync_start: float
+    sync_end: float
+    step_end: float
+    max_in_flight: int        # micro-batches whose activations were alive at once
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    micro_batches: int
+    stages: tuple[StageResult, ...]
+
+    @property
+    def compute_end(self) -> float:
+        return max(s.last_backward_end for s in self.stages)
+
+    @property
+    def end(self) -> float:
+        return max(s.step_end for s in self.stages)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    iteration_t0: float
+    t0_seconds: float
+    pipelines: tuple[PipelineResult, ...]
+    ops: tuple[tuple[tuple, float, float], ...] = ()   # (label, start, end) when record_ops
+
+    @property
+    def iteration_seconds(self) -> float:
+        return self.iteration_t0 * self.t0_seconds
+
+    def stages(self) -> list[StageResult]:
+        return [s for p in self.pipelines for s in p.stages]
+
+
+def stage_rate(problem: PlannerProblem, devices: Sequence[int], rates: Sequence[float]) -> float:
+    """α(|g|) · max true rate: time of one block for one micro-batch on this group, in t0."""
+    return problem.alpha(len(devices)) * max(rates[d] for d in devices)
+
+
+def simulate(plan: Plan, problem: PlannerProblem, rates: Sequence[float] | Mapping[int, float] | None = None,
+             options: SimOptions = SimOptions()) -> SimResult:
+    """Simulate one iteration of `plan` under `rates` (default: the problem's rates, which are
+    then taken as true). `rates` may be a full per-device sequence or a {device: rate} mapping."""
+    x = _rate_vector(problem, rates)
+    if plan.num_devices != problem.num_devices or plan.num_layers != problem.num_layers:
+        raise ValueError(f"plan is for {plan.num_devices} devices and {plan.num_layers} layers, the problem has "
+                         f"{problem.num_devices} and {problem.num_layers}")
+    comm = problem.comm
+    fwd_share = 1.0 / (1.0 + options.backward_ratio)
+    eng = EventEngine()
+    # Per stage: compute time, p2p time of its outgoing boundary (half per direction).
+    info = []
+    for i, pipe in enumerate(plan.pipelines):
+        row = []
+        for j, st in enumerate(pipe.stages):
+            y = stage_rate(problem, st.devices, x)
+            row.append((y, y * st.num_layers))
+        info.append(row)
+
+    def boundary(pipe_idx: int, j: int) -> float:
+        """p2p per micro-batch (fwd + bwd) between stage j and j+1."""
+        p = plan.pipelines[pipe_idx]
+        a, b = p.stages[j].devices[0], p.stages[j + 1].devices[0]
+        return comm.p2p_intra_node if plan.node_of(a) == plan.node_of(b) else comm.p2p_inter_node
+
+    compute_ids: dict[tuple, int] = {}     # ("F"/"B", i, j, k) -> op
+    arrive: dict[tuple, int] = {}          # ("F"/"B", i, j, k) -> op after which the output has arrived
+    last_op: dict[tuple[int, int], int] = {}
+    in_flight: dict[tuple[int, int], int] = {}
+    blocking = options.p2p == "blocking"
+    for i, pipe in enumerate(plan.pipelines):
+        S, m = len(pipe.stages), pipe.micro_batches
+        for j in range(S):
+            c = info[i][j][1]
+            down = boundary(i, j) / 2 if j < S - 1 else 0.0   # forward output to j+1
+            up = boundary(i, j - 1) / 2 if j > 0 else 0.0     # backward gradient to j-1
+            live = peak = 0
+            for kind, k in one_f_one_b(S, j, m):
+                dur = c * fwd_share if kind == "F" else c * (1 - fwd_share)
+                op = eng.add((kind, i, j, k), ("gpu", i, j), dur)
+                compute_ids[(kind, i, j, k)] = arrive[(kind, i, j, k)] = last_op[(i, j)] = op
+                send = down if kind == "F" else up
+                if send > 0 and blocking:
+                    s_op = eng.add(("send" + kind, i, j, k), ("gpu", i, j), send)
+                    eng.depend(s_op, op)
+                    arrive[(kind, i, j, k)] = last_op[(i, j)] = s_op
+                live += 1 if kind == "F" else -1
+                peak = max(peak, live)
+            in_flight[(i, j)] = peak
+        if not blocking:   # link ops in micro-batch order per (boundary, direction)
+            for j in range(S):
+                for kind, send, ok in (("F", boundary(i, j) / 2 if j < S - 1 else 0.0, j < S - 1),
+                                       ("B", boundary(i, j - 1) / 2 if j > 0 else 0.0, j > 0)):
+                    if not ok or send <= 0:
+                        continue
+                    for k in range(m):
+                        s_op = eng.add(("send" + kind, i, j, k), ("link", i, j, kind), send)
+                        eng.depend(s_op, compute_ids[(kind, i, j, k)])
+                        arrive[(kind, i, j, k)] = s_op
+        for j in range(S):
+            for k in range(m):
+                if j > 0:
+                    eng.depend(compute_ids[("F", i, j, k)], arrive[("F", i, j - 1, k)])
+                if j < S - 1:
+                    eng.depend(compute_ids[("B", i, j, k)], arrive[("B", i, j + 1, k)])
+                else:
+                    eng.depend(compute_ids[("B", i, j, k)], compute_ids[("F", i, j, k)])
+    # Gradient reduction and optimizer step.
+    holders: list[list[tuple[int, int]]] = [[] for _ in range(plan.num_layers)]
+    for i, pipe in enumerate(plan.pipelines):
+        for j, st in enumerate(pipe.stages):
+            for b in range(*st.layers):
+                holders[b].append((i, j))
+    sync_ids, step_ids = {}, {}
+    for i, pipe in enumerate(plan.pipelines):
+        for j, st in enumerate(pipe.stages):
+            dur = 0.0
+            partners = {(i, j)}
+            for b in range(*st.layers):
+                partners.update(holders[b])
+                if len({h[0] for h in holders[b]}) > 1:
+                    dur += comm.grad_sync_per_block / min(plan.pipelines[a].stages[c].tp for a, c in holders[b])
+            s_op = eng.add(("sync", i, j, -1), ("net", i, j), dur)
+            for p in sorted(partners):
+                eng.depend(s_op, last_op[p])
+            sync_ids[(i, j)] = s_op
+            opt = (options.optimizer_per_block * st.num_layers * (problem.tp / st.tp)
+                   * max(x[d] for d in st.devices))
+            t_op = eng.add(("step", i, j, -1), ("gpu", i, j), opt)
+            eng.depend(t_op, s_op)
+            step_ids[(i, j)] = t_op
+    eng.run()
+    ops = eng.ops
+    pipes = []
+    for i, pipe in enumerate(plan.pipelines):
+        rows = []
+        for j, st in enumerate(pipe.stages):
+            q = eng.queues[("gpu", i, j)]
+            busy = sum(ops[o].duration for o in q if ops[o].label[0] != "step")
+            S = len(pipe.stages)
+            p2p = (boundary(i, j) / 2 if j < S - 1 else 0.0) + (boundary(i, j - 1) / 2 if j > 0 else 0.0)
+            rows.append(StageResult(
+                pipeline=i, stage=j, devices=st.devices, layers=st.layers, rate=info[i][j][0],
+                compute_per_mb=info[i][j][1], p2p_per_mb=p2p, busy=busy,
+                last_backward_end=ops[last_op[(i, j)]].end, sync_start=ops[sync_ids[(i, j)]].start,
+                sync_end=ops[sync_ids[(i, j)]].end, step_end=ops[step_ids[(i, j)]].end,
+                max_in_flight=in_flight[(i, j)]))
+        pipes.append(PipelineResult(pipe.micro_batches, tuple(rows)))
+    end = max(p.end for p in pipes)
+    recorded = tuple((o.label, o.start, o.end) for o in ops) if options.record_ops else ()
+    return SimResult(end, problem.t0_seconds, tuple(pipes), recorded)
+
+
+def _rate_vector(problem: PlannerProblem, rates) -> list[float]:
+    n = problem.num_devices
+    if rates is None:
+        out = list(problem.rates)
+    elif isinstance(rates, Mapping):
+        out = [1.0] * n
+        for d, v in rates.items():
+            if not 0 <= int(d) < n:
+                raise ValueError(f"rates: device {d} is not in 0..{n - 1}")
+            out[int(d)] = float(v)
+    else:
+        out = [float(v) for v in rates]
+        if len(out) != n:
+            raise ValueError(f"rates has {len(out)} entries, the cluster has {n} devices")
+    bad = [d for d, v in enumerate(out) if not v > 0]
+    if bad:
+        raise ValueError(f"rates must be > 0; devices {bad[:8]} are not")
+    return out

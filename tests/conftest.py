@@ -1,0 +1,38 @@
+"""Shared fixtures. ONE local Ray cluster per pytest session, started only by tests that ask for it.
+
+`ray_cluster` declares more logical CPUs than the machine has cores (16 on any machine): worker
+actors take one CPU each, so a 7- or 8-device group fits even on 2 cores, and a job started by a
+subprocess can join beside the test's own group. The OS time-slices the real cores.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+RAY_TEST_CPUS = 16
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A started local Ray cluster; yields its GCS address (for subprocesses that join it)."""
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():  # someone else started one in this process: reuse it, do not own it
+        yield ray.get_runtime_context().gcs_address
+        return
+    # Workers import malleus_svc from the working tree, also when it is not installed.
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    ray.init(num_cpus=RAY_TEST_CPUS, include_dashboard=False, log_to_driver=True,
+             runtime_env={"env_vars": env}, configure_logging=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def python_exe() -> str:
+    return sys.executable

@@ -1,0 +1,284 @@
+"""The engine against the single-process oracle, on real gloo process groups.
+
+The multi-process tests spawn one process per device (torch.multiprocessing + gloo, one thread
+each); `_mp.run_on_gloo` hands each process's return value back to the test.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _mp import run_on_gloo
+from malleus_svc.config.presets import ModelShape, preset
+from malleus_svc.plan import Pipeline, Plan, Stage
+from malleus_svc.runtime.attention import varlen_causal_attention
+from malleus_svc.runtime.batch import IGNORE_INDEX, MicroBatch
+from malleus_svc.runtime.engine import (STEP, Engine, OptimConfig, assemble_full, full_shard_states)
+from malleus_svc.runtime.model import Block, StageModel, full_model, init_part, take_shard
+from malleus_svc.runtime.reference import reference_train
+from malleus_svc.runtime.schedule import one_f_one_b
+from malleus_svc.runtime.tensor_parallel import TensorParallel
+
+TINY = preset("tiny")
+SEED = 1234
+# Clip at a norm the tiny model exceeds, so clipping is exercised too.
+OPTIM = OptimConfig(lr=1e-3, grad_clip=0.5)
+
+
+# ---------------------------------------------------------------------------- data
+def packed_micro_batch(gen: torch.Generator, lengths: list[int], vocab: int, first_id: int) -> MicroBatch:
+    """Random sequences packed into one row; each sequence's first target is ignored (a 'prompt')."""
+    tokens, targets = [], []
+    for n in lengths:
+        seq = torch.randint(vocab, (n + 1,), generator=gen)
+        tgt = seq[1:].clone()
+        tgt[0] = IGNORE_INDEX
+        tokens.append(seq[:-1])
+        targets.append(tgt)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return MicroBatch(torch.cat(tokens), torch.cat(targets), cu, tuple(range(first_id, first_id + len(lengths))))
+
+
+def global_batches(steps: int, micro_batches: int, micro_batch_size: int, seed: int = 13) -> list[list[MicroBatch]]:
+    gen = torch.Generator().manual_seed(seed)
+    out, sample = [], 0
+    for _ in range(steps):
+        batch = []
+        for _ in range(micro_batches):
+            lengths = torch.randint(3, 30, (micro_batch_size,), generator=gen).tolist()
+            batch.append(packed_micro_batch(gen, lengths, TINY.vocab, sample))
+            sample += micro_batch_size
+        out.append(batch)
+    return out
+
+
+# ---------------------------------------------------------------------------- exactness
+HETERO = Plan(
+    num_devices=7, num_layers=4, micro_batch_size=2,
+    pipelines=(
+        Pipeline((Stage((0, 1), (0, 1)), Stage((2,), (1, 3)), Stage((3,), (3, 4))), micro_batches=3),
+        Pipeline((Stage((4,), (0, 2)), Stage((5,), (2, 4))), micro_batches=2),
+    ),
+    suspended=(6,),
+)
+
+
+def _pipeline_share(plan: Plan, pipeline: int, batch: list[MicroBatch]) -> list[MicroBatch]:
+    start = sum(p.micro_batches for p in plan.pipelines[:pipeline])
+    return batch[start:start + plan.pipelines[pipeline].micro_batches]
+
+
+def _train_on_plan(rank: int, world: int, plan: Plan, batches: list[list[MicroBatch]], dtype: torch.dtype):
+    if rank not in plan.roles():
+        return None  # suspended: builds nothing, joins no group
+    engine = Engine(TINY, plan, rank, seed=SEED, optim=OPTIM, dtype=dtype)
+    role = engine.role
+    stats = []
+    for batch in batches:
+        loss_tokens = sum(mb.num_loss_tokens for mb in batch)
+        stats.append(asdict(engine.train_step(_pipeline_share(plan, role.pipeline, batch), loss_tokens)))
+    return {"role": role, "stats": stats, "state": engine.export_state()}
+
+
+def test_heterogeneous_plan_matches_single_process_training():
+    # fp64 on both sides: in fp32 a handful of elements whose gradient nearly cancels (|g| ~ 1e-8)
+    # have a rounding-level gradient difference that Adam's g / sqrt(v) normalisation blows up to
+    # ~1e-6 in the parameter; in fp64 every element must agree, so any weighting error shows.
+    dtype = torch.float64
+    batches = global_batches(steps=3, micro_batches=HETERO.num_micro_batches, micro_batch_size=2)
+    results = run_on_gloo(_train_on_plan, HETERO.num_devices, HETERO, batches, dtype)
+    ref_losses, ref_params, ref_optim = reference_train(TINY, SEED, OPTIM, batches, dtype)
+
+    # Losses: the sum of the pipelines' shares (reported by each last stage's TP rank 0).
+    last = [r for r in results if r and r["role"].is_last and r["role"].tp_rank == 0]
+    assert len(last) == 2
+    losses = [sum(r["stats"][s]["loss"] for r in last) for s in range(3)]
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for r in results:
+        if r:
+            assert [s["global_loss"] for s in r["stats"]] == pytest.approx(ref_losses, rel=1e-5)
+            assert all(s["compute_seconds"] > 0 and s["comm_seconds"] >= 0 for s in r["stats"])
+    # The data make a per-pipeline average differ from the true mean by far more than the tolerance:
+    # pipeline 0 runs 3 of 5 micro-batches but holds neither 3/5 nor 1/2 of any step's loss tokens.
+    for batch in batches:
+        share0 = sum(mb.num_loss_tokens for mb in batch[:3]) / sum(mb.num_loss_tokens for mb in batch)
+        assert abs(share0 - 0.6) > 0.05 and abs(share0 - 0.5) > 0.05
+    # Clipping is active (the norm exceeds the clip) at least in the first step.
+    assert results[0]["stats"][0]["grad_norm"] > OPTIM.grad_clip
+
+    full = assemble_full(r["state"] for r in results if r)
+    assert set(full) == set(ref_params) | set(ref_optim)
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(full[name], ref, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    for name, ref in ref_optim.items():
+        if name.endswith(STEP):
+            assert int(full[name]) == int(ref) == 3, name
+        else:
+            torch.testing.assert_close(full[name], ref, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+TP2 = Plan(num_devices=2, num_layers=4, micro_batch_size=2,
+           pipelines=(Pipeline((Stage((1, 0), (0, 4)),), micro_batches=5),))
+
+
+def _resume_and_train(rank: int, world: int, states, batch: list[MicroBatch]):
+    engine = Engine(TINY, TP2, rank, seed=SEED + 1, optim=OPTIM, dtype=torch.float64)  # other init: load must win
+    engine.load_state(states)
+    engine.train_step(batch, sum(mb.num_loss_tokens for mb in batch))
+    return engine.export_state()
+
+
+def test_state_moves_to_another_plan_and_training_continues_exactly():
+    # One step on the reference, its full state cut into shards for a TP=2 plan (devices listed
+    # out of order), one more step there: equal to two steps on the reference.
+    dtype = torch.float64
+    batches = global_batches(steps=2, micro_batches=5, micro_batch_size=2, seed=3)
+    _, params1, optim1 = reference_train(TINY, SEED, OPTIM, batches[:1], dtype)
+    states = full_shard_states({**params1, **optim1})
+    exports = run_on_gloo(_resume_and_train, 2, states, batches[1])
+    _, params2, optim2 = reference_train(TINY, SEED, OPTIM, batches, dtype)
+    full = assemble_full(exports)
+    for name, ref in {**params2, **optim2}.items():
+        torch.testing.assert_close(full[name], ref, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+# ---------------------------------------------------------------------------- varlen attention
+def test_varlen_attention_matches_masked_attention_per_sequence():
+    gen = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 5, 6, 17], dtype=torch.int32)
+    q = torch.randn(17, 4, 8, generator=gen, requires_grad=True)
+    k = torch.randn(17, 2, 8, generator=gen, requires_grad=True)   # grouped-query: 2 kv heads
+    v = torch.randn(17, 2, 8, generator=gen, requires_grad=True)
+    out = varlen_causal_attention(q, k, v, cu)
+    # Naive oracle: full attention scores with a block-diagonal causal mask.
+    seq = torch.repeat_interleave(torch.arange(3), cu[1:] - cu[:-1])
+    idx = torch.arange(17)
+    allowed = (seq[:, None] == seq[None, :]) & (idx[None, :] <= idx[:, None])
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, kk) / 8 ** 0.5
+    naive = torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), vv)
+    torch.testing.assert_close(out, naive)
+    w = torch.randn(out.shape, generator=gen)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    naive_grads = torch.autograd.grad((naive * w).sum(), (q, k, v))
+    for g, n in zip(grads, naive_grads):
+        torch.testing.assert_close(g, n)
+
+
+def test_packed_model_equals_each_sequence_alone():
+    # fp64, so that summation-order rounding cannot hide (or fake) a leak between sequences
+    model = full_model(TINY, seed=3, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(1)
+    packed = packed_micro_batch(gen, [7, 12, 4], TINY.vocab, 0)
+    bounds = packed.cu_seqlens.tolist()
+    w = torch.randn(packed.num_tokens, TINY.vocab, generator=gen, dtype=torch.float64)
+
+    logits = model(packed.tokens, packed.positions(), packed.cu_seqlens)
+    packed_grads = torch.autograd.grad((logits * w).sum(), list(model.parameters()))
+    alone_grads = [torch.zeros_like(g) for g in packed_grads]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        alone = MicroBatch(packed.tokens[a:b], packed.targets[a:b], torch.tensor([0, b - a], dtype=torch.int32), (0,))
+        out = model(alone.tokens, alone.positions(), alone.cu_seqlens)
+        torch.testing.assert_close(logits[a:b], out, rtol=1e-10, atol=1e-12)
+        for acc, g in zip(alone_grads, torch.autograd.grad((out * w[a:b]).sum(), list(model.parameters()))):
+            acc += g
+    for g, n in zip(packed_grads, alone_grads):
+        torch.testing.assert_close(g, n, rtol=1e-10, atol=1e-12)
+
+    # Changing sequence 2's tokens leaves sequence 1's outputs untouched.
+    changed = packed.tokens.clone()
+    changed[bounds[1]:bounds[2]] = (changed[bounds[1]:bounds[2]] + 1) % TINY.vocab
+    other = model(changed, packed.positions(), packed.cu_seqlens)
+    assert torch.equal(other[:bounds[1]], logits[:bounds[1]])
+    assert not torch.allclose(other[bounds[1]:bounds[2]], logits[bounds[1]:bounds[2]])
+
+
+# ---------------------------------------------------------------------------- tensor parallelism
+GQA = ModelShape(layers=1, hidden=64, heads=8, ffn=96, vocab=32, seq_len=32, kv_heads=4)
+
+
+def _block_under_tp(rank: int, world: int):
+    """One block at TP=4 (all ranks) and TP=2 (ranks {0,1} and {2,3}); grads and outputs per rank."""
+    full = init_part(GQA, 0, seed=5)
+    gen = torch.Generator().manual_seed(9)
+    cu = torch.tensor([0, 6, 19, 25], dtype=torch.int32)
+    positions = MicroBatch(torch.zeros(25, dtype=torch.long), torch.zeros(25, dtype=torch.long), cu, (0,)).positions()
+    x = torch.randn(25, GQA.hidden, generator=gen)
+    w = torch.randn(25, GQA.hidden, generator=gen)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    out = {}
+    for size, group in ((4, dist.group.WORLD), (2, pairs[rank // 2])):
+        tp = TensorParallel(size, rank % size, group)
+        model = StageModel(GQA, (0, 1), has_embedding=False, has_head=False, tp=tp)
+        model.load_full(full)
+        xi = x.clone().requires_grad_(True)
+        y = model(xi, positions, cu)
+        (y * w).sum().backward()
+        out[size] = {"y": y.detach(), "dx": xi.grad,
+                     "grads": {n: p.grad for n, p in model.named_parameters()}}
+    return out
+
+
+def test_tensor_parallel_block_equals_unsharded():
+    results = run_on_gloo(_block_under_tp, 4)
+    full = init_part(GQA, 0, seed=5)
+    model = StageModel(GQA, (0, 1), has_embedding=False, has_head=False)
+    model.load_full(full)
+    gen = torch.Generator().manual_seed(9)
+    cu = torch.tensor([0, 6, 19, 25], dtype=torch.int32)
+    positions = MicroBatch(torch.zeros(25, dtype=torch.long), torch.zeros(25, dtype=torch.long), cu, (0,)).positions()
+    x = torch.randn(25, GQA.hidden, generator=gen).requires_grad_(True)
+    w = torch.randn(25, GQA.hidden, generator=gen)
+    y = model(x, positions, cu)
+    (y * w).sum().backward()
+    for rank, res in enumerate(results):
+        for size in (4, 2):
+            got = res[size]
+            torch.testing.assert_close(got["y"], y, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got["dx"], x.grad, rtol=1e-5, atol=1e-6)
+            for name, p in model.named_parameters():
+                expect = take_shard(name, p.grad, rank % size, size)
+                torch.testing.assert_close(got["grads"][name], expect, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"TP={size} rank {rank} {name}: {m}")
+
+
+# ---------------------------------------------------------------------------- schedule and errors
+@pytest.mark.parametrize("stages,micro", [(1, 3), (3, 3), (3, 2), (4, 7), (2, 1)])
+def test_one_f_one_b_runs_every_micro_batch_once_in_order(stages, micro):
+    for j in range(stages):
+        acts = one_f_one_b(stages, j, micro)
+        fwd = [i for k, i in acts if k == "F"]
+        bwd = [i for k, i in acts if k == "B"]
+        assert fwd == bwd == list(range(micro))
+        # a micro-batch's backward comes after its forward; in flight never exceeds S - j
+        for i in range(micro):
+            assert acts.index(("F", i)) < acts.index(("B", i))
+        inflight = peak = 0
+        for k, _ in acts:
+            inflight += 1 if k == "F" else -1
+            peak = max(peak, inflight)
+        assert peak <= stages - j
+
+
+def test_tp_size_that_does_not_divide_heads_is_a_clear_error():
+    plan = Plan(num_devices=4, num_layers=4, micro_batch_size=1,
+                pipelines=(Pipeline((Stage((0,), (0, 2)), Stage((1, 2, 3), (2, 4))), micro_batches=2),))
+    with pytest.raises(ValueError, match=r"pipeline 0 stage 1 \(devices \[1, 2, 3\]\): TP size 3 does not "
+                                         r"divide heads=4.*sizes that divide .*: 1, 2, 4"):
+        Engine(TINY, plan, 0)
+
+
+def test_rank_without_work_is_a_clear_error():
+    with pytest.raises(ValueError, match="rank 6 is suspended"):
+        Engine(TINY, HETERO, 6)
+    with pytest.raises(ValueError, match="rank 9 is not a device"):
+        Engine(TINY, HETERO, 9)
+
+
+def test_block_module_is_the_same_at_tp_one():
+    # Sanity of the shared definition: a Block holds full tensors at TP size 1.
+    block = Block(TINY, TensorParallel())
+    assert block.attn.wq.shape == (TINY.heads * TINY.head_dim, TINY.hidden)
