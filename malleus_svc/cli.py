@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from .config import ConfigError, load_scenario, validate_rates
+from .bench import BENCHES
 from .plan import Plan, PlanError
 
 BUNDLED = Path(__file__).parent / "scenarios"
@@ -76,6 +77,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     return train.main(args.rest)
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .simulate import simulate_cli
+
+    return simulate_cli(args.rest)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
 
@@ -101,8 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("rest", nargs=argparse.REMAINDER)
     t.set_defaults(func=cmd_train)
 
+    s = sub.add_parser("simulate", help="iteration time and memory of a scenario's plans under the simulator "
+                       "(malleus simulate SCENARIO --help)", add_help=False)
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+    s.set_defaults(func=cmd_simulate)
+
     b = sub.add_parser("bench", help="benchmarks that print tables and write BENCHMARKS.md rows")
-    b.add_argument("what", choices=("planner",))
+    b.add_argument("what", choices=BENCHES)
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)
     return ap

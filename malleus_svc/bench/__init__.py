@@ -1,9 +1,10 @@
 """Benchmarks behind `malleus bench ...`: each prints a table and can write BENCHMARKS.md and plots."""
+import importlib
+
+BENCHES = ("planner", "runtime", "simulate")
 
 
 def run_bench(what: str, argv: list[str]) -> int:
-    if what == "planner":
-        from .planner import main
-    else:  # argparse restricts `what`; this guards direct callers
-        raise ValueError(f"unknown benchmark {what!r}; known: planner")
-    return main(argv)
+    if what not in BENCHES:
+        raise ValueError(f"unknown benchmark {what!r}; known: {', '.join(BENCHES)}")
+    return importlib.import_module(f"{__name__}.{what}").main(argv)

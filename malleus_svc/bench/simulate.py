@@ -159,8 +159,8 @@ def traces_table(traces: list[tuple[str, dict]]) -> str:
 
 # ----------------------------------------------------------------------------- part 3: large clusters
 def _plan_in_child(which: str, num_devices: int, seed: int, queue) -> None:
-    from ..simulate.baselines import _planner, full
-    plan, authors_plan, *_ = _planner()
+    from ..planner import authors_plan, plan
+    from ..simulate.baselines import full
     sc = large_scenario(num_devices, seed)
     p = sc.problem()
     t = time.perf_counter()
@@ -306,8 +306,8 @@ def plot(rows: list[Row], traces, large: list[LargeRow], directory: Path) -> lis
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="malleus bench simulate", description=__doc__.split("\n")[0])
     ap.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated subset of {', '.join(SETUPS)}")
-    ap.add_argument("--large", default="1024", help="large cluster sizes for planning time (e.g. 1024,4096; '' for none)")
-    ap.add_argument("--planner-timeout", type=float, default=240.0, help="seconds per planner run on large clusters")
+    ap.add_argument("--large", default="1024,4096", help="large cluster sizes for planning time ('' for none)")
+    ap.add_argument("--planner-timeout", type=float, default=120.0, help="seconds per planner run on large clusters")
     ap.add_argument("--no-traces", action="store_true", help="skip the dynamic traces")
     ap.add_argument("--restart-seconds", type=float, default=300.0)
     ap.add_argument("--checkpoint-minutes", type=float, default=30.0, help="a restart loses half of it")

@@ -95,10 +95,28 @@ class Scorer:
                             solver=p.solver, prefer=prefer, time_limit_s=p.time_limit_s, mip_gap=p.mip_gap)
 
     def grad_term(self, layers: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> float:
+        """Gradient reduction after the last backward: the slowest stage's share of it.
+
+        A block's gradients are reduced slice by slice among the pipelines that hold it, so the
+        device of the SMALLEST group holding the block carries the largest slice: the block costs
+        g / (that size) on every holder, and nothing when a single pipeline holds it.
+        """
         g = self.problem.comm.grad_sync_per_block
         if self.objective != "full" or not g:
             return 0.0
-        return max(l * g / s for ls, ss in zip(layers, sizes) for l, s in zip(ls, ss))
+        smallest: list[int] = [0] * self.problem.num_layers
+        holders: list[int] = [0] * self.problem.num_layers
+        spans = []
+        for ls, ss in zip(layers, sizes):
+            start = 0
+            for count, size in zip(ls, ss):
+                spans.append((start, start + count))
+                for b in range(start, start + count):
+                    smallest[b] = size if not smallest[b] else min(smallest[b], size)
+                    holders[b] += 1
+                start += count
+        cost = [g / smallest[b] if holders[b] > 1 else 0.0 for b in range(self.problem.num_layers)]
+        return max((sum(cost[a:b]) for a, b in spans), default=0.0)
 
     def score(self, pipelines: Sequence[Sequence[tuple[float, int]]],
               extras: Sequence[Sequence[float]] | None = None,
@@ -129,8 +147,9 @@ class Scorer:
 
 
 def p2p_extras(problem: PlannerProblem, nodes: Sequence[int | None]) -> tuple[float, ...]:
-    """Per-stage p2p time per micro-batch: each stage pays both of its boundaries (receive its
-    input / send its gradient, send its output / receive its gradient), intra- or inter-node.
+    """Per-stage p2p time per micro-batch. A boundary's cost is its forward + backward transfer;
+    the sender pays each direction (blocking sends), so a stage pays half of each adjacent boundary:
+    its output forward and its input gradient backward, intra- or inter-node.
     An unknown node (a placeholder) next to a known one counts as inter-node; two placeholders
     side by side count as intra-node (`fill` puts consecutive normal groups on one node if it can)."""
     c = problem.comm
@@ -141,7 +160,7 @@ def p2p_extras(problem: PlannerProblem, nodes: Sequence[int | None]) -> tuple[fl
         same = (a is None and b is None) or (a is not None and a == b)
         return c.p2p_intra_node if same else c.p2p_inter_node
     s = len(nodes)
-    return tuple((edge(nodes[j - 1], nodes[j]) if j > 0 else 0.0) + (edge(nodes[j], nodes[j + 1]) if j < s - 1 else 0.0)
+    return tuple(0.5 * ((edge(nodes[j - 1], nodes[j]) if j > 0 else 0.0) + (edge(nodes[j], nodes[j + 1]) if j < s - 1 else 0.0))
                  for j in range(s))
 
 

@@ -18,7 +18,8 @@ Keeping it fast:
 
 Objectives ('paper', 'bubble', 'full') are those of `lower`; for 'full', z_ij includes the p2p
 time of the stage's boundaries (intra- or inter-node, `organize.p2p_extras`) and the objective
-adds max over stages of l_ij · grad_sync_per_block / |g_ij| after the max over pipelines. That
+adds the gradient reduction of the slowest stage after the max over pipelines (each block costs
+grad_sync_per_block / the smallest group holding it, `Scorer.grad_term`). That
 coupling term is evaluated exactly (in `evaluate` and when choosing among finalists) but
 optimised only through the candidate search, not inside the ILPs.
 """
@@ -28,7 +29,7 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from ..plan import Pipeline, Plan, Stage
 from .grouping import Group, NodeOption, group_rate, make_group, node_options
@@ -71,9 +72,15 @@ class _Finalist:
 
 
 # ----------------------------------------------------------------------------- public API
-def plan(problem: PlannerProblem, previous: Plan | None = None) -> PlannerResult:
+def plan(problem: PlannerProblem, previous: Plan | None = None,
+         score: Callable[[Plan], float] | None = None) -> PlannerResult:
     """The best plan for `problem`; with `previous`, among plans within 0.5% of the best objective
-    the one moving the fewest bytes (so an unchanged situation returns the previous plan)."""
+    the one moving the fewest bytes (so an unchanged situation returns the previous plan).
+
+    `score`, when given, is a finer judge of a plan's iteration time (e.g. the 1F1B event
+    simulator, which sees overlaps the analytic objective cannot) used to choose among the
+    finalists; the search itself still runs on the analytic objective.
+    """
     t_start = time.perf_counter()
     _check_problem(problem)
     prev = previous if _compatible(problem, previous) else None
@@ -106,7 +113,7 @@ def plan(problem: PlannerProblem, previous: Plan | None = None) -> PlannerResult
     for v, _, groups in sorted(screened, key=lambda t: t[:2])[:THOROUGH]:   # pass 2: the DFS
         if v < math.inf:
             finalists.extend(_organise(problem, scorer, groups, _pipeline_counts(problem, len(groups)), templates))
-    finalists = sorted(finalists)[:FINALISTS]
+    finalists = _diverse(finalists)
     if not finalists:
         finalists = _fallback(problem, scorer, per_node, templates)
     if not finalists:
@@ -115,7 +122,7 @@ def plan(problem: PlannerProblem, previous: Plan | None = None) -> PlannerResult
     plans = [p for p in plans if p is not None]
     if prev is not None:
         plans += [p for p in (_reuse(problem, prev), _safe_rebalance(problem, prev)) if p is not None]
-    chosen, moved = _choose(problem, plans, prev)
+    chosen, moved = _choose(problem, plans, prev, score)
     ideal = ideal_objective(problem)
     elapsed = time.perf_counter() - t_start
     chosen = _finish(problem, chosen, ideal, elapsed, {"pipelines": len(chosen.pipelines), "candidates": combos})
@@ -407,9 +414,24 @@ def _safe_rebalance(problem: PlannerProblem, prev: Plan) -> Plan | None:
         return None
 
 
-def _choose(problem: PlannerProblem, plans: list[Plan], prev: Plan | None) -> tuple[Plan, float | None]:
-    """Best objective; with a previous plan, fewest moved bytes within the near-optimal band."""
-    scored = [(evaluate(problem, p), i, p) for i, p in enumerate(plans)]
+def _diverse(finalists: list["_Finalist"]) -> list["_Finalist"]:
+    """The best FINALISTS, plus the best of every pipeline count not among them: the analytic
+    objective ranks layouts of different depth least reliably, so each shape gets a final look."""
+    ranked = sorted(finalists)
+    out = ranked[:FINALISTS]
+    seen = {len(f.template) for f in out}
+    for f in ranked[FINALISTS:]:
+        if len(f.template) not in seen:
+            seen.add(len(f.template))
+            out.append(f)
+    return out
+
+
+def _choose(problem: PlannerProblem, plans: list[Plan], prev: Plan | None,
+            score: Callable[[Plan], float] | None = None) -> tuple[Plan, float | None]:
+    """Best objective (or `score`); with a previous plan, fewest moved bytes within the near-optimal band."""
+    judge = score or (lambda p: evaluate(problem, p))
+    scored = [(judge(p), i, p) for i, p in enumerate(plans)]
     best = min(v for v, _, _ in scored)
     if prev is None:
         v, _, p = min(scored, key=lambda t: (t[0], t[1]))

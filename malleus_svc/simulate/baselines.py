@@ -36,15 +36,9 @@ SYSTEMS = ("static", "data-only", "restart", "authors", "malleus")
 
 
 def _planner():
-    """The planner's public API (`malleus_svc.planner`), falling back to its modules while the
-    package's exports are being written."""
-    try:
-        from .. import planner as P
-        return (P.plan, P.authors_plan, P.baseline_plan, P.rebalance_data, P.InfeasibleError)
-    except (ImportError, AttributeError):
-        from ..planner.authors import authors_plan
-        from ..planner.search import InfeasibleError, baseline_plan, plan, rebalance_data
-        return plan, authors_plan, baseline_plan, rebalance_data, InfeasibleError
+    """The planner's public API, imported on use: the simulator itself needs no solver."""
+    from .. import planner as P
+    return P.plan, P.authors_plan, P.baseline_plan, P.rebalance_data, P.InfeasibleError
 
 
 @dataclass(frozen=True)
@@ -110,7 +104,7 @@ def straggler_nodes(problem: PlannerProblem) -> frozenset[int]:
 def restart_plan(problem: PlannerProblem, options: SimOptions = SimOptions()) -> Plan:
     """The best homogeneous layout on the nodes without stragglers (see module docstring). When no
     pipeline fits on them, the job cannot restart without its stragglers and keeps the static plan."""
-    from ..planner.search import memory_violations   # a pure check on a given plan
+    from ..planner import memory_violations   # a pure check on a given plan
 
     drop = straggler_nodes(problem)
     if not drop:
@@ -188,7 +182,10 @@ def make_systems(costs: Costs = Costs(), options: SimOptions = SimOptions(),
         return _migrate(r.plan, r.solve_seconds, current, problem, costs)
 
     def malleus(problem, current):
-        r = plan(full(problem), previous=current)
+        # The planner searches on its analytic objective and picks among its finalists with this
+        # simulator, which sees the overlaps (drain vs gradient reduction) the objective cannot.
+        p = full(problem)
+        r = plan(p, previous=current, score=lambda c: simulate(c, p, options=options).iteration_t0)
         return _migrate(r.plan, r.solve_seconds, current, problem, costs)
 
     table = {"static": static, "data-only": data_only, "restart": restart, "authors": authors, "malleus": malleus}
