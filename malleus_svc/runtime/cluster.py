@@ -78,6 +78,24 @@ class StepRecord:
         }
 
 
+@dataclass
+class MigrationReport:
+    """What `WorkerGroup.migrate` did. Bytes count param + exp_avg + exp_avg_sq payload (the
+    per-slice Adam step counts travel beside them, 8 bytes each, uncounted)."""
+
+    old_plan_id: str
+    new_plan_id: str
+    moved_bytes: int                       # sent over the world (== the planned total)
+    inter_node_bytes: int                  # of which between logical nodes
+    moves: int                             # tensor slices moved (before cutting into buckets)
+    buckets: int
+    seconds: float                         # driver wall time of the whole migration
+    per_device_seconds: dict[int, float]   # each worker's migrate() wall time
+    reused_bytes: int = 0                  # state that stayed where it was
+    rounds: int = 0
+    per_device: dict[int, dict[str, Any]] = field(default_factory=dict)  # each worker's stats
+
+
 class WorkerGroup:
     """One actor per device; see the module docstring for placement and the world."""
 
@@ -223,7 +241,57 @@ class WorkerGroup:
         d = plan.to_dict()
         out = self._get([w.apply_plan.remote(shape, d, seed, optim) for w in self.workers], "apply_plan")
         self.plan = plan
+        self.shape, self.seed, self.optim = shape, seed, optim  # what migrate() builds engines with
         return out
+
+    def migrate(self, new_plan: Plan, *, bucket_bytes: int = 64 << 20) -> "MigrationReport":
+        """Live migration to `new_plan` at an iteration boundary (no step in flight), see migrate.py.
+
+        Every worker sends/receives exactly the parameter and Adam slices (param, exp_avg,
+        exp_avg_sq, step) the new plan places elsewhere, over the existing world, in buckets of at
+        most `bucket_bytes`; then builds its Engine for the new plan from them (or drops it, if it
+        is now suspended/excluded). No worker restarts; the world is not re-initialised.
+        """
+        from .engine import validate_plan_for_model
+        from .migrate import MigrationError, plan_migration
+
+        if self.plan is None or getattr(self, "shape", None) is None:
+            raise WorkerGroupError("apply_plan must run before migrate (there is no state to migrate)")
+        old, shape = self.plan, self.shape
+        self.check_plan(new_plan, shape)
+        try:  # fail here, before any worker starts exchanging
+            validate_plan_for_model(shape, new_plan)
+            schedule = plan_migration(old, new_plan, shape, bucket_bytes=bucket_bytes)
+        except (ValueError, MigrationError) as e:
+            raise WorkerGroupError(f"cannot migrate {old.plan_id} -> {new_plan.plan_id}: {e}") from None
+        t0 = time.perf_counter()
+        od, nd = old.to_dict(), new_plan.to_dict()
+        refs = [w.migrate.remote(od, nd, shape, self.seed, self.optim, bucket_bytes) for w in self.workers]
+        results = self._get(refs, f"migrate {old.plan_id} -> {new_plan.plan_id}")
+        seconds = time.perf_counter() - t0
+        self.plan = new_plan  # the workers run it now (also if the byte check below fails)
+        sent = sum(r["sent_bytes"] for r in results)
+        received = sum(r["received_bytes"] for r in results)
+        if not sent == received == schedule.moved_bytes:
+            raise WorkerGroupError(f"migration moved {sent} bytes sent / {received} received, "
+                                   f"planned {schedule.moved_bytes}")
+        return MigrationReport(
+            old_plan_id=old.plan_id, new_plan_id=new_plan.plan_id, moved_bytes=sent,
+            inter_node_bytes=sum(r["sent_inter_node_bytes"] for r in results),
+            moves=len(schedule.slices), buckets=len(schedule.buckets), seconds=seconds,
+            per_device_seconds={r["device"]: r["seconds"] for r in results},
+            reused_bytes=schedule.reused_bytes, rounds=schedule.rounds,
+            per_device={r["device"]: r for r in results})
+
+    def load_full_state(self, full) -> None:
+        """Load whole tensors (as `full_state()` gives them) into every active worker's Engine."""
+        from .engine import full_shard_states
+
+        if self.plan is None:
+            raise WorkerGroupError("apply_plan must run before load_full_state")
+        ref = ray.put(full_shard_states(full))
+        active = sorted(self.plan.roles())
+        self._get([self.workers[d].load_state.remote(ref) for d in active], "load_state", devices=active)
 
     # ------------------------------------------------------------------ steps
     def count_tokens(self, ids: Sequence[int]) -> tuple[int, int]:

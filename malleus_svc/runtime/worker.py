@@ -174,6 +174,72 @@ class DeviceWorker:
             return None
         return self.engine.export_state()
 
+    def load_state(self, states) -> bool:
+        """Load ShardStates (e.g. `engine.full_shard_states(full)`) into this device's Engine, if any."""
+        if self.engine is None:
+            return False
+        self.engine.load_state(states)
+        return True
+
+    # ------------------------------------------------------------------ live migration
+    def migrate(self, old_plan_dict: dict, new_plan_dict: dict, shape, seed: int, optim,
+                bucket_bytes: int) -> dict[str, Any]:
+        """Move this device's state to where `new_plan_dict` needs it (see migrate.py), then build
+        the Engine for the new plan from the migrated state, or none when the device has no work.
+
+        Every worker of the world must call this at the same iteration boundary (those idle under
+        both plans too: they take part in the schedule check and do nothing else). The world is
+        reused, never re-initialised.
+        """
+        from malleus_svc.plan import Plan
+
+        from .engine import Engine
+        from .migrate import execute_migration, plan_migration
+
+        t0 = time.perf_counter()
+        if not self.world_ready:
+            raise RuntimeError(f"device {self.device_id}: init_world must run before migrate")
+        old, new = Plan.from_dict(old_plan_dict), Plan.from_dict(new_plan_dict)
+        if old.plan_id != self.plan_id:
+            raise RuntimeError(f"device {self.device_id} runs plan {self.plan_id}, asked to migrate from {old.plan_id}")
+        schedule = plan_migration(old, new, shape, bucket_bytes=int(bucket_bytes))
+        old_states = self.engine.export_state() if self.engine is not None else None
+        export_s = time.perf_counter() - t0
+        states, stats = execute_migration(schedule, self.device_id, old_states, comm_device=self.torch_device)
+        del old_states
+        t1 = time.perf_counter()
+        self._drop_engine()
+        role = new.roles().get(self.device_id)
+        if role is not None:
+            self.engine = Engine(shape, new, self.device_id, seed=seed, optim=optim,
+                                 device=self.torch_device, after_compute=self.slowdown)
+            self.engine.load_state(states)
+        self.plan_id = new.plan_id
+        out = _as_dict(stats)
+        out.update(plan_id=self.plan_id, role=None if role is None else asdict(role), export_seconds=export_s,
+                   build_seconds=time.perf_counter() - t1, seconds=time.perf_counter() - t0)
+        return out
+
+    def probe(self, size: int = 128, repeats: int = 16) -> dict[str, float]:
+        """A fixed small matmul workload, for a device without work (suspended) to keep its
+        straggling rate measured (control/measure.py). Timed like the Engine's compute (thread CPU
+        time on CPU, synchronised wall time on CUDA) and passed through the same slowdown hook."""
+        import torch
+
+        g = torch.Generator().manual_seed(1234)
+        a = torch.randn(size, size, generator=g).to(self.torch_device)
+        b = torch.randn(size, size, generator=g).to(self.torch_device)
+        clock = (lambda: (torch.cuda.synchronize(), time.perf_counter())[1]) if self.use_gpu else time.thread_time
+        slept0 = self.slowdown.slept_seconds
+        t0 = clock()
+        for _ in range(repeats):
+            a = torch.tanh(a @ b)
+        float(a[0, 0])
+        seconds = clock() - t0
+        self.slowdown(seconds)
+        return {"device": self.device_id, "compute_seconds": seconds,
+                "injected_seconds": self.slowdown.slept_seconds - slept0}
+
     # ------------------------------------------------------------------ straggler control
     @ray.method(concurrency_group="control")
     def set_slowdown(self, factor: float) -> float:

@@ -146,6 +146,8 @@ def homogeneous_plan(problem: PlannerProblem, devices: list[int], P: int, tp: in
                 tuple(sorted(problem.excluded)), problem.gpus_per_node, problem.objective)
 
 
+EXACT_JUDGE_MAX_DEVICES = 256
+
 # ----------------------------------------------------------------------------- systems
 @dataclass
 class System:
@@ -184,8 +186,13 @@ def make_systems(costs: Costs = Costs(), options: SimOptions = SimOptions(),
     def malleus(problem, current):
         # The planner searches on its analytic objective and picks among its finalists with this
         # simulator, which sees the overlaps (drain vs gradient reduction) the objective cannot.
+        # An event simulation of a 1024-device plan takes seconds, so beyond paper scale the
+        # analytic objective alone decides.
         p = full(problem)
-        r = plan(p, previous=current, score=lambda c: simulate(c, p, options=options).iteration_t0)
+        judge = None
+        if p.num_devices <= EXACT_JUDGE_MAX_DEVICES:
+            judge = lambda c: simulate(c, p, options=options).iteration_t0  # noqa: E731
+        r = plan(p, previous=current, score=judge)
         return _migrate(r.plan, r.solve_seconds, current, problem, costs)
 
     table = {"static": static, "data-only": data_only, "restart": restart, "authors": authors, "malleus": malleus}

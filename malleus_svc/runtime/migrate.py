@@ -1,0 +1,567 @@
+"""Live migration of model + optimizer state between two plans (malleus.md §4.4, the "hot switch").
+
+Two halves:
+
+* `plan_migration(old, new, shape)` — pure (no Ray, no torch.distributed): the tensor-level
+  transfer schedule. Every worker derives the same schedule from the two plans, so no coordination
+  messages are needed (`execute_migration` still checks, with one all-reduce of its digest, that
+  every rank derived the same one before any byte moves).
+* `execute_migration(schedule, rank, old_states)` — run on every rank of the existing world at an
+  iteration boundary: send/receive the bucket rounds with p2p ops on the default group, and return
+  this rank's ShardStates for the new plan, ready for `Engine.load_state`.
+
+Algorithm (planning)
+--------------------
+For every tensor of every part (`model.part_tensor_names`), every device of every stage that holds
+the part under the new plan needs rows of it: the rows `shard_range` gives its TP rank along
+`shard_spec(name)` for sharded tensors, all rows for replicated ones (norm weights, embedding,
+head). Those rows are cut by the old holders' row ranges (finest common partition). A piece the
+needer already held under the old plan stays where it is (no copy). Every other piece comes from
+an old holder that holds all of it, chosen as in `Plan.diff`: a holder on the needer's node if
+there is one, then the one that has sent the fewest bytes so far, then the lowest device id.
+
+* Sharded tensors are decided first, per (block, fraction piece, needer), in `Plan.diff`'s order
+  (blocks ascending, needers ascending, pieces ascending), charging the sender the bytes of that
+  piece of all the block's sharded tensors. All sharded tensors of a block move together, and
+  since every block has the same size, the flows are exactly `Plan.diff(old, new)`'s for blocks
+  (StateSizes(block=1): same pieces, same senders, moved/reused totals in proportion).
+* Replicated tensors come next, per (part, needer): every TP rank of every holder stage needs the
+  whole tensor, so a needer that held ANY shard of the part keeps its copy, and one that held none
+  receives the whole tensor from one old holder (same rule, same byte counter). `Plan.diff` counts
+  embedding and head the same way (whole part per needer), but charges a block's two norm weights
+  as if they were sharded with the block (a fraction 1/t per needer, moved only with the moved
+  fraction); here they move whole, and only to devices that held no shard of the block. Tensor
+  byte totals therefore equal Plan.diff's for sharded tensors, not for the block norms.
+
+Payload of a slice: the param rows and the same rows of Adam's exp_avg and exp_avg_sq
+(3 x numel x itemsize bytes: `moved_bytes`), plus the slice's Adam step count in a small int64
+message beside each bucket (8 bytes per slice chunk, not counted in the byte totals). Step counts
+must agree between every piece a device assembles (checked; raises otherwise).
+
+Buckets and rounds. Slices are grouped per (src, dst) pair, in planning order, and packed into
+buckets of at most `bucket_bytes` (a slice larger than the room left is cut into row chunks; a
+single row larger than `bucket_bytes` travels alone, in a bucket of its own, the one case where a
+bucket exceeds the bound). Buckets are then assigned greedily to rounds so that in one round a
+device sends at most `bucket_bytes` and receives at most `bucket_bytes` (at most one bucket per
+pair per round); so the buffers a device holds for communication at any time are bounded by
+2 x bucket_bytes, whatever the number of peers.
+
+Execution. Each round, a rank posts all its isends/irecvs of the round in one
+`batch_isend_irecv` (NCCL: one group, no deadlock between a pair that sends both ways; gloo: plain
+isend/irecv with a per-round tag), waits, and unpacks what it received. Each pair exchanges at
+most two messages per round per direction (buffer, then steps), matched by order, so it is also
+correct where tags are ignored (NCCL). Buffers are contiguous, on the communication device
+(`cuda` for NCCL, CPU for gloo).
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Iterable, Mapping
+
+from malleus_svc.config.presets import ModelShape
+from malleus_svc.plan import EMBEDDING, HEAD, Plan
+from malleus_svc.runtime.model import (Part, full_shape_of, part_tensor_names, shard_range, shard_spec,
+                                       tp_divisibility_error)
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+_TAG_BASE = 0x4D470000  # gloo tags of migration rounds (apart from groups.py's handshake tag)
+
+
+class MigrationError(ValueError):
+    """The two plans cannot be migrated between (the message says what and where)."""
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Rows [start, end) along `axis` of tensor `name`, sent from `src` to `dst`.
+
+    `dim` is the tensor's TP split dim (None: replicated); rows run along `axis` = dim, or 0 for
+    replicated tensors. `nbytes` counts param + exp_avg + exp_avg_sq.
+    """
+
+    name: str
+    dim: int | None
+    start: int
+    end: int
+    src: int
+    dst: int
+    numel: int
+    nbytes: int
+
+    @property
+    def axis(self) -> int:
+        return 0 if self.dim is None else self.dim
+
+    @property
+    def part(self) -> Part:
+        from malleus_svc.runtime.model import part_of
+        return part_of(self.name)
+
+
+@dataclass(frozen=True)
+class Keep:
+    """Rows [start, end) of `name` that `device` holds under both plans: copied locally."""
+
+    device: int
+    name: str
+    start: int
+    end: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one device holds of one tensor under the new plan."""
+
+    dim: int | None
+    start: int
+    end: int
+    full_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    src: int
+    dst: int
+    index: int                 # position among this pair's buckets
+    round: int
+    chunks: tuple[Slice, ...]  # slices or row-chunks of slices, in packing order
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class MigrationSchedule:
+    old_plan_id: str
+    new_plan_id: str
+    gpus_per_node: int
+    bucket_bytes: int
+    itemsize: int
+    slices: tuple[Slice, ...]          # the planned transfers (before cutting into buckets)
+    kept: tuple[Keep, ...]
+    buckets: tuple[Bucket, ...]        # sorted by (round, src, dst)
+    holdings: Mapping[int, Mapping[str, Holding]] = field(compare=False)  # new holder -> name -> rows
+
+    # ------------------------------------------------------------------ totals
+    @property
+    def rounds(self) -> int:
+        return 1 + max((b.round for b in self.buckets), default=-1)
+
+    @property
+    def moved_bytes(self) -> int:
+        return sum(s.nbytes for s in self.slices)
+
+    @property
+    def reused_bytes(self) -> int:
+        return sum(k.nbytes for k in self.kept)
+
+    def _node(self, d: int) -> int:
+        return d // self.gpus_per_node
+
+    @property
+    def inter_node_bytes(self) -> int:
+        return sum(s.nbytes for s in self.slices if self._node(s.src) != self._node(s.dst))
+
+    def sent_bytes(self, device: int) -> int:
+        return sum(s.nbytes for s in self.slices if s.src == device)
+
+    def received_bytes(self, device: int) -> int:
+        return sum(s.nbytes for s in self.slices if s.dst == device)
+
+    def flows(self) -> dict[tuple[int, int], int]:
+        out: dict[tuple[int, int], int] = {}
+        for s in self.slices:
+            out[(s.src, s.dst)] = out.get((s.src, s.dst), 0) + s.nbytes
+        return out
+
+    def digest(self) -> int:
+        """A 63-bit hash of everything that must match between ranks."""
+        h = hashlib.sha256(f"{self.old_plan_id}/{self.new_plan_id}/{self.bucket_bytes}/{self.itemsize}".encode())
+        for b in self.buckets:
+            h.update(repr((b.src, b.dst, b.round, [(c.name, c.start, c.end) for c in b.chunks])).encode())
+        return int.from_bytes(h.digest()[:8], "little") & (2**63 - 1)
+
+    def summary(self) -> dict[str, Any]:
+        sent = {d: self.sent_bytes(d) for d in {s.src for s in self.slices}}
+        recv = {d: self.received_bytes(d) for d in {s.dst for s in self.slices}}
+        return {"old_plan_id": self.old_plan_id, "new_plan_id": self.new_plan_id,
+                "moves": len(self.slices), "buckets": len(self.buckets), "rounds": self.rounds,
+                "moved_bytes": self.moved_bytes, "inter_node_bytes": self.inter_node_bytes,
+                "reused_bytes": self.reused_bytes,
+                "max_send_bytes": max(sent.values(), default=0), "max_recv_bytes": max(recv.values(), default=0)}
+
+
+# ---------------------------------------------------------------------------- planning
+def _check(old: Plan, new: Plan, shape: ModelShape) -> None:
+    if old.num_layers != new.num_layers or new.num_layers != shape.layers:
+        raise MigrationError(f"layer counts differ: old plan {old.num_layers}, new plan {new.num_layers}, "
+                             f"model {shape.layers}")
+    if old.num_devices != new.num_devices:
+        raise MigrationError(f"plans are for different worlds ({old.num_devices} vs {new.num_devices} devices)")
+    if old.gpus_per_node != new.gpus_per_node:
+        raise MigrationError(f"plans disagree on gpus_per_node ({old.gpus_per_node} vs {new.gpus_per_node})")
+    for which, plan in (("old", old), ("new", new)):
+        for i, pipe in enumerate(plan.pipelines):
+            for j, st in enumerate(pipe.stages):
+                err = tp_divisibility_error(shape, st.tp)
+                if err:
+                    raise MigrationError(f"{which} plan pipeline {i} stage {j}: {err}")
+
+
+def _rows(frac: Fraction, full: int, name: str) -> int:
+    r = frac * full
+    if r.denominator != 1:
+        raise MigrationError(f"{name}: shard boundary {frac} of {full} rows is not a whole row")
+    return int(r)
+
+
+def _fraction_map(plan: Plan, part: Part, exclude: set[int] = frozenset()) -> dict[int, tuple[Fraction, Fraction]]:
+    out = {}
+    for _, st in plan.holders(part):
+        for r, d in enumerate(st.devices):
+            if d not in exclude:
+                out[d] = (Fraction(r, st.tp), Fraction(r + 1, st.tp))
+    return out
+
+
+def plan_migration(old: Plan, new: Plan, shape: ModelShape, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                   itemsize: int = 4, unavailable: Iterable[int] = ()) -> MigrationSchedule:
+    """The transfer schedule that moves every state slice `new` places where `old` did not have it.
+
+    `unavailable` devices never send (nor keep); raises MigrationError listing every slice that
+    then has no surviving source.
+    """
+    if bucket_bytes < 1:
+        raise MigrationError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    _check(old, new, shape)
+    dead = set(unavailable)
+    node = new.node_of
+    sent: dict[int, int] = {}
+    slices: list[Slice] = []
+    kept: list[Keep] = []
+    missing: list[str] = []
+    holdings: dict[int, dict[str, Holding]] = {}
+
+    def row_bytes(name: str, axis: int) -> int:
+        full = full_shape_of(shape, name)
+        n = 1
+        for k, s in enumerate(full):
+            if k != axis:
+                n *= s
+        return n
+
+    def choose(srcs: list[int], dst: int) -> int:
+        near = [s for s in srcs if node(s) == node(dst)]
+        return min(near or srcs, key=lambda s: (sent.get(s, 0), s))
+
+    parts: list[Part] = [EMBEDDING, *range(new.num_layers), HEAD]
+    for part in parts:
+        names = part_tensor_names(part)
+        for name in names:
+            dim = shard_spec(name)
+            full = full_shape_of(shape, name)
+            for _, st in new.holders(part):
+                for r, d in enumerate(st.devices):
+                    if dim is None:
+                        holdings.setdefault(d, {})[name] = Holding(None, 0, full[0], full)
+                    else:
+                        a, b = shard_range(full[dim], r, st.tp)
+                        holdings.setdefault(d, {})[name] = Holding(dim, a, b, full)
+
+    # Phase 1: sharded tensors, per (block, piece, needer), in Plan.diff's order.
+    for part in range(new.num_layers):
+        sharded = [n for n in part_tensor_names(part) if shard_spec(n) is not None]
+        owned = _fraction_map(old, part, exclude=dead)
+        needed = _fraction_map(new, part)
+        for dst, (lo, hi) in sorted(needed.items()):
+            cuts = sorted({lo, hi, *(c for a, b in owned.values() for c in (a, b) if lo < c < hi)})
+            for a, b in zip(cuts, cuts[1:]):
+                pieces = []
+                for name in sharded:
+                    dim = shard_spec(name)
+                    full = full_shape_of(shape, name)[dim]
+                    s, e = _rows(a, full, name), _rows(b, full, name)
+                    numel = (e - s) * row_bytes(name, dim)
+                    pieces.append((name, dim, s, e, numel))
+                if dst in owned and owned[dst][0] <= a and b <= owned[dst][1]:
+                    kept.extend(Keep(dst, n, s, e, 3 * numel * itemsize) for n, _, s, e, numel in pieces)
+                    continue
+                srcs = [s for s, (x, y) in owned.items() if x <= a and b <= y]
+                if not srcs:
+                    missing.append(f"block {part} fraction [{a}, {b}) for device {dst}")
+                    continue
+                src = choose(srcs, dst)
+                for n, dim, s, e, numel in pieces:
+                    slices.append(Slice(n, dim, s, e, src, dst, numel, 3 * numel * itemsize))
+                    sent[src] = sent.get(src, 0) + 3 * numel * itemsize
+
+    # Phase 2: replicated tensors, per (part, needer): whole tensors.
+    for part in parts:
+        replicated = [n for n in part_tensor_names(part) if shard_spec(n) is None]
+        owners = sorted({d for _, st in old.holders(part) for d in st.devices} - dead)
+        needers = sorted({d for _, st in new.holders(part) for d in st.devices})
+        items = [(n, full_shape_of(shape, n)) for n in replicated]
+        for dst in needers:
+            if dst in owners:
+                kept.extend(Keep(dst, n, 0, full[0], 3 * _numel(full) * itemsize) for n, full in items)
+                continue
+            if not owners:
+                missing.append(f"{_part_label(part)} replicated tensors for device {dst}")
+                continue
+            src = choose(owners, dst)
+            for n, full in items:
+                numel = _numel(full)
+                slices.append(Slice(n, None, 0, full[0], src, dst, numel, 3 * numel * itemsize))
+                sent[src] = sent.get(src, 0) + 3 * numel * itemsize
+
+    if missing:
+        shown = "; ".join(missing[:12]) + (f"; ... ({len(missing)} in all)" if len(missing) > 12 else "")
+        raise MigrationError(
+            f"no surviving source (unavailable devices {sorted(dead)}) for: {shown}. "
+            "Restoring such state from a checkpoint is not supported by live migration.")
+
+    buckets = _pack(slices, bucket_bytes, itemsize)
+    return MigrationSchedule(old.plan_id, new.plan_id, new.gpus_per_node, bucket_bytes, itemsize,
+                             tuple(slices), tuple(kept), buckets,
+                             {d: dict(h) for d, h in holdings.items()})
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _part_label(part: Part) -> str:
+    return part if isinstance(part, str) else f"block {part}"
+
+
+def _pack(slices: list[Slice], bucket_bytes: int, itemsize: int) -> tuple[Bucket, ...]:
+    """Per (src, dst) pair, in planning order: buckets of <= bucket_bytes; then greedy rounds."""
+    by_pair: dict[tuple[int, int], list[Slice]] = {}
+    for s in slices:
+        by_pair.setdefault((s.src, s.dst), []).append(s)
+    pair_buckets: dict[tuple[int, int], list[list[Slice]]] = {}
+    for pair, items in sorted(by_pair.items()):
+        out: list[list[Slice]] = []
+        cur: list[Slice] = []
+        cur_bytes = 0
+        for s in items:
+            rows = s.end - s.start
+            per_row = s.nbytes // rows if rows else 0
+            pos = s.start
+            while pos < s.end:
+                room = bucket_bytes - cur_bytes
+                fit = max(room, 0) // per_row if per_row else s.end - pos
+                if fit == 0:
+                    if cur:
+                        out.append(cur)
+                        cur, cur_bytes = [], 0
+                        continue
+                    fit = 1  # one row larger than a bucket: it travels alone
+                take = min(fit, s.end - pos)
+                numel = s.numel * take // rows
+                cur.append(Slice(s.name, s.dim, pos, pos + take, s.src, s.dst, numel, 3 * numel * itemsize))
+                cur_bytes += 3 * numel * itemsize
+                pos += take
+        if cur:
+            out.append(cur)
+        pair_buckets[pair] = out
+
+    # Rounds: per round a device sends <= bucket_bytes and receives <= bucket_bytes (a lone
+    # oversize bucket excepted), at most one bucket per pair.
+    queues = {pair: list(bs) for pair, bs in pair_buckets.items() if bs}
+    taken = {pair: 0 for pair in queues}
+    buckets: list[Bucket] = []
+    rnd = 0
+    while queues:
+        send: dict[int, int] = {}
+        recv: dict[int, int] = {}
+        for pair in sorted(queues):
+            src, dst = pair
+            chunks = queues[pair][0]
+            n = sum(c.nbytes for c in chunks)
+            fits = (lambda used: used == 0 or used + n <= bucket_bytes)
+            if fits(send.get(src, 0)) and fits(recv.get(dst, 0)):
+                send[src] = send.get(src, 0) + n
+                recv[dst] = recv.get(dst, 0) + n
+                buckets.append(Bucket(src, dst, taken[pair], rnd, tuple(chunks), n))
+                taken[pair] += 1
+                queues[pair].pop(0)
+        queues = {p: q for p, q in queues.items() if q}
+        rnd += 1
+    return tuple(buckets)
+
+
+def sharded_moves_by_fraction(schedule: MigrationSchedule, shape: ModelShape) -> set[tuple[Part, Fraction, Fraction, int, int]]:
+    """(block, fraction start, fraction end, src, dst) of every sharded-tensor slice: comparable with
+    Plan.diff's moves for blocks."""
+    out = set()
+    for s in schedule.slices:
+        if s.dim is None:
+            continue
+        full = full_shape_of(shape, s.name)[s.dim]
+        out.add((s.part, Fraction(s.start, full), Fraction(s.end, full), s.src, s.dst))
+    return out
+
+
+# ---------------------------------------------------------------------------- execution
+@dataclass
+class MigrationStats:
+    device: int
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    sent_inter_node_bytes: int = 0
+    kept_bytes: int = 0
+    slices_sent: int = 0
+    buckets_sent: int = 0
+    buckets_received: int = 0
+    rounds: int = 0
+    comm_seconds: float = 0.0
+    seconds: float = 0.0
+
+
+def execute_migration(schedule: MigrationSchedule, rank: int, old_states: Mapping[str, Any] | None, *,
+                      comm_device=None, check_digest: bool = True):
+    """Run this rank's part of `schedule` over the default process group.
+
+    Every rank of the world must call this (also ranks with nothing to send or receive): it starts
+    with one world all-reduce that checks that every rank derived the same schedule. `old_states`
+    is this rank's `Engine.export_state()` (None if it had no engine). Returns (new ShardStates of
+    this rank under the new plan, {} if it holds nothing; MigrationStats).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from malleus_svc.runtime.engine import ShardState
+
+    t0 = time.perf_counter()
+    comm_device = comm_device or torch.device("cpu")
+    stats = MigrationStats(rank, rounds=schedule.rounds)
+    dtype = torch.float32 if schedule.itemsize == 4 else {8: torch.float64, 2: torch.bfloat16}[schedule.itemsize]
+
+    if check_digest:
+        d = schedule.digest()
+        probe = torch.tensor([d, -d], dtype=torch.int64, device=comm_device)
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX)
+        if int(probe[0]) != d or -int(probe[1]) != d:
+            raise MigrationError(f"rank {rank}: the ranks derived different migration schedules "
+                                 f"({schedule.old_plan_id} -> {schedule.new_plan_id}); every worker must "
+                                 "migrate from the same old plan to the same new plan with the same bucket size")
+
+    old_states = old_states or {}
+
+    def old_view(name: str, start: int, end: int):
+        st = old_states.get(name)
+        if st is None:
+            raise MigrationError(f"rank {rank}: the schedule expects it to hold {name} rows [{start}, {end}), "
+                                 "but it has no such state (is its engine built for the old plan?)")
+        axis = 0 if st.dim is None else st.dim
+        if not (st.start <= start and end <= st.end):
+            raise MigrationError(f"rank {rank}: holds {name} rows [{st.start}, {st.end}), the schedule "
+                                 f"expects [{start}, {end})")
+        return st, axis, start - st.start
+
+    # New state buffers.
+    mine = schedule.holdings.get(rank, {})
+    new: dict[str, dict[str, Any]] = {}
+    for name, h in mine.items():
+        axis = 0 if h.dim is None else h.dim
+        size = list(h.full_shape)
+        size[axis] = h.end - h.start
+        new[name] = {"t": [torch.empty(size, dtype=dtype) for _ in range(3)],
+                     "cover": torch.zeros(h.end - h.start, dtype=torch.int32), "steps": set(),
+                     "axis": axis, "h": h}
+
+    def put(name: str, start: int, end: int, tensors, step: int) -> None:
+        slot = new.get(name)
+        if slot is None:
+            raise MigrationError(f"rank {rank}: received {name}, which it does not hold under the new plan")
+        h, axis = slot["h"], slot["axis"]
+        for dst, src in zip(slot["t"], tensors):
+            dst.narrow(axis, start - h.start, end - start).copy_(src)
+        slot["cover"][start - h.start:end - h.start] += 1
+        slot["steps"].add(int(step))
+
+    # Kept rows: a local copy.
+    for k in schedule.kept:
+        if k.device != rank:
+            continue
+        st, axis, off = old_view(k.name, k.start, k.end)
+        put(k.name, k.start, k.end, [t.narrow(axis, off, k.end - k.start) for t in
+                                      (st.param, st.exp_avg, st.exp_avg_sq)], st.step)
+        stats.kept_bytes += k.nbytes
+
+    # Rounds.
+    by_round: dict[int, list[Bucket]] = {}
+    for b in schedule.buckets:
+        if rank in (b.src, b.dst):
+            by_round.setdefault(b.round, []).append(b)
+    g = schedule.gpus_per_node
+    for rnd in sorted(by_round):
+        ops, recvs = [], []
+        tag = _TAG_BASE + rnd
+        for b in by_round[rnd]:  # sorted by (src, dst): the same order on both ends
+            if b.src == rank:
+                parts, steps = [], []
+                for c in b.chunks:
+                    st, axis, off = old_view(c.name, c.start, c.end)
+                    for t in (st.param, st.exp_avg, st.exp_avg_sq):
+                        if t.dtype != dtype:
+                            raise MigrationError(f"rank {rank}: {c.name} is {t.dtype}, the schedule moves {dtype}")
+                        parts.append(t.narrow(axis, off, c.end - c.start).contiguous().reshape(-1))
+                    steps.append(st.step)
+                buf = torch.cat(parts).to(comm_device).contiguous()
+                step_buf = torch.tensor(steps, dtype=torch.int64, device=comm_device)
+                if buf.numel() * buf.element_size() != b.nbytes:
+                    raise MigrationError(f"rank {rank}: bucket to {b.dst} has {buf.numel() * buf.element_size()} "
+                                         f"bytes, planned {b.nbytes}")
+                ops += [dist.P2POp(dist.isend, buf, b.dst, tag=tag), dist.P2POp(dist.isend, step_buf, b.dst, tag=tag)]
+                stats.sent_bytes += b.nbytes
+                stats.buckets_sent += 1
+                stats.slices_sent += len(b.chunks)
+                if b.src // g != b.dst // g:
+                    stats.sent_inter_node_bytes += b.nbytes
+            else:
+                buf = torch.empty(b.nbytes // schedule.itemsize, dtype=dtype, device=comm_device)
+                step_buf = torch.empty(len(b.chunks), dtype=torch.int64, device=comm_device)
+                ops += [dist.P2POp(dist.irecv, buf, b.src, tag=tag), dist.P2POp(dist.irecv, step_buf, b.src, tag=tag)]
+                recvs.append((b, buf, step_buf))
+        c0 = time.perf_counter()
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        stats.comm_seconds += time.perf_counter() - c0
+        for b, buf, step_buf in recvs:
+            buf, steps = buf.cpu(), step_buf.cpu().tolist()
+            off = 0
+            for c, step in zip(b.chunks, steps):
+                slot = new.get(c.name)
+                if slot is None:
+                    raise MigrationError(f"rank {rank}: received {c.name}, which it does not hold under the new plan")
+                size = list(slot["h"].full_shape)
+                size[slot["axis"]] = c.end - c.start
+                ts = []
+                for _ in range(3):
+                    ts.append(buf[off:off + c.numel].view(size))
+                    off += c.numel
+                put(c.name, c.start, c.end, ts, step)
+            stats.received_bytes += b.nbytes
+            stats.buckets_received += 1
+
+    out = {}
+    for name, slot in new.items():
+        cover = slot["cover"]
+        if not bool((cover == 1).all()):
+            bad = (cover != 1).nonzero().flatten().tolist()[:8]
+            raise MigrationError(f"rank {rank}: {name} rows {bad}... were filled {cover[bad].tolist()} times, "
+                                 "expected exactly once")
+        if len(slot["steps"]) != 1:
+            raise MigrationError(f"rank {rank}: pieces of {name} come at different Adam steps {sorted(slot['steps'])}")
+        h = slot["h"]
+        p, m, v = slot["t"]
+        out[name] = ShardState(h.dim, h.start, h.end, p, m, v, slot["steps"].pop(), tuple(h.full_shape))
+    stats.seconds = time.perf_counter() - t0
+    return out, stats
