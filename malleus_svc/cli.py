@@ -1,4 +1,4 @@
-"""`malleus` command line: plan, train, bench.
+"""`malleus` command line: plan, train, demo, simulate, bench.
 
 Every user error (bad scenario, bad plan file, infeasible problem) ends with one clear line on
 stderr and exit code 2, never a traceback.
@@ -6,7 +6,6 @@ stderr and exit code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -77,6 +76,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     return train.main(args.rest)
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .control.demo import run_demo
+
+    return run_demo(args.rest)
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from .simulate import simulate_cli
 
@@ -108,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("rest", nargs=argparse.REMAINDER)
     t.set_defaults(func=cmd_train)
 
+    d = sub.add_parser("demo", help="the main job: 8 CPU workers, stragglers come and go, live view and summary "
+                       "(malleus demo --help)", add_help=False)
+    d.add_argument("rest", nargs=argparse.REMAINDER)
+    d.set_defaults(func=cmd_demo)
+
     s = sub.add_parser("simulate", help="iteration time and memory of a scenario's plans under the simulator "
                        "(malleus simulate SCENARIO --help)", add_help=False)
     s.add_argument("rest", nargs=argparse.REMAINDER)
@@ -120,8 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# Commands with their own argument parsers: everything after the name is theirs (--help included).
+PASS_THROUGH = {"train": cmd_train, "demo": cmd_demo, "simulate": cmd_simulate}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in PASS_THROUGH:
+        args = argparse.Namespace(rest=argv[1:], func=PASS_THROUGH[argv[0]])
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ConfigError, PlanError) as e:

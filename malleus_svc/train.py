@@ -3,9 +3,13 @@
     python -m malleus_svc.train examples/tiny_job.yaml --steps 5 --metrics-out /tmp/m.jsonl
     python -m malleus_svc.train job.yaml --address auto --plan plan.json
 
-Starts a local Ray cluster (or joins --address / the job's ray.address), creates one worker per
-device, gets a plan (the planner on the job's scenario, or --plan), runs the steps, and writes one
-JSON line per step to --metrics-out. Progress goes to stderr.
+Starts a local Ray cluster (or joins --address / the job's ray.address), starts the job's
+coordinator (control/coordinator.py: a named Ray actor "malleus:<job name>" that owns one worker
+per device), gets a plan (the planner on the job's scenario, or --plan), runs the steps through
+the coordinator, and writes one JSON line per step to --metrics-out. Progress and re-plan events
+go to stderr. The job is malleable: it re-plans and migrates live when measured straggling rates
+move, and answers `malleus_svc.connect(<job name>)` from other processes; --static keeps the
+first plan fixed (for baselines).
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="number of steps (default: the job's train.steps)")
     p.add_argument("--metrics-out", default=None, help="append one JSON line per step to this file")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--static", action="store_true",
+                   help="keep the first plan for the whole run (no re-planning; a baseline)")
     return p
 
 
@@ -55,9 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(job, plan: Plan, args) -> int:
     import ray
 
-    from malleus_svc.runtime.cluster import WorkerGroup, WorkerGroupError, start_local_ray
-    from malleus_svc.runtime.data import DataError
-    from malleus_svc.runtime.trainer import Trainer, describe_group, summary
+    from malleus_svc.runtime.cluster import start_local_ray
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     address = args.address or job.ray.address
@@ -68,22 +72,88 @@ def _run(job, plan: Plan, args) -> int:
         start_local_ray(job.num_devices)
     try:
         say(f"[{job.name}] plan {plan.plan_id}: {len(plan.pipelines)} pipelines, "
-            f"suspended {list(plan.suspended)}, excluded {list(plan.excluded)}, global batch {plan.global_batch}")
-        with WorkerGroup(job.num_devices, job.scenario.gpus_per_node, name=f"malleus-{job.name}") as group:
-            say(f"[{job.name}] {describe_group(group)}")
-            trainer = Trainer(job, plan, group, metrics_out=args.metrics_out,
-                              progress=None if args.quiet else sys.stderr)
-            records = trainer.run(args.steps)
-            say(f"[{job.name}] done: {summary(records)}")
-    except DataError as e:  # e.g. a global batch larger than the dataset
-        print(f"error: data: {e}", file=sys.stderr)
-        return 2
-    except WorkerGroupError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+            f"suspended {list(plan.suspended)}, excluded {list(plan.excluded)}, global batch {plan.global_batch}"
+            + (" (static)" if args.static else ""))
+        return run_through_coordinator(job, plan, args.steps or job.train.steps, static=args.static,
+                                       metrics_out=args.metrics_out, say=say)
     finally:
         ray.shutdown()
-    return 0
+
+
+def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool = False,
+                            metrics_out: str | None = None, say=print, poll_s: float = 0.25,
+                            **coordinator_kwargs) -> int:
+    """Launch the job's coordinator, train `steps`, stream metrics lines and progress; 0 on success."""
+    import json
+    import time
+
+    import ray
+
+    from malleus_svc.control.coordinator import MalleusError, launch
+    from malleus_svc.runtime.cluster import WorkerGroupError
+    from malleus_svc.runtime.data import DataError
+
+    try:
+        handle = launch(job, plan=plan, steps=steps, static=static, **coordinator_kwargs)
+    except MalleusError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = open(metrics_out, "a") if metrics_out else None
+    try:
+        try:
+            st = ray.get(handle.start.remote(steps))
+        except ray.exceptions.RayTaskError as e:
+            cause = getattr(e, "cause", e)
+            if isinstance(cause, DataError):  # e.g. a global batch larger than the dataset
+                print(f"error: data: {cause}", file=sys.stderr)
+                return 2
+            if isinstance(cause, WorkerGroupError):
+                print(f"error: {cause}", file=sys.stderr)
+                return 1
+            raise
+        w = st.get("workers") or {}
+        say(f"[{job.name}] {w.get('devices')} workers ({w.get('cpus_per_worker')} CPU each, host cores "
+            f"{w.get('host_cores')}); coordinator actor malleus:{job.name} (namespace malleus)")
+        every = max(1, steps // 50)
+        seen, events_seen, t_start, tokens = 0, 0.0, time.perf_counter(), 0
+        while True:
+            st = ray.get(handle.status.remote())
+            lines = ray.get(handle.metrics.remote(seen))
+            for line in lines:
+                i = line["step"]
+                tokens += line["tokens"]
+                if out is not None:
+                    out.write(json.dumps(line) + "\n")
+                if i % every == 0 or i == steps - 1:
+                    elapsed = time.perf_counter() - t_start
+                    say(f"[{job.name}] step {i + 1}/{steps} loss {line['loss']:.4f} "
+                        f"tok/s {line['tokens'] / line['iteration_seconds']:,.0f} (avg {tokens / elapsed:,.0f}) "
+                        f"iter {line['iteration_seconds']:.3f}s plan {line['plan_id']}")
+            if out is not None:
+                out.flush()
+            seen += len(lines)
+            for ev in st["events"]:
+                if ev["time"] > events_seen and ev["kind"] in ("planned", "applied", "kept", "failed", "error"):
+                    say(f"[{job.name}] {ev['kind']} at step {ev['step']}: {ev['text'].splitlines()[0]}")
+            if st["events"]:
+                events_seen = max(events_seen, max(ev["time"] for ev in st["events"]))
+            if st["state"] in ("done", "failed", "stopped") and seen >= st["step"]:
+                break
+            time.sleep(poll_s)
+        summ = ray.get(handle.summary.remote())
+        if st["state"] == "failed":
+            print(f"error: {st['error']}", file=sys.stderr)
+            return 1
+        say(f"[{job.name}] done: {summ}")
+        return 0
+    finally:
+        if out is not None:
+            out.close()
+        try:
+            ray.get(handle.shutdown.remote(), timeout=120)
+        except Exception:  # already gone
+            pass
+        ray.kill(handle)
 
 
 if __name__ == "__main__":

@@ -10,28 +10,12 @@ import pytest
 import torch
 
 from malleus_svc.config.presets import ModelShape
-from malleus_svc.plan import EMBEDDING, HEAD, Pipeline, Plan, Stage
+from _plans import BASELINE, PLAN_1, make_plan
+from malleus_svc.plan import EMBEDDING, HEAD, Plan
 from malleus_svc.runtime.migrate import MigrationError, plan_migration, sharded_moves_by_fraction
 from malleus_svc.runtime.model import full_shape_of, part_tensor_names, shard_spec
 
 
-def make_plan(pipes, suspended=(), num_devices=16, layers=32, gpn=8, mbs=1):
-    """pipes: [([(devices, (start, end)), ...], micro_batches), ...]"""
-    return Plan(num_devices=num_devices, num_layers=layers, micro_batch_size=mbs, gpus_per_node=gpn,
-                pipelines=tuple(Pipeline(tuple(Stage(tuple(d), tuple(l)) for d, l in stages), m)
-                                for stages, m in pipes),
-                suspended=tuple(suspended))
-
-
-# malleus.md §6.9: the baseline and plan 1 of §6.5.
-BASELINE = make_plan([
-    ([((0, 1, 2, 3), (0, 16)), ((4, 5, 6, 7), (16, 32))], 32),
-    ([((8, 9, 10, 11), (0, 16)), ((12, 13, 14, 15), (16, 32))], 32),
-])
-PLAN_1 = make_plan([
-    ([((7,), (0, 4)), ((15,), (4, 8)), ((4, 6), (8, 16)), ((0, 1, 2, 3), (16, 32))], 43),
-    ([((8, 9, 10, 11), (0, 16)), ((12, 14), (16, 32))], 21),
-], suspended=(5, 13))
 SHAPE_32 = ModelShape(layers=32, hidden=64, heads=4, ffn=128, vocab=256, seq_len=64)
 
 # The Ray case: 8 devices, 2 logical nodes of 4. A: two pipelines, TP=2 groups, pipelines that

@@ -5,25 +5,8 @@ from fractions import Fraction
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from malleus_svc.plan import EMBEDDING, HEAD, Pipeline, Plan, PlanError, Stage, StateSizes
-
-
-def make_plan(pipes, suspended=(), excluded=(), num_devices=16, layers=32, gpn=8):
-    return Plan(num_devices=num_devices, num_layers=layers, micro_batch_size=1, gpus_per_node=gpn,
-                pipelines=tuple(Pipeline(tuple(Stage(tuple(d), tuple(l)) for d, l in stages), m)
-                                for stages, m in pipes),
-                suspended=tuple(suspended), excluded=tuple(excluded))
-
-
-BASELINE = make_plan([
-    ([((0, 1, 2, 3), (0, 16)), ((4, 5, 6, 7), (16, 32))], 32),
-    ([((8, 9, 10, 11), (0, 16)), ((12, 13, 14, 15), (16, 32))], 32),
-])
-# Plan 1 of malleus.md §6.5: p0 = {7},{15},{4,6},{0-3} with layers 4,4,8,16; p1 = {8-11},{12,14}.
-PLAN_1 = make_plan([
-    ([((7,), (0, 4)), ((15,), (4, 8)), ((4, 6), (8, 16)), ((0, 1, 2, 3), (16, 32))], 43),
-    ([((8, 9, 10, 11), (0, 16)), ((12, 14), (16, 32))], 21),
-], suspended=(5, 13))
+from _plans import BASELINE, PLAN_1, make_plan
+from malleus_svc.plan import EMBEDDING, HEAD, Plan, PlanError, StateSizes
 
 
 def test_json_round_trip_keeps_structure_and_id():

@@ -14,6 +14,14 @@ probe baseline (measured while it was known healthy).
 
 The authors' code keeps two of every three samples and no outlier rejection; here a window median
 with MAD rejection keeps ±20% timing noise well inside the re-plan hysteresis band.
+
+Common-mode correction (optional, `common_mode_quantile`): when the whole machine slows down for
+an iteration (other processes, thermal limits, cores shared by more workers than cores), every
+device's unit time rises together. Rates are relative (a uniformly slower cluster gets the same
+plan), so after calibration each iteration's unit times are divided by m = max(1, the given
+quantile of that iteration's unit/reference ratios). With the lower quartile, stragglers are
+measured right as long as about a quarter of the devices reporting in an iteration are healthy;
+a straggler never lowers m below 1, so it cannot hide itself.
 """
 from __future__ import annotations
 
@@ -39,11 +47,15 @@ def _robust_median(values: list[float], mad_limit: float) -> float:
 
 
 class RateEstimator:
-    def __init__(self, window: int = 5, mad_limit: float = 3.0):
+    def __init__(self, window: int = 5, mad_limit: float = 3.0, common_mode_quantile: float | None = None):
         if window < 1:
             raise ValueError(f"window must be >= 1 iteration, got {window}")
+        if common_mode_quantile is not None and not 0.0 <= common_mode_quantile <= 1.0:
+            raise ValueError(f"common_mode_quantile must be in [0, 1] or None, got {common_mode_quantile}")
         self.window = window
         self.mad_limit = mad_limit
+        self.common_mode_quantile = common_mode_quantile
+        self.last_common_mode = 1.0   # m of the last iteration observed (1.0: no correction)
         self._unit: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=window))
         self._probe: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=window))
         self._probe_baseline: dict[int, float] = {}
@@ -51,10 +63,18 @@ class RateEstimator:
 
     def observe(self, samples: list[WorkSample]) -> None:
         """One iteration's timings of the active devices."""
-        for s in samples:
-            if s.work > 0 and s.busy_seconds > 0:
-                self._unit[s.device].append(s.busy_seconds / s.work)
-                self._probe.pop(s.device, None)  # active again: its probe history is stale
+        units = {s.device: s.busy_seconds / s.work for s in samples if s.work > 0 and s.busy_seconds > 0}
+        m = 1.0
+        if self.common_mode_quantile is not None and self._reference and len(units) >= 4:
+            ratios = sorted(u / self._reference for u in units.values())
+            pos = self.common_mode_quantile * (len(ratios) - 1)
+            lo = int(pos)
+            hi = min(lo + 1, len(ratios) - 1)
+            m = max(1.0, ratios[lo] + (ratios[hi] - ratios[lo]) * (pos - lo))
+        self.last_common_mode = m
+        for d, u in units.items():
+            self._unit[d].append(u / m)
+            self._probe.pop(d, None)  # active again: its probe history is stale
 
     def set_probe_baseline(self, device: int, seconds: float) -> None:
         """A device's probe time while known healthy (measured at start-up, before any straggling)."""

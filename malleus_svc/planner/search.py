@@ -34,7 +34,7 @@ from typing import Callable, Iterator, Sequence
 from ..plan import Pipeline, Plan, Stage
 from .grouping import Group, NodeOption, group_rate, make_group, node_options
 from .lower import layer_caps, solve_micro_batches
-from .organize import (NORMAL, Score, Scorer, Template, TooManyTemplates, dfs_templates, fill,
+from .organize import (Score, Scorer, Template, TooManyTemplates, dfs_templates, fill,
                        greedy_templates, improve, p2p_extras, score_template, stage_plans)
 from .problem import OBJECTIVES, PlannerProblem
 
@@ -157,30 +157,37 @@ def memory_violations(problem: PlannerProblem, plan: Plan) -> list[str]:
     return out
 
 
-def baseline_plan(problem: PlannerProblem) -> Plan:
-    """The healthy homogeneous dp×tp×pp layout (Megatron order), ignoring rates."""
-    dp, tp, pp, L, M = problem.dp, problem.tp, problem.pp, problem.num_layers, problem.num_micro_batches
-    if dp * tp * pp > problem.num_devices:
-        raise InfeasibleError(f"the baseline layout needs dp*tp*pp = {dp * tp * pp} devices, the cluster has "
-                              f"{problem.num_devices}")
+def homogeneous_plan(problem: PlannerProblem, devices: Sequence[int], P: int, tp: int, pp: int) -> Plan:
+    """P pipelines of pp stages of tp consecutive `devices` (Megatron order); blocks and micro-batches
+    spread evenly (the remainder of blocks to the last stages, of micro-batches to the first pipelines)."""
+    L, M = problem.num_layers, problem.num_micro_batches
     base, rem = divmod(L, pp)
     counts = [base + (1 if j >= pp - rem else 0) for j in range(pp)]
-    mb, mrem = divmod(M, dp)
+    mb, mrem = divmod(M, P)
     pipes, used = [], set()
-    for i in range(dp):
+    for i in range(P):
         stages, start = [], 0
         for j in range(pp):
-            devs = tuple((i * pp + j) * tp + r for r in range(tp))
+            devs = tuple(devices[(i * pp + j) * tp:(i * pp + j + 1) * tp])
             used.update(devs)
             stages.append(Stage(devs, (start, start + counts[j])))
             start += counts[j]
         pipes.append(Pipeline(tuple(stages), mb + (1 if i < mrem else 0)))
-    clash = sorted(used & set(problem.excluded))
+    rest = tuple(d for d in range(problem.num_devices) if d not in used and d not in problem.excluded)
+    return Plan(problem.num_devices, L, problem.micro_batch_size, tuple(pipes), rest,
+                tuple(sorted(problem.excluded)), problem.gpus_per_node, problem.objective)
+
+
+def baseline_plan(problem: PlannerProblem) -> Plan:
+    """The healthy homogeneous dp×tp×pp layout (Megatron order), ignoring rates."""
+    n = problem.dp * problem.tp * problem.pp
+    if n > problem.num_devices:
+        raise InfeasibleError(f"the baseline layout needs dp*tp*pp = {n} devices, the cluster has "
+                              f"{problem.num_devices}")
+    clash = sorted(set(range(n)) & set(problem.excluded))
     if clash:
         raise InfeasibleError(f"the baseline layout needs devices {clash}, which are excluded")
-    rest = [d for d in range(problem.num_devices) if d not in used and d not in problem.excluded]
-    p = Plan(problem.num_devices, L, problem.micro_batch_size, tuple(pipes), tuple(rest),
-             tuple(sorted(problem.excluded)), problem.gpus_per_node, problem.objective)
+    p = homogeneous_plan(problem, range(n), problem.dp, problem.tp, problem.pp)
     return _finish(problem, p, None, 0.0, {"mode": "baseline"})
 
 

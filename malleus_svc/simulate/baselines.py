@@ -28,8 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from ..plan import Pipeline, Plan, Stage
+from ..plan import Plan
 from ..planner.problem import PlannerProblem
+from ..planner.search import homogeneous_plan
 from .timeline import SimOptions, simulate
 
 SYSTEMS = ("static", "data-only", "restart", "authors", "malleus")
@@ -123,27 +124,6 @@ def restart_plan(problem: PlannerProblem, options: SimOptions = SimOptions()) ->
         if t < best_t:
             best, best_t = cand, t
     return best if best is not None else static_plan(problem)
-
-
-def homogeneous_plan(problem: PlannerProblem, devices: list[int], P: int, tp: int, pp: int) -> Plan:
-    """P pipelines of pp stages of tp consecutive `devices`; blocks and micro-batches spread evenly
-    (the remainder of blocks to the last stages, as Megatron, of micro-batches to the first pipelines)."""
-    L, M = problem.num_layers, problem.num_micro_batches
-    base, rem = divmod(L, pp)
-    counts = [base + (1 if j >= pp - rem else 0) for j in range(pp)]
-    mb, mrem = divmod(M, P)
-    pipes, used = [], set()
-    for i in range(P):
-        stages, start = [], 0
-        for j in range(pp):
-            devs = tuple(devices[(i * pp + j) * tp:(i * pp + j + 1) * tp])
-            used.update(devs)
-            stages.append(Stage(devs, (start, start + counts[j])))
-            start += counts[j]
-        pipes.append(Pipeline(tuple(stages), mb + (1 if i < mrem else 0)))
-    rest = tuple(d for d in range(problem.num_devices) if d not in used and d not in problem.excluded)
-    return Plan(problem.num_devices, L, problem.micro_batch_size, tuple(pipes), rest,
-                tuple(sorted(problem.excluded)), problem.gpus_per_node, problem.objective)
 
 
 EXACT_JUDGE_MAX_DEVICES = 256

@@ -1,0 +1,787 @@
+"""The coordinator: head of one job, running measure → decide → plan → migrate → train.
+
+One Ray actor per job, named ``malleus:<job name>`` in namespace ``malleus`` so that other
+processes (the client API, `malleus status`) find it. It owns the WorkerGroup, the sampler, the
+plan in force and the plan history.
+
+Threads (a threaded actor, ``max_concurrency`` > 1):
+  * the training thread (`start`) runs the iterations; it alone touches the WorkerGroup, so
+    steps and migrations never overlap;
+  * one planner thread at a time (a *round*) computes keep / rebalance / replan and their
+    predicted cost while training goes on under the old plan;
+  * Ray's actor threads serve client calls (status, rates, replan, set_rates, exclude, ...).
+  Shared state is guarded by one lock, held only for bookkeeping, never across a step, a
+  planner run or a migration.
+
+Decisions (malleus.md §4, §6.10):
+  * measure: per device per iteration busy = compute_seconds + injected_seconds (its own compute:
+    thread CPU time on CPU, CUDA-synchronised time on GPU, plus a stall inside it) over its work in
+    t0 units (workload.py); suspended devices run a fixed probe each iteration against a probe
+    baseline taken at start-up; the healthy unit time is calibrated after `warmup` iterations.
+    Emulation factors are never read: rates come from timings only;
+  * decide: policy.rate_trigger against the rates the plan in force was made from (its *basis*),
+    membership changes and user requests; a rate trigger needs `min_interval` iterations since
+    the last migration (no thrashing);
+  * plan: options keep / rebalance (data only) / replan (planner with previous = plan in force);
+    predicted time to finish = remaining iterations × evaluate() × measured seconds per t0 unit,
+    plus predicted migration seconds (fixed cost + Plan.diff bytes × measured seconds per byte,
+    conservative defaults until a migration was seen); choose() takes the least;
+  * migrate: at the next iteration boundary, WorkerGroup.migrate (live, state moves bitwise);
+    without it, a stop-the-world fallback (export, rebuild engines, load).
+
+Coalescing: at most one round is in flight (planning, or decided and waiting for / in migration)
+and at most one request is pending; a request arriving meanwhile merges its reasons into the
+pending one, which starts one new round with fresh inputs once the current one is finished.
+Every request id appears in exactly one history entry.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import random
+import statistics
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from malleus_svc.config.job import JobConfig
+from malleus_svc.plan import Plan
+
+from .measure import RateEstimator, WorkSample
+from .policy import Option, ReplanPolicy, choose
+from .workload import busy_seconds, device_work
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "malleus"
+DEFAULT_SECONDS_PER_BYTE = 2e-8      # 50 MB/s: conservative until a migration was measured
+DEFAULT_MIGRATION_OVERHEAD_S = 2.0   # rebuilding engines and groups, conservative
+
+
+def actor_name(job_name: str) -> str:
+    return f"malleus:{job_name}"
+
+
+class MalleusError(ValueError):
+    """A client call the coordinator refuses; the message says why. Nothing changed."""
+
+
+@dataclass
+class Request:
+    id: int
+    kind: str        # "rates", "membership", "request", "external-rates"
+    detail: str
+    step: int
+    time: float
+    force: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "kind": self.kind, "detail": self.detail, "step": self.step, "time": self.time,
+                "force": self.force}
+
+
+@dataclass
+class Round:
+    id: int
+    requests: list[Request]
+    started: float
+    step: int
+    rates: dict[int, float] = field(default_factory=dict)
+    excluded: frozenset = frozenset()
+    decision: dict | None = None
+    new_plan: Plan | None = None
+
+
+class JobCoordinator:
+    """Plain class; `COORDINATOR` below is the Ray actor. See the module docstring."""
+
+    def __init__(self, job: JobConfig, *, plan: Plan | None = None, steps: int | None = None,
+                 static: bool = False, window: int = 5, warmup: int = 3, skip: int = 3, min_interval: int = 3,
+                 band: float = 0.3, threshold: float = 1.2, jitter: float = 0.0, jitter_seed: int = 0,
+                 emulate_schedule: Iterable | None = None, bucket_bytes: int = 64 << 20,
+                 driver_job_id: str | None = None, length_window: int = 50, plan_delay_s: float = 0.0,
+                 grace: float = 0.1, migrate_delay_s: float = 0.0):
+        self.job = job
+        self.static = bool(static)
+        self.steps_total = int(steps if steps is not None else job.train.steps)
+        self.warmup = max(1, int(warmup))
+        self.skip = max(0, int(skip))           # first iterations not measured (allocator, caches warm up)
+        self.skip_after_migration = 2            # new engines warm up too: their first iterations are not measured
+        self._measure_from = self.skip
+        self.plan_delay_s = float(plan_delay_s)  # tests only: a slow planner, to exercise coalescing
+        self.grace = float(grace)                # boundary waits up to grace x iteration for a plan in progress
+        self.migrate_delay_s = float(migrate_delay_s)  # tests only: a slow migration, to exercise coalescing
+        self._migrating = False
+        self.jitter = float(jitter)
+        self._rng = random.Random(jitter_seed)
+        self.bucket_bytes = int(bucket_bytes)
+        self.driver_job_id = driver_job_id
+        from malleus_svc.runtime.straggler import EmulationSchedule
+        self.schedule = EmulationSchedule(job.emulate if emulate_schedule is None else tuple(emulate_schedule))
+        self.policy = ReplanPolicy(band=band, threshold=threshold, min_interval=min_interval)
+        # common-mode correction: a machine-wide slowdown of one iteration is not a straggler (measure.py)
+        self.estimator = RateEstimator(window=window, common_mode_quantile=0.25)
+        self._initial_plan = plan
+        self._lock = threading.RLock()
+        self._ids = itertools.count(1)
+        self._round_ids = itertools.count(1)
+        self.state = "created"
+        self.error: str | None = None
+        self.group = None
+        self.sampler = None
+        self.plan: Plan | None = None
+        self.basis: dict[int, float] = {}          # rates the plan in force was made from
+        self.excluded: set[int] = set(job.scenario.excluded)   # wanted (plan follows at the boundary)
+        self.external: dict[int, float] = {}       # set_rates overrides (precedence over measured)
+        self.history: list[dict] = []
+        self.events: deque = deque(maxlen=200)
+        self.records: list[dict] = []              # metrics lines
+        self.step = 0
+        self.last_migration_step: int | None = None
+        self.calibrated = False
+        self.healthy_tokens_per_second: float | None = None
+        self._pending: list[Request] = []
+        self._round: Round | None = None
+        self._ready: Round | None = None
+        self._unit_seconds: deque = deque(maxlen=5)   # measured seconds per planner objective unit
+        self._migrations: list[tuple[float, float]] = []   # (bytes, seconds)
+        self._manual_slowdown: dict[int, float] = {}
+        self._factors: dict[int, float] = {}
+        self._lengths: deque = deque(maxlen=length_window)
+        self._last_length_stats: dict | None = None
+        self._probe_baseline: dict[int, float] = {}
+        self._thread: threading.Thread | None = None
+        self._done = threading.Event()
+        self._t_start: float | None = None
+        self._tokens_total = 0
+        self._stop = False
+
+    # ================================================================== lifecycle
+    def setup(self) -> dict:
+        """Start workers, load data, apply the first plan, take probe baselines. Idempotent."""
+        with self._lock:
+            if self.group is not None:
+                return self.status()
+            self.state = "starting"
+        from malleus_svc.runtime.cluster import WorkerGroup
+        from malleus_svc.runtime.data import GlobalSampler
+        from malleus_svc.runtime.trainer import check_plan_for_job, make_plan, optim_config
+
+        job = self.job
+        plan = check_plan_for_job(self._initial_plan, job) if self._initial_plan else make_plan(job)
+        group = WorkerGroup(job.num_devices, job.scenario.gpus_per_node, name=f"malleus-{job.name}")
+        group.start()
+        try:
+            d = job.data
+            n = group.set_data(d.spec(), d.mode, d.seq_len)
+            sampler = GlobalSampler(n, plan.global_batch, seed=job.train.seed)
+            group.apply_plan(plan, job.shape, seed=job.train.seed, optim=optim_config(job))
+            self._probe_all(group, range(job.num_devices), rounds=1)   # warm-up round, discarded
+            baselines = self._probe_all(group, range(job.num_devices), rounds=5)
+        except BaseException:
+            group.shutdown()
+            raise
+        with self._lock:
+            self.group, self.sampler, self.plan = group, sampler, plan
+            self.basis = {dv: float(r) for dv, r in job.scenario.rates.items()}
+            self._probe_baseline = baselines
+            for dv, s in baselines.items():
+                self.estimator.set_probe_baseline(dv, s)
+            self.state = "ready"
+            self.history.append({"round": 0, "outcome": "initial", "time": time.time(), "step": 0,
+                                 "reason": "initial plan", "requests": [], "old_plan_id": None,
+                                 "new_plan_id": plan.plan_id, "new_plan": plan.to_dict(),
+                                 "rates": {str(d): r for d, r in sorted(self.basis.items())},
+                                 "excluded": sorted(plan.excluded)})
+            self._event("start", f"plan {plan.plan_id}: {len(plan.pipelines)} pipelines, suspended "
+                                 f"{list(plan.suspended)}, excluded {list(plan.excluded)}")
+        return self.status()
+
+    def _probe_all(self, group, devices, rounds: int = 1) -> dict[int, float]:
+        import ray
+        out: dict[int, list[float]] = {}
+        for _ in range(rounds):
+            res = ray.get([group.workers[d].probe.remote() for d in devices], timeout=group.timeout_s)
+            for r in res:
+                out.setdefault(r["device"], []).append(busy_seconds(r))
+        return {d: statistics.median(v) for d, v in out.items()}
+
+    def start(self, steps: int | None = None) -> dict:
+        """Set up if needed and train `steps` iterations (default: the job's) on a thread of its own."""
+        self.setup()
+        with self._lock:
+            if self._thread is not None:
+                raise MalleusError(f"job {self.job.name!r} is already {self.state}")
+            if steps is not None:
+                if int(steps) < 1:
+                    raise MalleusError(f"steps must be >= 1, got {steps}")
+                self.steps_total = int(steps)
+            self.state = "training"
+            self._thread = threading.Thread(target=self._train_loop, name="malleus-train", daemon=True)
+            self._thread.start()
+        return self.status()
+
+    def wait(self, timeout: float | None = None) -> dict:
+        """Block until training ends (or `timeout`); the summary."""
+        self._done.wait(timeout)
+        return self.summary()
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def shutdown(self) -> None:
+        self._stop = True
+        if self._thread is not None:
+            self._done.wait(120)
+        if self.group is not None:
+            self.group.shutdown()
+        self.state = "stopped" if self.state != "failed" else self.state
+
+    # ================================================================== the training loop
+    def _train_loop(self) -> None:
+        try:
+            while not self._stop and self.step < self.steps_total:
+                self._iteration()
+            with self._lock:
+                self.state = "done"
+        except Exception as e:  # the job failed: say where, keep the coordinator answering
+            with self._lock:
+                self.state, self.error = "failed", f"{type(e).__name__}: {e}"
+                self._event("error", self.error + "\n" + traceback.format_exc(limit=5))
+        finally:
+            self._done.set()
+
+    def _iteration(self) -> None:
+        import ray
+        self._apply_ready()
+        step = self.step
+        self._emulate(step)
+        plan, group = self.plan, self.group
+        ids = self.sampler.next_global_batch(plan.global_batch)
+        suspended = [d for d in plan.suspended if d not in plan.excluded]
+        probes = [group.workers[d].probe.remote() for d in suspended]
+        if self._t_start is None:
+            self._t_start = time.perf_counter()
+        rec = group.step(ids)
+        rec.step = step
+        probe_res = ray.get(probes, timeout=group.timeout_s) if probes else []
+        if step >= self._measure_from:
+            self._measure(plan, rec, probe_res, ids)
+        line = rec.metrics()
+        line.update(epoch=self.sampler.epoch, sampler_position=self.sampler.position,
+                    injected_seconds={str(d): s.get("injected_seconds") for d, s in sorted(rec.devices.items())},
+                    time=time.time())
+        with self._lock:
+            self._tokens_total += rec.tokens
+            line["rates"] = {str(d): round(r, 3) for d, r in sorted(self.effective_rates().items())}
+            line["length_stats"] = {k: v for k, v in (self._last_length_stats or {}).items() if k != "histogram"}
+            self.records.append(line)
+            self.step = step + 1
+            if self.step == self.skip + self.warmup and not self.calibrated:
+                self.estimator.calibrate()
+                self.calibrated = True
+                recent = self.records[-self.warmup:]
+                secs = sum(r["iteration_seconds"] for r in recent)
+                self.healthy_tokens_per_second = sum(r["tokens"] for r in recent) / secs if secs > 0 else None
+                self._event("calibrated", f"healthy unit {self.estimator.healthy_unit_seconds:.3g} s/t0, "
+                                          f"{self.healthy_tokens_per_second or 0:,.0f} tok/s")
+        self._decide()
+        self._grace_wait(rec.iteration_seconds)
+
+    def _grace_wait(self, iteration_seconds: float) -> None:
+        """A plan being made when an iteration ends may take effect at this boundary if it is ready
+        within `grace` x an iteration (the planner takes milliseconds here); otherwise training goes
+        on under the old plan and the new one takes effect at a later boundary."""
+        deadline = time.perf_counter() + self.grace * iteration_seconds
+        while time.perf_counter() < deadline:
+            with self._lock:
+                rnd = self._round
+                if rnd is None or self._ready is not None or rnd.decision is not None:
+                    return
+            time.sleep(0.005)
+
+    # ------------------------------------------------------------------ emulation (demos/tests only)
+    def _emulate(self, step: int) -> None:
+        want = self.schedule.factors_at(step, range(self.job.num_devices))
+        with self._lock:
+            want.update(self._manual_slowdown)
+        jitter = self.jitter
+        if jitter > 0:
+            want = {d: f * (1.0 + self._rng.uniform(0.0, 2.0 * jitter)) for d, f in want.items()}
+        changed = {d: f for d, f in want.items() if self._factors.get(d, 1.0) != f}
+        if changed:
+            self.group.set_slowdowns(changed)
+            self._factors.update(changed)
+
+    def emulate(self, factors: Mapping[int, float] | None = None, jitter: float | None = None) -> dict:
+        """EMULATION ONLY (demos/tests): slow devices from the next iteration on (1.0 = off), and/or
+        set the random per-step jitter (each device's factor times U(1, 1 + 2·jitter) every step).
+        The coordinator never reads these factors to estimate rates; it measures."""
+        if jitter is not None:
+            jitter = float(jitter)
+            if not math.isfinite(jitter) or not 0.0 <= jitter <= 1.0:
+                raise MalleusError(f"jitter must be in [0, 1], got {jitter!r}")
+        clean = {}
+        for d, f in dict(factors or {}).items():
+            d = self._check_device(d)
+            f = float(f)
+            if not math.isfinite(f) or f < 1.0:
+                raise MalleusError(f"slowdown factor for device {d} must be a finite number >= 1.0, got {f!r}")
+            clean[d] = f
+        with self._lock:
+            self._manual_slowdown.update(clean)
+            if jitter is not None:
+                self.jitter = jitter
+            return {"factors": dict(self._manual_slowdown), "jitter": self.jitter}
+
+    # ------------------------------------------------------------------ measure
+    def _measure(self, plan: Plan, rec, probe_res: list[dict], ids: list[int]) -> None:
+        from malleus_svc.planner import evaluate
+        tokens = {d: int(s.get("tokens") or 0) for d, s in rec.devices.items()}
+        work = device_work(plan, self.job.scenario, tokens, self.job.data.seq_len)
+        samples = [WorkSample(d, busy_seconds(s), work[d]) for d, s in rec.devices.items() if d in work]
+        lengths = getattr(self.group.dataset, "lengths", None)
+        stats = None
+        if lengths is not None:
+            from malleus_svc.runtime.datasets import length_stats
+            import numpy as np
+            batch_lengths = np.asarray(lengths)[np.asarray(ids, dtype=np.int64)]
+            stats = length_stats(batch_lengths)
+        with self._lock:
+            self.estimator.observe(samples)
+            m = self.estimator.last_common_mode   # the same machine-wide factor applies to the probes
+            for r in probe_res:
+                self.estimator.observe_probe(r["device"], busy_seconds(r) / m)
+            if stats is not None:
+                self._last_length_stats = stats
+                self._lengths.append(stats)
+            # seconds per planner objective unit, under the rates measured now (after calibration)
+            if self.calibrated:
+                try:
+                    obj = evaluate(self._problem(self.effective_rates(), set(plan.excluded)), plan)
+                    if obj > 0:
+                        self._unit_seconds.append(rec.iteration_seconds / obj)
+                except Exception:  # a plan the current problem cannot evaluate: skip the sample
+                    pass
+
+    def effective_rates(self) -> dict[int, float]:
+        """Measured rates with external ones (set_rates) taking precedence, device by device."""
+        with self._lock:
+            out = dict(self.estimator.rates()) if self.calibrated else {}
+            out.update(self.external)
+            return out
+
+    def _problem(self, rates: Mapping[int, float], excluded: set[int]):
+        snapped = {d: (r if r >= self.policy.threshold else 1.0) for d, r in rates.items() if d not in excluded}
+        return self.job.scenario.problem(rates=snapped, excluded=frozenset(excluded))
+
+    # ------------------------------------------------------------------ decide
+    def _decide(self) -> None:
+        with self._lock:
+            if self.static or not self.calibrated or self._round is not None or self._pending:
+                return
+            plan = self.plan
+            active = set(plan.active_devices)
+            suspended = set(plan.suspended)
+            trig = self.policy.rate_trigger(self.basis, self.effective_rates(), active, suspended)
+            if trig is None or not self.policy.due(self.step, self.last_migration_step):
+                return
+            self._submit(trig.reason, trig.detail)
+
+    def _submit(self, kind: str, detail: str, force: bool = False) -> Request:
+        """Queue a request (lock held): start a round now, or merge into the pending one."""
+        req = Request(next(self._ids), kind, detail, self.step, time.time(), force)
+        self._pending.append(req)
+        self._event("request", f"#{req.id} {kind}: {detail}")
+        if self._round is None and self.plan is not None:
+            self._start_round()
+        return req
+
+    def _start_round(self) -> None:
+        reqs, self._pending = self._pending, []
+        rnd = Round(next(self._round_ids), reqs, time.perf_counter(), self.step,
+                    rates=self.effective_rates(), excluded=frozenset(self.excluded))
+        self._round = rnd
+        threading.Thread(target=self._plan_round, args=(rnd, self.plan), name=f"malleus-plan-{rnd.id}",
+                         daemon=True).start()
+
+    def _finish_round(self) -> None:
+        """(lock held) The round in flight is over; start the pending one, if any."""
+        self._round = None
+        if self._pending and not self.static:
+            self._start_round()
+
+    def _predict_migration(self, old: Plan, new: Plan) -> tuple[float, float]:
+        """(bytes, seconds) of switching from old to new."""
+        if old.plan_id == new.plan_id:
+            return 0.0, 0.0
+        nbytes = Plan.diff(old, new, self.job.scenario.state_sizes).moved_bytes
+        zero = [s for b, s in self._migrations if b <= 0]
+        with_bytes = [(s - (statistics.median(zero) if zero else 0.0)) / b for b, s in self._migrations if b > 0]
+        overhead = statistics.median(zero) if zero else (
+            statistics.median(s for _, s in self._migrations) * 0.5 if self._migrations else DEFAULT_MIGRATION_OVERHEAD_S)
+        spb = max(statistics.median(with_bytes), 0.0) if with_bytes else DEFAULT_SECONDS_PER_BYTE
+        return nbytes, overhead + nbytes * spb
+
+    def _plan_round(self, rnd: Round, current: Plan) -> None:
+        """The planner thread: options, their predicted cost, the choice. Training goes on meanwhile."""
+        from malleus_svc.planner import evaluate, plan as solve, rebalance_data
+        t0 = time.perf_counter()
+        try:
+            if self.plan_delay_s > 0:
+                time.sleep(self.plan_delay_s)
+            problem = self._problem(rnd.rates, set(rnd.excluded))
+            with self._lock:
+                unit = statistics.median(self._unit_seconds) if self._unit_seconds else None
+                last_it = self.records[-1]["iteration_seconds"] if self.records else None
+            if unit is None:  # no measurement yet: the plan in force's last iteration, else the profile's t0
+                obj = evaluate(problem, current)
+                unit = (last_it / obj) if (last_it and obj > 0) else self.job.scenario.t0_seconds
+            with self._lock:
+                remaining = max(self.steps_total - self.step - 1, 0)
+            membership = set(current.excluded) != set(rnd.excluded)
+            forced = membership or any(r.force for r in rnd.requests)
+            candidates: dict[str, Plan] = {}
+            if not membership:
+                candidates["keep"] = current
+                try:
+                    candidates["rebalance"] = rebalance_data(problem, current)
+                except Exception as e:
+                    self._event("planner", f"rebalance not possible: {e}")
+            result = solve(problem, previous=current)
+            candidates["replan"] = result.plan
+            options, info = [], {}
+            for name, p in candidates.items():
+                it = evaluate(problem, p) * unit
+                nbytes, mig = (0.0, 0.0) if name == "keep" else self._predict_migration(current, p)
+                if name != "keep" and p.plan_id == current.plan_id:
+                    continue
+                options.append(Option(name, it, mig))
+                info[name] = {"plan_id": p.plan_id, "iteration_seconds": it, "migration_seconds": mig,
+                              "migration_bytes": nbytes, "time_to_finish": remaining * it + mig}
+            if forced:
+                pick = min((o for o in options if o.name != "keep"), default=None,
+                           key=lambda o: remaining * o.iteration_seconds + o.migration_seconds)
+                if pick is None:  # the planner's plan is the current one: nothing to move
+                    pick = Option("keep", info["keep"]["iteration_seconds"], 0.0) if "keep" in info else None
+            else:
+                pick = choose(options, remaining)
+            planning_s = time.perf_counter() - t0
+            keep_s = info.get("keep", {}).get("time_to_finish")
+            decision = {"option": pick.name if pick else "keep", "options": info, "remaining_iterations": remaining,
+                        "seconds_per_unit": unit, "planning_seconds": planning_s,
+                        "predicted_gain_seconds": (keep_s - info[pick.name]["time_to_finish"])
+                        if (pick and keep_s is not None) else None}
+            with self._lock:
+                rnd.decision = decision
+                if pick is None or pick.name == "keep":
+                    self.basis = dict(rnd.rates)     # hysteresis is now around what we decided on
+                    self._record(rnd, None, "kept")
+                    self._finish_round()
+                else:
+                    rnd.new_plan = candidates[pick.name]
+                    self._ready = rnd                 # the training thread applies it at the boundary
+                    self._event("planned", f"round {rnd.id}: {pick.name} -> {rnd.new_plan.plan_id} "
+                                           f"({planning_s:.2f} s), applying at the next iteration boundary")
+        except Exception as e:
+            with self._lock:
+                rnd.decision = {"option": "failed", "error": f"{type(e).__name__}: {e}",
+                                "planning_seconds": time.perf_counter() - t0}
+                # an infeasible exclusion is undone: the plan in force keeps running
+                if set(rnd.excluded) != set(self.plan.excluded):
+                    self.excluded = set(self.plan.excluded)
+                self._record(rnd, None, "failed")
+                self._finish_round()
+
+    # ------------------------------------------------------------------ migrate
+    def _apply_ready(self) -> None:
+        with self._lock:
+            rnd, self._ready = self._ready, None
+        if rnd is None:
+            return
+        old, new = self.plan, rnd.new_plan
+        with self._lock:
+            self._migrating = True
+        t0 = time.perf_counter()
+        try:
+            if self.migrate_delay_s > 0:
+                time.sleep(self.migrate_delay_s)
+            report = self._migrate(old, new)
+        finally:
+            with self._lock:
+                self._migrating = False
+        seconds = time.perf_counter() - t0
+        with self._lock:
+            self.plan = new
+            self.basis = dict(rnd.rates)
+            self.last_migration_step = self.step
+            self._measure_from = max(self._measure_from, self.step + self.skip_after_migration)
+            self._migrations.append((float(report["moved_bytes"]), seconds))
+            old_roles, new_roles = old.roles(), new.roles()
+            for d in range(self.job.num_devices):
+                if (d in old_roles) != (d in new_roles):  # became active or suspended: stale history
+                    self.estimator.forget(d)
+            self._record(rnd, {"seconds": seconds, **report}, "applied", old.plan_id)
+            self._finish_round()
+
+    def _migrate(self, old: Plan, new: Plan) -> dict:
+        group = self.group
+        if hasattr(group, "migrate"):
+            rep = group.migrate(new, bucket_bytes=self.bucket_bytes)
+            return {"mode": "live", "moved_bytes": float(rep.moved_bytes),
+                    "inter_node_bytes": float(getattr(rep, "inter_node_bytes", 0.0)),
+                    "moves": len(rep.moves) if hasattr(rep.moves, "__len__") else rep.moves,
+                    "worker_seconds": float(getattr(rep, "seconds", 0.0))}
+        # Fallback until WorkerGroup.migrate is available: stop the world, same state bitwise.
+        import ray
+
+        from malleus_svc.runtime.engine import assemble_full, full_shard_states
+        from malleus_svc.runtime.trainer import optim_config
+        diff = Plan.diff(old, new, self.job.scenario.state_sizes)
+        full = full_shard_states(assemble_full(list(group.export_states().values())))
+        group.apply_plan(new, self.job.shape, seed=self.job.train.seed, optim=optim_config(self.job))
+        ref = ray.put(full)
+        ray.get([w.load_state.remote(ref) for w in group.workers], timeout=group.timeout_s)
+        return {"mode": "stop-the-world", "moved_bytes": diff.moved_bytes,
+                "inter_node_bytes": diff.inter_node_bytes, "moves": len(diff.moves)}
+
+    # ------------------------------------------------------------------ history and events
+    def _record(self, rnd: Round, migration: dict | None, outcome: str, old_plan_id: str | None = None) -> None:
+        new = rnd.new_plan if outcome == "applied" else None
+        entry = {
+            "round": rnd.id, "outcome": outcome, "time": time.time(), "step": self.step,
+            "requested_step": rnd.step,
+            "reason": "; ".join(f"{r.kind}: {r.detail}" for r in rnd.requests),
+            "requests": [r.to_dict() for r in rnd.requests],
+            "decision": rnd.decision, "rates": {str(d): r for d, r in sorted(rnd.rates.items())},
+            "excluded": sorted(rnd.excluded),
+            "latency_seconds": time.perf_counter() - rnd.started,
+        }
+        if new is not None:
+            entry.update(old_plan_id=old_plan_id, new_plan_id=new.plan_id,
+                         new_plan=new.to_dict(), migration=migration)
+        self.history.append(entry)
+        self._event(outcome, f"round {rnd.id} ({entry['reason']}): "
+                    + (f"{entry['old_plan_id']} -> {new.plan_id}, moved {migration['moved_bytes'] / 1e6:.1f} MB "
+                       f"in {migration['seconds']:.2f} s" if new is not None else
+                       str((rnd.decision or {}).get("error") or (rnd.decision or {}).get("option"))))
+
+    def _event(self, kind: str, text: str) -> None:
+        self.events.append({"time": time.time(), "step": self.step, "kind": kind, "text": text})
+        log.info("[%s] %s: %s", self.job.name, kind, text)
+
+    # ================================================================== client API (validated)
+    def _check_device(self, d: Any) -> int:
+        n = self.job.num_devices
+        if isinstance(d, bool) or not isinstance(d, (int, str)) or (isinstance(d, str) and not d.strip().isdigit()):
+            raise MalleusError(f"device ids are ints in 0..{n - 1}, got {d!r}")
+        d = int(d)
+        if not 0 <= d < n:
+            raise MalleusError(f"unknown device {d}: job {self.job.name!r} has devices 0..{n - 1}")
+        return d
+
+    def _check_devices(self, devices: Any, what: str) -> list[int]:
+        if isinstance(devices, (int, str)):
+            devices = [devices]
+        if not isinstance(devices, (list, tuple, set, frozenset)) or not devices:
+            raise MalleusError(f"{what} needs a non-empty list of device ids, got {devices!r}")
+        return sorted({self._check_device(d) for d in devices})
+
+    def replan(self, reason: str = "user request", force: bool = False) -> dict:
+        """Ask for a re-plan (coalesced with any in flight). force: adopt the planner's plan even if
+        keeping the current one is predicted to finish sooner."""
+        if not isinstance(reason, str) or not reason.strip():
+            raise MalleusError(f"reason must be a non-empty string, got {reason!r}")
+        with self._lock:
+            self._check_running()
+            if self.static:
+                raise MalleusError(f"job {self.job.name!r} runs a fixed plan (--static): it does not re-plan")
+            req = self._submit("request", reason.strip(), bool(force))
+            return {"request": req.id, "pending": [r.id for r in self._pending],
+                    "round": self._round.id if self._round else None}
+
+    def set_rates(self, rates: Mapping[Any, Any]) -> dict:
+        """External health signals (DCGM/NVML, an operator): device -> straggling rate >= 1.0.
+        They take precedence over measured rates for those devices until cleared with None."""
+        if not isinstance(rates, Mapping) or not rates:
+            raise MalleusError(f"set_rates needs a non-empty mapping of device -> rate (>= 1.0, or None to clear), "
+                               f"got {rates!r}")
+        clean: dict[int, float | None] = {}
+        for d, r in rates.items():
+            d = self._check_device(d)
+            if r is None:
+                clean[d] = None
+                continue
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(float(r)):
+                raise MalleusError(f"rate for device {d} must be a finite number >= 1.0 (or None to clear), got {r!r}")
+            if float(r) < 1.0:
+                raise MalleusError(f"rate for device {d} must be >= 1.0 (1.0 = healthy, 3.0 = three times slower), "
+                                   f"got {r!r}")
+            clean[d] = float(r)
+        with self._lock:
+            self._check_running()
+            for d, r in clean.items():
+                if r is None:
+                    self.external.pop(d, None)
+                else:
+                    self.external[d] = r
+            detail = ", ".join(f"{d}={'cleared' if r is None else r}" for d, r in sorted(clean.items()))
+            req = self._submit("external-rates", detail) if not self.static else None
+            return {"external": dict(self.external), "request": req.id if req else None}
+
+    def clear_rates(self) -> dict:
+        with self._lock:
+            if not self.external:
+                return {"external": {}, "request": None}
+        return self.set_rates({d: None for d in list(self.external)})
+
+    def exclude(self, devices: Any) -> dict:
+        devs = self._check_devices(devices, "exclude")
+        with self._lock:
+            self._check_running()
+            already = [d for d in devs if d in self.excluded]
+            if already:
+                raise MalleusError(f"devices {already} are already excluded (excluded now: {sorted(self.excluded)})")
+            if len(self.excluded | set(devs)) >= self.job.num_devices:
+                raise MalleusError(f"excluding {devs} would leave no device for job {self.job.name!r}")
+            if self.static:
+                raise MalleusError(f"job {self.job.name!r} runs a fixed plan (--static): membership cannot change")
+            self.excluded |= set(devs)
+            req = self._submit("membership", f"exclude {devs}")
+            return {"excluded": sorted(self.excluded), "request": req.id}
+
+    def include(self, devices: Any) -> dict:
+        devs = self._check_devices(devices, "include")
+        with self._lock:
+            self._check_running()
+            missing = [d for d in devs if d not in self.excluded]
+            if missing:
+                raise MalleusError(f"devices {missing} are not excluded (excluded now: {sorted(self.excluded)})")
+            if self.static:
+                raise MalleusError(f"job {self.job.name!r} runs a fixed plan (--static): membership cannot change")
+            self.excluded -= set(devs)
+            req = self._submit("membership", f"include {devs}")
+            return {"excluded": sorted(self.excluded), "request": req.id}
+
+    def _check_running(self) -> None:
+        if self.plan is None:
+            raise MalleusError(f"job {self.job.name!r} has not started yet (state {self.state})")
+        if self.state in ("failed", "stopped"):
+            raise MalleusError(f"job {self.job.name!r} is {self.state}; it takes no requests")
+
+    # ------------------------------------------------------------------ read-only calls
+    def rates(self) -> dict:
+        with self._lock:
+            return {"measured": dict(self.estimator.rates()) if self.calibrated else {},
+                    "external": dict(self.external), "effective": self.effective_rates(),
+                    "basis": dict(self.basis), "calibrated": self.calibrated,
+                    "healthy_unit_seconds": self.estimator.healthy_unit_seconds}
+
+    def current_plan(self) -> dict | None:
+        with self._lock:
+            return self.plan.to_dict() if self.plan else None
+
+    def get_history(self) -> list[dict]:
+        with self._lock:
+            return list(self.history)
+
+    def metrics(self, since: int = 0) -> list[dict]:
+        with self._lock:
+            return self.records[since:]
+
+    def job_info(self) -> dict:
+        import ray
+        return {"job": self.job.name, "ray_job_id": self.driver_job_id,
+                "actor_job_id": ray.get_runtime_context().get_job_id(), "state": self.state}
+
+    def status(self) -> dict:
+        with self._lock:
+            plan = self.plan
+            last = self.records[-1] if self.records else None
+            elapsed = (time.perf_counter() - self._t_start) if self._t_start else 0.0
+            return {
+                "job": self.job.name, "state": self.state, "error": self.error, "static": self.static,
+                "step": self.step, "steps": self.steps_total,
+                "plan_id": plan.plan_id if plan else None,
+                "plan": _plan_summary(plan) if plan else None,
+                "excluded": sorted(self.excluded),
+                "rates": {str(d): r for d, r in sorted(self.effective_rates().items())},
+                "external_rates": {str(d): r for d, r in sorted(self.external.items())},
+                "calibrated": self.calibrated,
+                "planning": None if self._round is None else {
+                    "round": self._round.id,
+                    "phase": "migrating" if self._migrating else "planning" if self._round.decision is None
+                    else "waiting for the iteration boundary",
+                    "requests": [r.id for r in self._round.requests]},
+                "pending_requests": [r.to_dict() for r in self._pending],
+                "tokens_per_second": (last["tokens"] / last["iteration_seconds"]) if last else None,
+                "avg_tokens_per_second": self._tokens_total / elapsed if elapsed > 0 else None,
+                "healthy_tokens_per_second": self.healthy_tokens_per_second,
+                "length_stats": self._last_length_stats,
+                "history": len(self.history),
+                "migrations": sum(1 for h in self.history if h["outcome"] == "applied"),
+                "events": list(self.events)[-10:],
+                "workers": None if self.group is None else {
+                    "devices": self.group.num_devices, "cpus_per_worker": self.group.cpus_per_worker,
+                    "use_gpu": self.group.use_gpu, "host_cores": os.cpu_count()},
+            }
+
+    def summary(self) -> dict:
+        with self._lock:
+            recs = self.records
+            secs = sum(r["iteration_seconds"] for r in recs)
+            return {"job": self.job.name, "state": self.state, "error": self.error, "steps": len(recs),
+                    "first_loss": recs[0]["loss"] if recs else None, "last_loss": recs[-1]["loss"] if recs else None,
+                    "tokens": sum(r["tokens"] for r in recs), "train_seconds": secs,
+                    "tokens_per_second": sum(r["tokens"] for r in recs) / secs if secs > 0 else None,
+                    "mean_iteration_seconds": secs / len(recs) if recs else None,
+                    "migrations": sum(1 for h in self.history if h["outcome"] == "applied"),
+                    "healthy_tokens_per_second": self.healthy_tokens_per_second}
+
+
+def _plan_summary(plan: Plan) -> dict:
+    return {"pipelines": [{"micro_batches": p.micro_batches,
+                           "stages": [{"devices": list(s.devices), "layers": list(s.layers)} for s in p.stages]}
+                          for p in plan.pipelines],
+            "suspended": list(plan.suspended), "excluded": list(plan.excluded), "global_batch": plan.global_batch}
+
+
+def describe_plan(plan: Plan | dict) -> str:
+    """One line: pipelines as stage devices[layers] x micro-batches."""
+    d = plan.to_dict() if isinstance(plan, Plan) else plan
+    pipes = []
+    for p in d["pipelines"]:
+        st = " > ".join(f"{','.join(map(str, s['devices']))}[{s['layers'][0]}:{s['layers'][1]}]" for s in p["stages"])
+        pipes.append(f"({st})x{p['micro_batches']}")
+    extra = f" susp {list(d.get('suspended') or [])}" if d.get("suspended") else ""
+    extra += f" excl {list(d.get('excluded') or [])}" if d.get("excluded") else ""
+    return " ".join(pipes) + extra
+
+
+def _make_actor_class():
+    import ray
+    return ray.remote(num_cpus=0, max_concurrency=16, max_restarts=0)(JobCoordinator)
+
+
+def launch(job: JobConfig, *, name: str | None = None, detached: bool = False, **kwargs) -> Any:
+    """Create the job's coordinator actor (named, namespace "malleus") and return its handle.
+    Raises MalleusError if a job of that name already runs."""
+    import ray
+    name = name or actor_name(job.name)
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        pass
+    else:
+        raise MalleusError(f"a job named {job.name!r} is already running (actor {name!r} in namespace "
+                           f"{NAMESPACE!r}); pick another job name or stop it first")
+    kwargs.setdefault("driver_job_id", ray.get_runtime_context().get_job_id())
+    opts = {"name": name, "namespace": NAMESPACE}
+    if detached:
+        opts["lifetime"] = "detached"
+    return _make_actor_class().options(**opts).remote(job, **kwargs)
