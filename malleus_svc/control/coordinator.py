@@ -530,25 +530,10 @@ class JobCoordinator:
             self._finish_round()
 
     def _migrate(self, old: Plan, new: Plan) -> dict:
-        group = self.group
-        if hasattr(group, "migrate"):
-            rep = group.migrate(new, bucket_bytes=self.bucket_bytes)
-            return {"mode": "live", "moved_bytes": float(rep.moved_bytes),
-                    "inter_node_bytes": float(getattr(rep, "inter_node_bytes", 0.0)),
-                    "moves": len(rep.moves) if hasattr(rep.moves, "__len__") else rep.moves,
-                    "worker_seconds": float(getattr(rep, "seconds", 0.0))}
-        # Fallback until WorkerGroup.migrate is available: stop the world, same state bitwise.
-        import ray
-
-        from malleus_svc.runtime.engine import assemble_full, full_shard_states
-        from malleus_svc.runtime.trainer import optim_config
-        diff = Plan.diff(old, new, self.job.scenario.state_sizes)
-        full = full_shard_states(assemble_full(list(group.export_states().values())))
-        group.apply_plan(new, self.job.shape, seed=self.job.train.seed, optim=optim_config(self.job))
-        ref = ray.put(full)
-        ray.get([w.load_state.remote(ref) for w in group.workers], timeout=group.timeout_s)
-        return {"mode": "stop-the-world", "moved_bytes": diff.moved_bytes,
-                "inter_node_bytes": diff.inter_node_bytes, "moves": len(diff.moves)}
+        """Live migration at this iteration boundary: workers move exactly the slices the plans differ in."""
+        rep = self.group.migrate(new, bucket_bytes=self.bucket_bytes)
+        return {"mode": "live", "moved_bytes": float(rep.moved_bytes), "inter_node_bytes": float(rep.inter_node_bytes),
+                "moves": rep.moves, "worker_seconds": float(rep.seconds)}
 
     # ------------------------------------------------------------------ history and events
     def _record(self, rnd: Round, migration: dict | None, outcome: str, old_plan_id: str | None = None) -> None:
