@@ -84,8 +84,22 @@ def test_probes_give_rates_of_suspended_devices():
     ({}, {3: 3.0}, set(), True),             # a healthy device slowed
 ])
 def test_trigger_vectors(planned, current, suspended, fires):
+    """The §6.10 vectors, with our confirmation: a shift under twice the band fires on its second check."""
     active = set(range(16)) - suspended
-    assert (ReplanPolicy().rate_trigger(planned, current, active, suspended) is not None) == fires
+    policy = ReplanPolicy()
+    first = policy.rate_trigger(planned, current, active, suspended) is not None
+    second = policy.rate_trigger(planned, current, active, suspended) is not None
+    large = any(abs(max(x, 1.2) - max(planned.get(d, 1.0), 1.2)) >= 0.6 for d, x in current.items())
+    assert second == fires
+    assert first == (fires and large)
+
+
+def test_a_reading_past_the_band_once_does_not_fire():
+    policy = ReplanPolicy()
+    assert policy.rate_trigger({2: 1.0}, {2: 1.31}, {2}, set()) is None      # noise, once
+    assert policy.rate_trigger({2: 1.0}, {2: 1.05}, {2}, set()) is None      # gone again: streak reset
+    assert policy.rate_trigger({2: 1.0}, {2: 1.35}, {2}, set()) is None
+    assert policy.rate_trigger({2: 1.0}, {2: 1.4}, {2}, set()) is not None   # persisted: fire
 
 
 def test_min_interval_prevents_thrashing():
