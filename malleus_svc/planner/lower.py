@@ -176,33 +176,13 @@ def solve_layers(rates: Sequence[float], mem_factors: Sequence[float], num_layer
     caps = _stage_caps(mem_factors, num_layers, memory)
     lo = [0] * s
 
-    def exact() -> LayerSolution | None:
-        if min(caps) < 0:   # a first/last stage cannot even hold the embedding/head
-            return None
-        v = _optimum(y, e, lo, caps, num_layers)
-        if v is None:
-            return None
-        x = _choose(y, e, lo, _caps_at(v, y, e, lo, caps), num_layers, pref)
-        return LayerSolution(_bottleneck(y, e, x), tuple(x))
-
-    if solver == "closed_form":
-        return exact()
-    from . import highs  # lazy: Pyomo costs ~0.3 s to import and is not needed on the closed-form path
-
-    h = _floats("mem_factors", mem_factors, positive=True)
-    raw = highs.solve_layers_model(y, h, num_layers, memory, e, time_limit_s, mip_gap)
-    via_highs = None
-    if raw is not None:
-        _check_solution(raw, y, e, lo, caps, num_layers, "ILP-1 (layers)")
-        v = _bottleneck(y, e, raw)
-        x = _choose(y, e, lo, _caps_at(v, y, e, lo, caps), num_layers, pref)
-        via_highs = LayerSolution(_bottleneck(y, e, x), tuple(x))
-    if solver == "highs":
-        return via_highs
-    closed = exact()
-    _cross_check(closed and closed.z, via_highs and via_highs.z, mip_gap,
-                 f"ILP-1 rates={y} mem_factors={list(mem_factors)} L={num_layers} extra={e}")
-    return closed
+    out = _solve_min_max(
+        y, e, lo, caps, num_layers, pref, solver, mip_gap,
+        lambda: _highs().solve_layers_model(y, _floats("mem_factors", mem_factors, positive=True),
+                                            num_layers, memory, e, time_limit_s, mip_gap),
+        "ILP-1 (layers)", f"ILP-1 rates={y} mem_factors={list(mem_factors)} L={num_layers} extra={e}",
+        infeasible=min(caps) < 0)   # a first/last stage cannot even hold the embedding/head
+    return None if out is None else LayerSolution(*out)
 
 
 def solve_micro_batches(z: Sequence[float], stages: Sequence[int], num_micro_batches: int, objective: str = "paper",
@@ -236,29 +216,46 @@ def solve_micro_batches(z: Sequence[float], stages: Sequence[int], num_micro_bat
         lo = [1] * p
     hi = [int(num_micro_batches)] * p
 
-    def exact() -> DataSolution | None:
-        v = _optimum(zz, b, lo, hi, num_micro_batches)
-        if v is None:
+    out = _solve_min_max(
+        zz, b, lo, hi, num_micro_batches, pref, solver, mip_gap,
+        lambda: _highs().solve_micro_batches_model(zz, b, lo, num_micro_batches, time_limit_s, mip_gap),
+        "ILP-2 (micro-batches)", f"ILP-2 z={zz} stages={list(stages)} M={num_micro_batches} objective={objective}")
+    return None if out is None else DataSolution(*out)
+
+
+def _highs():
+    from . import highs  # lazy: Pyomo costs ~0.3 s to import and is not needed on the closed-form path
+    return highs
+
+
+def _solve_min_max(a, b, lo, hi, total, pref, solver, mip_gap, run_highs, what, detail, infeasible=False):
+    """The path ILP-1 and ILP-2 share: min max_j a_j·x_j + b_j over lo <= x <= hi, sum x = total.
+
+    'closed_form' solves exactly; 'highs' takes HiGHS's optimum value; 'both' cross-checks the two.
+    Either way the layout at the optimum comes from the same tie-break, so the solver choice never
+    changes a plan. Returns (bottleneck, x) or None when infeasible.
+    """
+    def settle(v: float) -> tuple[float, tuple[int, ...]]:
+        x = _choose(a, b, lo, _caps_at(v, a, b, lo, hi), total, pref)
+        return _bottleneck(a, b, x), tuple(x)
+
+    def exact():
+        if infeasible:
             return None
-        x = _choose(zz, b, lo, _caps_at(v, zz, b, lo, hi), num_micro_batches, pref)
-        return DataSolution(_bottleneck(zz, b, x), tuple(x))
+        v = _optimum(a, b, lo, hi, total)
+        return None if v is None else settle(v)
 
     if solver == "closed_form":
         return exact()
-    from . import highs
-
-    raw = highs.solve_micro_batches_model(zz, b, lo, num_micro_batches, time_limit_s, mip_gap)
+    raw = run_highs()
     via_highs = None
     if raw is not None:
-        _check_solution(raw, zz, b, lo, hi, num_micro_batches, "ILP-2 (micro-batches)")
-        v = _bottleneck(zz, b, raw)
-        x = _choose(zz, b, lo, _caps_at(v, zz, b, lo, hi), num_micro_batches, pref)
-        via_highs = DataSolution(_bottleneck(zz, b, x), tuple(x))
+        _check_solution(raw, a, b, lo, hi, total, what)
+        via_highs = settle(_bottleneck(a, b, raw))
     if solver == "highs":
         return via_highs
     closed = exact()
-    _cross_check(closed and closed.w, via_highs and via_highs.w, mip_gap,
-                 f"ILP-2 z={zz} stages={list(stages)} M={num_micro_batches} objective={objective}")
+    _cross_check(closed and closed[0], via_highs and via_highs[0], mip_gap, detail)
     return closed
 
 

@@ -30,16 +30,11 @@ from typing import Callable
 
 from ..plan import Plan
 from ..planner.problem import PlannerProblem
+from ..planner import authors_plan, baseline_plan, plan, rebalance_data
 from ..planner.search import homogeneous_plan
 from .timeline import SimOptions, simulate
 
 SYSTEMS = ("static", "data-only", "restart", "authors", "malleus")
-
-
-def _planner():
-    """The planner's public API, imported on use: the simulator itself needs no solver."""
-    from .. import planner as P
-    return P.plan, P.authors_plan, P.baseline_plan, P.rebalance_data, P.InfeasibleError
 
 
 @dataclass(frozen=True)
@@ -87,11 +82,10 @@ def migration_seconds(old: Plan, new: Plan, problem: PlannerProblem, costs: Cost
 
 # ----------------------------------------------------------------------------- plans of each system
 def static_plan(problem: PlannerProblem) -> Plan:
-    return _planner()[2](problem)
+    return baseline_plan(problem)
 
 
 def data_only_plan(problem: PlannerProblem) -> Plan:
-    _, _, baseline_plan, rebalance_data, _ = _planner()
     return rebalance_data(problem, baseline_plan(problem))
 
 
@@ -140,7 +134,6 @@ class System:
 
 def make_systems(costs: Costs = Costs(), options: SimOptions = SimOptions(),
                  names: tuple[str, ...] = SYSTEMS) -> list[System]:
-    plan, authors_plan, _, _, _ = _planner()
 
     def static(problem, current):
         return Decision(current or static_plan(problem))
