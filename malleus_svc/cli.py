@@ -1,7 +1,7 @@
-"""`malleus` command line: plan, train, demo, simulate, bench.
+"""`malleus` command line: plan, train, demo, simulate, bench; submit, status, replan, rates, stop.
 
-Every user error (bad scenario, bad plan file, infeasible problem) ends with one clear line on
-stderr and exit code 2, never a traceback.
+Every user error (bad scenario, bad plan file, infeasible problem, unknown job, refused request,
+unreachable cluster) ends with one clear line on stderr and exit code 2, never a traceback.
 """
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from pathlib import Path
 from .config import ConfigError, load_scenario, validate_rates
 from .bench import BENCHES
 from .plan import Plan, PlanError
+from .service import commands
+from .service.commands import parse_rate_assignments
 
 BUNDLED = Path(__file__).parent / "scenarios"
 
@@ -28,26 +30,13 @@ def _scenario_path(name: str) -> Path:
     raise ConfigError("scenario", name, f"no such file, and not a bundled scenario ({bundled})")
 
 
-def _parse_rate_args(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        dev, sep, rate = item.partition("=")
-        if not sep:
-            raise ConfigError("--rate", item, "expected DEVICE=RATE, e.g. --rate 5=3.0")
-        try:
-            out[int(dev)] = float(rate)
-        except ValueError:
-            raise ConfigError("--rate", item, "expected an integer device and a number, e.g. --rate 5=3.0") from None
-    return out
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     from .planner import plan as make_plan
     from .planner.describe import diff_summary, plan_table, summary_line
 
     scenario = load_scenario(_scenario_path(args.scenario))
     rates = dict(scenario.rates)
-    rates.update(validate_rates(_parse_rate_args(args.rate), scenario.num_devices, field_name="--rate"))
+    rates.update(validate_rates(parse_rate_assignments(args.rate, "--rate"), scenario.num_devices, field_name="--rate"))
     overrides = {"objective": args.objective} if args.objective else {}
     problem = scenario.problem(rates=rates, **overrides)
     previous = Plan.load(args.previous) if args.previous else None
@@ -88,6 +77,21 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return simulate_cli(args.rest)
 
 
+def cmd_submit(args: argparse.Namespace) -> int:
+    from .service.submit import follow, submit
+
+    sid, name = submit(args.config, address=args.address, working_dir=args.working_dir, train_args=args.train_args,
+                       submission_id=args.submission_id, python=args.python)
+    print(sid)
+    print(f"submitted malleus job {name!r} as Ray job {sid}; `malleus status {name}` (or {sid}) talks to it",
+          file=sys.stderr)
+    if not args.follow:
+        return 0
+    status = follow(args.address, sid)
+    print(f"Ray job {sid}: {status}", file=sys.stderr)
+    return 0 if status == "SUCCEEDED" else 1
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
 
@@ -123,6 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("rest", nargs=argparse.REMAINDER)
     s.set_defaults(func=cmd_simulate)
 
+    j = sub.add_parser("submit", help="submit a training job through the Ray Jobs API; prints the submission id")
+    j.add_argument("config", help="job file, inside --working-dir")
+    j.add_argument("--address", default=None, help="Ray dashboard address, e.g. http://head:8265 "
+                   "(default: RAY_API_SERVER_ADDRESS / RAY_ADDRESS / the local cluster)")
+    j.add_argument("--working-dir", default=".", help="uploaded as the job's working dir (default: .)")
+    j.add_argument("--submission-id", default=None, help="the Ray job's submission id (default: Ray picks one)")
+    j.add_argument("--python", default="python", help="interpreter on the cluster (default: python)")
+    j.add_argument("--follow", action="store_true", help="stream the job's logs until it ends; exit 0 on success")
+    j.set_defaults(func=cmd_submit, train_args=[])   # after `--`: arguments for malleus_svc.train (main())
+    commands.add_parsers(sub)
+
     b = sub.add_parser("bench", help="benchmarks that print tables and write BENCHMARKS.md rows")
     b.add_argument("what", choices=BENCHES)
     b.add_argument("rest", nargs=argparse.REMAINDER)
@@ -138,17 +153,30 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in PASS_THROUGH:
         args = argparse.Namespace(rest=argv[1:], func=PASS_THROUGH[argv[0]])
+    elif argv and argv[0] == "submit" and "--" in argv:
+        # malleus submit CONFIG [options] -- TRAIN ARGS: what follows `--` goes to malleus_svc.train untouched
+        cut = argv.index("--")
+        args = build_parser().parse_args(argv[:cut])
+        args.train_args = argv[cut + 1:]
     else:
         args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, PlanError) as e:
+    except (ConfigError, PlanError, ConnectionError) as e:
         print(f"malleus: error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:
-        # The planner's InfeasibleError is a ValueError whose message says why and what would help.
-        if type(e).__name__ == "InfeasibleError":
-            print(f"malleus: infeasible: {e}", file=sys.stderr)
+        # The planner's InfeasibleError and the client's MalleusError are ValueErrors whose messages
+        # say why and what would help.
+        kind = type(e).__name__
+        if kind in ("InfeasibleError", "MalleusError"):
+            print(f"malleus: {'infeasible' if kind == 'InfeasibleError' else 'error'}: {e}", file=sys.stderr)
+            return 2
+        raise
+    except Exception as e:
+        if type(e).__name__ == "AuthenticationError":  # ray.exceptions: the cluster wants a token
+            print(f"malleus: error: Ray refused the connection: {e}\nThe token comes from RAY_AUTH_TOKEN, "
+                  "RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token (see deploy/README.md)", file=sys.stderr)
             return 2
         raise
 

@@ -2,8 +2,10 @@
 
     python -m malleus_svc.train examples/tiny_job.yaml --steps 5 --metrics-out /tmp/m.jsonl
     python -m malleus_svc.train job.yaml --address auto --plan plan.json
+    ray job submit --working-dir . -- python -m malleus_svc.train job.yaml   # as a Ray job
 
-Starts a local Ray cluster (or joins --address / the job's ray.address), starts the job's
+Starts a local Ray cluster (or joins --address / the job's ray.address / RAY_ADDRESS, which Ray
+Jobs sets for every submitted driver), starts the job's
 coordinator (control/coordinator.py: a named Ray actor "malleus:<job name>" that owns one worker
 per device), gets a plan (the planner on the job's scenario, or --plan), runs the steps through
 the coordinator, and writes one JSON line per step to --metrics-out. Progress and re-plan events
@@ -34,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--static", action="store_true",
                    help="keep the first plan for the whole run (no re-planning; a baseline)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="Prometheus endpoint port (default: the job's metrics.port; 0 = any free port)")
+    p.add_argument("--metrics-host", default=None,
+                   help="Prometheus endpoint bind address (default: the job's metrics.host, 127.0.0.1)")
+    p.add_argument("--no-metrics", action="store_true", help="serve no Prometheus endpoint")
     return p
 
 
@@ -45,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from malleus_svc.config.job import load_job_config
 
     try:
-        job = load_job_config(args.config)
+        job = _with_metrics_args(load_job_config(args.config), args)
         if args.plan:
             from malleus_svc.runtime.trainer import check_plan_for_job
             plan = check_plan_for_job(Plan.load(args.plan), job, f"--plan {args.plan}")
@@ -58,13 +65,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _run(job, plan, args)
 
 
+def _with_metrics_args(job, args):
+    """The job with --metrics-* applied, validated like the job file's own metrics section."""
+    import dataclasses
+
+    from malleus_svc.config.fields import Section
+    from malleus_svc.config.job import parse_metrics
+
+    m = dataclasses.asdict(job.metrics)
+    if args.metrics_port is not None:
+        m["port"] = args.metrics_port
+    if args.metrics_host is not None:
+        m["host"] = args.metrics_host
+    if args.no_metrics:
+        m["enabled"] = False
+    return dataclasses.replace(job, metrics=parse_metrics(Section(m, "--metrics")))
+
+
+def submission_id() -> str | None:
+    """The Ray Jobs submission id of this driver, if it was submitted as a Ray job (the job
+    supervisor passes it in the job config's metadata), so clients can find the job by it."""
+    import json
+    import os
+
+    try:
+        return json.loads(os.environ["RAY_JOB_CONFIG_JSON_ENV_VAR"])["metadata"]["job_submission_id"]
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
 def _run(job, plan: Plan, args) -> int:
+    import os
+
     import ray
 
     from malleus_svc.runtime.cluster import start_local_ray
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    address = args.address or job.ray.address
+    address = args.address or job.ray.address or os.environ.get("RAY_ADDRESS")
     say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     if address:
         ray.init(address=address, log_to_driver=True)
@@ -75,7 +113,7 @@ def _run(job, plan: Plan, args) -> int:
             f"suspended {list(plan.suspended)}, excluded {list(plan.excluded)}, global batch {plan.global_batch}"
             + (" (static)" if args.static else ""))
         return run_through_coordinator(job, plan, args.steps or job.train.steps, static=args.static,
-                                       metrics_out=args.metrics_out, say=say)
+                                       metrics_out=args.metrics_out, say=say, submission_id=submission_id())
     finally:
         ray.shutdown()
 
@@ -113,7 +151,8 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
             raise
         w = st.get("workers") or {}
         say(f"[{job.name}] {w.get('devices')} workers ({w.get('cpus_per_worker')} CPU each, host cores "
-            f"{w.get('host_cores')}); coordinator actor malleus:{job.name} (namespace malleus)")
+            f"{w.get('host_cores')}); coordinator actor malleus:{job.name} (namespace malleus)"
+            + (f"; metrics at http://{st['metrics_endpoint']}/metrics" if st.get("metrics_endpoint") else ""))
         every = max(1, steps // 50)
         seen, events_seen, t_start, tokens = 0, 0.0, time.perf_counter(), 0
         while True:
@@ -144,6 +183,8 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
         if st["state"] == "failed":
             print(f"error: {st['error']}", file=sys.stderr)
             return 1
+        if st["state"] == "stopped":
+            say(f"[{job.name}] stopped on request after {summ['steps']} of {steps} steps")
         say(f"[{job.name}] done: {summ}")
         return 0
     finally:

@@ -13,4 +13,13 @@ if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+
   .venv/bin/python -m pip install -q "torch==2.13.0"
 fi
 .venv/bin/python -m pip install -q -e ".[test]"
+# A real Prometheus for tests/test_service_e2e.py (Debian's package; skipped where apt is not ours to use).
+if ! command -v prometheus >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    (apt-get install -y -q prometheus >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q prometheus >/dev/null 2>&1; }) \
+      || echo "setup: could not install prometheus; the Prometheus test will be skipped" >&2
+  else
+    echo "setup: prometheus not found; install it (e.g. apt-get install prometheus) to run the Prometheus test" >&2
+  fi
+fi
 echo "setup: .venv ready ($(.venv/bin/python -c 'import torch, ray; print("torch", torch.__version__, "ray", ray.__version__)'))"

@@ -7,6 +7,9 @@ Format (YAML or JSON); every scenario section (see scenario.py) plus:
     train:   {steps: 10, seed: 0, lr: 3.0e-4, weight_decay: 0.0, grad_clip: 1.0, betas: [0.9, 0.95]}
     emulate: [{device: 3, factor: 3.0, at_step: 2, until_step: 6}]   # demos/tests only, default none
     ray:     {address: null}          # null: start a local Ray cluster; "auto" or host:port: join one
+    metrics: {enabled: true, host: 127.0.0.1, port: 0, sd_dir: null}
+             # Prometheus endpoint of the job's coordinator; port 0 = any free port; sd_dir: where the
+             # file-SD target is written (null: <Ray temp dir>/malleus/metrics_sd)
 
 Unknown keys and bad values raise ConfigError naming the field, the value and what is accepted.
 This module knows nothing of Ray or torch; the runtime turns `DataConfig` into a dataset spec.
@@ -21,7 +24,7 @@ from .errors import ConfigError
 from .fields import Section
 from .scenario import SCENARIO_KEYS, Scenario, read_mapping
 
-JOB_KEYS = ("data", "train", "emulate", "ray")
+JOB_KEYS = ("data", "train", "emulate", "ray", "metrics")
 DATA_SOURCES = ("synthetic", "python-stdlib")
 # How samples become a micro-batch (datasets.collate): "pack" concatenates variable-length samples
 # into one row (no padding), "pad" pads every sample to seq_len.
@@ -78,6 +81,14 @@ class RayConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    enabled: bool = True
+    host: str = "127.0.0.1"   # loopback unless the operator opens it: metrics reveal the job's shape
+    port: int = 0             # 0: any free port (several jobs per node never collide)
+    sd_dir: str | None = None
+
+
+@dataclass(frozen=True)
 class JobConfig:
     name: str
     scenario: Scenario
@@ -85,6 +96,7 @@ class JobConfig:
     train: TrainConfig
     emulate: tuple[EmulateEntry, ...] = ()
     ray: RayConfig = RayConfig()
+    metrics: MetricsConfig = MetricsConfig()
     source: str | None = None
 
     @property
@@ -113,8 +125,9 @@ class JobConfig:
         train = _parse_train(Section(d.get("train"), "train", source))
         emulate = _parse_emulate(d.get("emulate"), scenario.num_devices, source)
         ray_cfg = _parse_ray(Section(d.get("ray"), "ray", source))
+        metrics = parse_metrics(Section(d.get("metrics"), "metrics", source))
         return cls(name=scenario.name if "name" in d else "job", scenario=scenario, data=data, train=train,
-                   emulate=emulate, ray=ray_cfg, source=source)
+                   emulate=emulate, ray=ray_cfg, metrics=metrics, source=source)
 
 
 def load_job_config(path: str | Path) -> JobConfig:
@@ -207,3 +220,19 @@ def _parse_ray(s: Section) -> RayConfig:
         raise s.error("address", addr, 'expected null (start a local cluster), "auto", or "host:port"')
     s.done()
     return RayConfig(address=addr)
+
+
+def parse_metrics(s: Section) -> MetricsConfig:
+    d = MetricsConfig()
+    host = s.raw("host", d.host)
+    if not isinstance(host, str) or not host.strip() or any(c.isspace() for c in host):
+        raise s.error("host", host, 'an address to bind, e.g. "127.0.0.1" (default) or "0.0.0.0" (all interfaces)')
+    port = s.int("port", d.port, minimum=0)
+    if port > 65535:
+        raise s.error("port", port, "a TCP port in 0..65535 (0: any free port)")
+    sd_dir = s.raw("sd_dir", None)
+    if sd_dir is not None and (not isinstance(sd_dir, str) or not sd_dir.strip()):
+        raise s.error("sd_dir", sd_dir, "a directory path, or null for <Ray temp dir>/malleus/metrics_sd")
+    cfg = MetricsConfig(enabled=s.bool("enabled", d.enabled), host=host.strip(), port=port, sd_dir=sd_dir)
+    s.done()
+    return cfg

@@ -1,12 +1,13 @@
 """The client API: talk to a running job's coordinator from any process on the Ray cluster.
 
     import malleus_svc
-    job = malleus_svc.connect("demo")          # a job name, or the Ray job id that launched it
+    job = malleus_svc.connect("demo")          # a job name, its Ray Jobs submission id, or its Ray job id
     job.status()["plan_id"]; job.rates()["effective"]
     job.replan(reason="maintenance window")    # coalesced with any re-plan in flight
     job.set_rates({3: 2.5})                    # an external health signal (DCGM, NVML, an operator)
     job.set_rates({3: None})                   # ... cleared: the measured rate counts again
     job.exclude([5]); job.include([5])
+    job.stop()                                 # at the next iteration boundary; the Ray job then succeeds
     job.history()                              # every plan change, with reason, gain, bytes, seconds
 
 Precedence of rates: a rate given with set_rates overrides the measured rate of that device, for
@@ -43,7 +44,8 @@ def list_jobs() -> list[str]:
 
 
 def connect(job: str, address: str | None = None, timeout_s: float = 60.0) -> "Client":
-    """A Client for `job` (a job name, or the Ray job id of the driver that launched it).
+    """A Client for `job`: a job name, the Ray Jobs submission id (raysubmit_...) it was submitted
+    under, or the Ray job id of the driver that launched it.
 
     Joins the Ray cluster at `address` (default "auto") unless this process is connected already.
     Raises MalleusError naming the jobs that do exist if none matches.
@@ -63,7 +65,7 @@ def connect(job: str, address: str | None = None, timeout_s: float = 60.0) -> "C
             info = ray.get(handle.job_info.remote(), timeout=timeout_s)
         except Exception:
             continue
-        if job in (info.get("ray_job_id"), info.get("actor_job_id")):
+        if job in (info.get("ray_job_id"), info.get("actor_job_id"), info.get("submission_id")):
             return Client(handle, name, timeout_s)
     raise MalleusError(f"no malleus job {job!r} on this Ray cluster; running jobs: "
                        f"{', '.join(names) if names else '(none)'}")
@@ -125,6 +127,10 @@ class Client:
 
     def clear_rates(self) -> dict:
         return self._call("clear_rates")
+
+    def stop(self) -> dict:
+        """Stop training at the next iteration boundary; the job ends normally with the steps done."""
+        return self._call("stop")
 
     def exclude(self, devices) -> dict:
         return self._call("exclude", _as_list(devices, "exclude"))

@@ -104,8 +104,8 @@ class JobCoordinator:
                  static: bool = False, window: int = 5, warmup: int = 3, skip: int = 3, min_interval: int = 3,
                  band: float = 0.3, threshold: float = 1.2, jitter: float = 0.0, jitter_seed: int = 0,
                  emulate_schedule: Iterable | None = None, bucket_bytes: int = 64 << 20,
-                 driver_job_id: str | None = None, length_window: int = 50, plan_delay_s: float = 0.0,
-                 grace: float = 0.1, migrate_delay_s: float = 0.0):
+                 driver_job_id: str | None = None, submission_id: str | None = None, length_window: int = 50,
+                 plan_delay_s: float = 0.0, grace: float = 0.1, migrate_delay_s: float = 0.0):
         self.job = job
         self.static = bool(static)
         self.steps_total = int(steps if steps is not None else job.train.steps)
@@ -121,6 +121,9 @@ class JobCoordinator:
         self._rng = random.Random(jitter_seed)
         self.bucket_bytes = int(bucket_bytes)
         self.driver_job_id = driver_job_id
+        self.submission_id = submission_id      # the Ray Jobs submission id, when submitted as a Ray job
+        self.metrics_export = None              # JobMetrics once set up (metrics.py)
+        self.plan_version = 0
         from malleus_svc.runtime.straggler import EmulationSchedule
         self.schedule = EmulationSchedule(job.emulate if emulate_schedule is None else tuple(emulate_schedule))
         self.policy = ReplanPolicy(band=band, threshold=threshold, min_interval=min_interval)
@@ -193,6 +196,7 @@ class JobCoordinator:
             for dv, s in baselines.items():
                 self.estimator.set_probe_baseline(dv, s)
             self.state = "ready"
+            self._start_metrics(plan)
             self.history.append({"round": 0, "outcome": "initial", "time": time.time(), "step": 0,
                                  "reason": "initial plan", "requests": [], "old_plan_id": None,
                                  "new_plan_id": plan.plan_id, "new_plan": plan.to_dict(),
@@ -201,6 +205,23 @@ class JobCoordinator:
             self._event("start", f"plan {plan.plan_id}: {len(plan.pipelines)} pipelines, suspended "
                                  f"{list(plan.suspended)}, excluded {list(plan.excluded)}")
         return self.status()
+
+    def _start_metrics(self, plan: Plan) -> None:
+        """Serve the job's Prometheus metrics (metrics.py); a port that cannot be bound fails the job
+        at start-up, with the reason, rather than leaving it running unobserved."""
+        cfg = self.job.metrics
+        if not cfg.enabled:
+            return
+        from .metrics import JobMetrics, default_sd_dir
+        m = JobMetrics(self.job.name, self.job.scenario.gpus_per_node)
+        try:
+            endpoint = m.serve(cfg.host, cfg.port, cfg.sd_dir or default_sd_dir())
+        except OSError as e:
+            raise MalleusError(f"metrics: cannot serve on {cfg.host}:{cfg.port} ({e}); set metrics.port to a free "
+                               "port, or 0 for any") from None
+        m.on_plan(plan, self.plan_version)
+        self.metrics_export = m
+        self._event("metrics", f"Prometheus metrics at http://{endpoint}/metrics")
 
     def _probe_all(self, group, devices, rounds: int = 1) -> dict[int, float]:
         import ray
@@ -231,8 +252,15 @@ class JobCoordinator:
         self._done.wait(timeout)
         return self.summary()
 
-    def stop(self) -> None:
-        self._stop = True
+    def stop(self) -> dict:
+        """Stop training at the next iteration boundary (never inside a step or a migration); the
+        driver then ends its Ray job normally, with the steps done so far."""
+        with self._lock:
+            if self.state in ("done", "failed", "stopped"):
+                raise MalleusError(f"job {self.job.name!r} is already {self.state}")
+            self._stop = True
+            self._event("stop", f"stop requested at step {self.step}")
+            return {"state": self.state, "step": self.step}
 
     def shutdown(self) -> None:
         self._stop = True
@@ -240,6 +268,8 @@ class JobCoordinator:
             self._done.wait(120)
         if self.group is not None:
             self.group.shutdown()
+        if self.metrics_export is not None:
+            self.metrics_export.close()
         self.state = "stopped" if self.state != "failed" else self.state
 
     # ================================================================== the training loop
@@ -248,7 +278,9 @@ class JobCoordinator:
             while not self._stop and self.step < self.steps_total:
                 self._iteration()
             with self._lock:
-                self.state = "done"
+                self.state = "stopped" if self.step < self.steps_total else "done"
+                if self.state == "stopped":
+                    self._event("stopped", f"stopped on request after {self.step} of {self.steps_total} steps")
         except Exception as e:  # the job failed: say where, keep the coordinator answering
             with self._lock:
                 self.state, self.error = "failed", f"{type(e).__name__}: {e}"
@@ -270,8 +302,9 @@ class JobCoordinator:
         rec = group.step(ids)
         rec.step = step
         probe_res = ray.get(probes, timeout=group.timeout_s) if probes else []
+        batch_lengths = self._batch_lengths(ids)
         if step >= self._measure_from:
-            self._measure(plan, rec, probe_res, ids)
+            self._measure(plan, rec, probe_res, batch_lengths)
         line = rec.metrics()
         line.update(epoch=self.sampler.epoch, sampler_position=self.sampler.position,
                     injected_seconds={str(d): s.get("injected_seconds") for d, s in sorted(rec.devices.items())},
@@ -281,6 +314,12 @@ class JobCoordinator:
             line["rates"] = {str(d): round(r, 3) for d, r in sorted(self.effective_rates().items())}
             line["length_stats"] = {k: v for k, v in (self._last_length_stats or {}).items() if k != "histogram"}
             self.records.append(line)
+            if self.metrics_export is not None:
+                st = self._last_length_stats or {}
+                self.metrics_export.on_iteration(
+                    line, rec.devices, self.effective_rates(), self.job.num_devices, plan.excluded,
+                    self.healthy_tokens_per_second, batch_lengths,
+                    {q: st[k] for q, k in ((0.5, "p50"), (0.9, "p90"), (0.99, "p99"), (1.0, "max")) if k in st})
             self.step = step + 1
             if self.step == self.skip + self.warmup and not self.calibrated:
                 self.estimator.calibrate()
@@ -340,17 +379,22 @@ class JobCoordinator:
             return {"factors": dict(self._manual_slowdown), "jitter": self.jitter}
 
     # ------------------------------------------------------------------ measure
-    def _measure(self, plan: Plan, rec, probe_res: list[dict], ids: list[int]) -> None:
+    def _batch_lengths(self, ids: list[int]):
+        """The lengths of this global batch's samples (None if the dataset keeps no length table)."""
+        lengths = getattr(self.group.dataset, "lengths", None)
+        if lengths is None:
+            return None
+        import numpy as np
+        return np.asarray(lengths)[np.asarray(ids, dtype=np.int64)]
+
+    def _measure(self, plan: Plan, rec, probe_res: list[dict], batch_lengths) -> None:
         from malleus_svc.planner import evaluate
         tokens = {d: int(s.get("tokens") or 0) for d, s in rec.devices.items()}
         work = device_work(plan, self.job.scenario, tokens, self.job.data.seq_len)
         samples = [WorkSample(d, busy_seconds(s), work[d]) for d, s in rec.devices.items() if d in work]
-        lengths = getattr(self.group.dataset, "lengths", None)
         stats = None
-        if lengths is not None:
+        if batch_lengths is not None:
             from malleus_svc.runtime.datasets import length_stats
-            import numpy as np
-            batch_lengths = np.asarray(lengths)[np.asarray(ids, dtype=np.int64)]
             stats = length_stats(batch_lengths)
         with self._lock:
             self.estimator.observe(samples)
@@ -518,6 +562,10 @@ class JobCoordinator:
         seconds = time.perf_counter() - t0
         with self._lock:
             self.plan = new
+            self.plan_version += 1
+            if self.metrics_export is not None:
+                self.metrics_export.on_plan(new, self.plan_version)
+                self.metrics_export.on_migration(seconds, report["moved_bytes"])
             self.basis = dict(rnd.rates)
             self.last_migration_step = self.step
             self._measure_from = max(self._measure_from, self.step + self.skip_after_migration)
@@ -551,6 +599,10 @@ class JobCoordinator:
             entry.update(old_plan_id=old_plan_id, new_plan_id=new.plan_id,
                          new_plan=new.to_dict(), migration=migration)
         self.history.append(entry)
+        if self.metrics_export is not None:
+            # a round is counted once, when it ends (applied, kept or failed); its solve time then too
+            self.metrics_export.on_round([r.kind for r in rnd.requests], outcome,
+                                         (rnd.decision or {}).get("planning_seconds"))
         self._event(outcome, f"round {rnd.id} ({entry['reason']}): "
                     + (f"{entry['old_plan_id']} -> {new.plan_id}, moved {migration['moved_bytes'] / 1e6:.1f} MB "
                        f"in {migration['seconds']:.2f} s" if new is not None else
@@ -681,7 +733,7 @@ class JobCoordinator:
 
     def job_info(self) -> dict:
         import ray
-        return {"job": self.job.name, "ray_job_id": self.driver_job_id,
+        return {"job": self.job.name, "ray_job_id": self.driver_job_id, "submission_id": self.submission_id,
                 "actor_job_id": ray.get_runtime_context().get_job_id(), "state": self.state}
 
     def status(self) -> dict:
@@ -691,8 +743,8 @@ class JobCoordinator:
             elapsed = (time.perf_counter() - self._t_start) if self._t_start else 0.0
             return {
                 "job": self.job.name, "state": self.state, "error": self.error, "static": self.static,
-                "step": self.step, "steps": self.steps_total,
-                "plan_id": plan.plan_id if plan else None,
+                "step": self.step, "steps": self.steps_total, "submission_id": self.submission_id,
+                "plan_id": plan.plan_id if plan else None, "plan_version": self.plan_version,
                 "plan": _plan_summary(plan) if plan else None,
                 "excluded": sorted(self.excluded),
                 "rates": {str(d): r for d, r in sorted(self.effective_rates().items())},
@@ -711,6 +763,7 @@ class JobCoordinator:
                 "history": len(self.history),
                 "migrations": sum(1 for h in self.history if h["outcome"] == "applied"),
                 "events": list(self.events)[-10:],
+                "metrics_endpoint": self.metrics_export.endpoint if self.metrics_export else None,
                 "workers": None if self.group is None else {
                     "devices": self.group.num_devices, "cpus_per_worker": self.group.cpus_per_worker,
                     "use_gpu": self.group.use_gpu, "host_cores": os.cpu_count()},
@@ -766,7 +819,10 @@ def launch(job: JobConfig, *, name: str | None = None, detached: bool = False, *
         raise MalleusError(f"a job named {job.name!r} is already running (actor {name!r} in namespace "
                            f"{NAMESPACE!r}); pick another job name or stop it first")
     kwargs.setdefault("driver_job_id", ray.get_runtime_context().get_job_id())
-    opts = {"name": name, "namespace": NAMESPACE}
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    # Beside the driver (on a Ray Jobs cluster: the head), where Prometheus reads the file-SD target.
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
+    opts = {"name": name, "namespace": NAMESPACE, "scheduling_strategy": here}
     if detached:
         opts["lifetime"] = "detached"
     return _make_actor_class().options(**opts).remote(job, **kwargs)

@@ -166,8 +166,27 @@ class DeviceWorker:
             collate_seconds=collate_s,
             slowdown=self.slowdown.factor,
             injected_seconds=self.slowdown.slept_seconds - slept0,
+            **self._memory(),
         )
         return out
+
+    def _memory(self) -> dict[str, int]:
+        """Memory of this device now and at its peak: CUDA allocations on GPU (peak over this step),
+        the worker process's resident set on CPU (each worker is its own process)."""
+        import torch
+
+        if self.use_gpu:
+            out = {"memory_bytes": torch.cuda.memory_allocated(), "peak_memory_bytes": torch.cuda.max_memory_allocated()}
+            torch.cuda.reset_peak_memory_stats()
+            return out
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # KiB on Linux
+        try:
+            with open("/proc/self/statm") as f:  # Linux: resident pages are the second field
+                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:  # no procfs: the peak is the best we know
+            rss = peak
+        return {"memory_bytes": rss, "peak_memory_bytes": peak}
 
     def export_state(self):
         if self.engine is None:

@@ -1,0 +1,59 @@
+"""Glue between checkpoints and a running `WorkerGroup` + `GlobalSampler`.
+
+Saving gathers the full (plan-independent) state on the driver with `WorkerGroup.full_state()`
+and hands it to the writer; restoring loads it into the group under whatever plan the group was
+just given (`apply_plan` first), each worker cutting its own shards, and puts the sampler back at
+the saved data position, so the next global batches are the ones the interrupted run would have
+taken.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import CheckpointError
+from .manifest import CheckpointMeta
+from .reader import Checkpoint, check_shape
+from .writer import CheckpointWriter
+
+log = logging.getLogger(__name__)
+
+
+def group_meta(group, sampler, step: int, extra: Mapping[str, Any] | None = None) -> CheckpointMeta:
+    if group.plan is None or getattr(group, "shape", None) is None:
+        raise CheckpointError("the group has no plan applied: there is no state to checkpoint")
+    return CheckpointMeta(step=int(step), shape=group.shape, data=sampler.state_dict(), plan=group.plan,
+                          optim=getattr(group, "optim", None), extra=dict(extra or {}))
+
+
+def save_group(writer: CheckpointWriter, group, sampler, step: int, *, wait: bool = False,
+               extra: Mapping[str, Any] | None = None) -> Path:
+    """Checkpoint the group's state and the sampler's position as of `step` completed steps.
+
+    The gather (`full_state`) is synchronous; the write runs in the background unless `wait`.
+    Call at an iteration boundary (no step in flight).
+    """
+    meta = group_meta(group, sampler, step, extra)
+    path = writer.save_async(group.full_state(), meta)
+    if wait:
+        writer.wait()
+    return path
+
+
+def restore_group(group, checkpoint: Checkpoint, sampler=None) -> int:
+    """Load `checkpoint` into `group` (whatever its plan) and `sampler`; returns the saved step."""
+    if group.plan is None or getattr(group, "shape", None) is None:
+        raise CheckpointError("apply_plan must run before restoring a checkpoint into the group")
+    check_shape(checkpoint.manifest, group.shape, checkpoint.path)
+    saved_optim = checkpoint.manifest.optim
+    optim = getattr(group, "optim", None)
+    if saved_optim is not None and optim is not None:
+        now = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(optim).items()}
+        if now != dict(saved_optim):
+            log.warning("optimizer config differs from the checkpoint's: saved %s, now %s", saved_optim, now)
+    group.load_full_state(checkpoint.state)
+    if sampler is not None:
+        sampler.load_state_dict(checkpoint.manifest.sampler_state)
+    return checkpoint.step

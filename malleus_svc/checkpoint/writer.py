@@ -1,0 +1,193 @@
+"""CheckpointWriter: atomic, optionally asynchronous checkpoint writes with retention.
+
+save_async() checks the state and metadata at once (a bad state fails in the caller, not later),
+then a background thread serialises, writes and fsyncs the files while training goes on. One write
+at a time: a new save first waits for the previous one. A failure in the thread is logged when it
+happens and raised, as CheckpointError, by the next save/save_async/wait/close call: never lost.
+
+The state must not be modified in place until the write is done (`WorkerGroup.full_state()`
+returns fresh CPU tensors that nothing else touches, so it can be handed over as is).
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from . import atomic
+from .errors import CheckpointError
+from .layout import MANIFEST, WORK_DIR, describe, pack, step_dir_name, step_of_dir, tmp_dir_name
+from .manifest import CheckpointMeta, FileEntry, build_manifest
+
+log = logging.getLogger(__name__)
+
+# Called after each file (layer files, then manifest.json) is durably written into the temporary
+# directory, before the directory is published. For progress reporting, and for tests that need
+# to stop a writer at a known point.
+FileHook = Callable[[str, Path], None]
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    path: Path            # the published checkpoint directory
+    step: int
+    files: int            # including manifest.json
+    bytes: int            # all files, manifest included
+    seconds: float        # serialise + write + fsync + publish + retention, in the writer thread
+
+
+class CheckpointWriter:
+    def __init__(self, root: str | Path, *, keep_last: int | None = 3, on_file_written: FileHook | None = None):
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+            raise CheckpointError(f"keep_last must be an int >= 1 or None (keep all), got {keep_last!r}")
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.keep_last = keep_last
+        self.on_file_written = on_file_written
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._error_step: int | None = None
+        self._result: SaveResult | None = None
+        self.results: list[SaveResult] = []
+        clean_stale(self.root)
+
+    # ------------------------------------------------------------------ public
+    def save(self, state: Mapping[str, Any], meta: CheckpointMeta) -> SaveResult:
+        """Write a checkpoint and return when it is durable."""
+        self.save_async(state, meta)
+        result = self.wait()
+        assert result is not None
+        return result
+
+    def save_async(self, state: Mapping[str, Any], meta: CheckpointMeta) -> Path:
+        """Start writing a checkpoint in the background; returns the directory it will have."""
+        self.wait()  # one write at a time; raises the previous write's error, if any
+        payloads = pack(state, meta.shape)     # validates, and copies views/GPU tensors to CPU
+        build_manifest(meta, {}).to_json()     # the metadata must be JSON: fail here, not later
+        step = int(meta.step)
+        self._result = None
+        self._thread = threading.Thread(target=self._run, args=(payloads, meta), daemon=False,
+                                        name=f"checkpoint-writer-{step}")
+        self._thread.start()
+        return self.root / step_dir_name(step)
+
+    def wait(self) -> SaveResult | None:
+        """Wait for the write in progress (if any); its result, or None if nothing was written
+        since the last wait. Raises CheckpointError if the write failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, step = self._error, self._error_step
+            self._error = self._error_step = None
+            raise CheckpointError(f"writing the checkpoint of step {step} failed: "
+                                  f"{type(err).__name__}: {err}", self.root) from err
+        result, self._result = self._result, None
+        return result
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def close(self) -> SaveResult | None:
+        return self.wait()
+
+    def __enter__(self) -> "CheckpointWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.close()
+        else:  # do not hide the caller's exception behind a write error; still log it
+            try:
+                self.close()
+            except CheckpointError as e:
+                log.error("%s", e)
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self, payloads: dict[str, dict], meta: CheckpointMeta) -> None:
+        try:
+            self._result = self._write(payloads, meta)
+            self.results.append(self._result)
+        except BaseException as e:  # surfaced by the next call
+            self._error, self._error_step = e, int(meta.step)
+            log.error("writing the checkpoint of step %s under %s failed: %s: %s",
+                      meta.step, self.root, type(e).__name__, e)
+
+    def _write(self, payloads: dict[str, dict], meta: CheckpointMeta) -> SaveResult:
+        t0 = time.perf_counter()
+        step = int(meta.step)
+        tmp, final = self.root / tmp_dir_name(step), self.root / step_dir_name(step)
+        atomic.remove_tree(tmp)
+        tmp.mkdir()
+        try:
+            entries: dict[str, FileEntry] = {}
+            for name, payload in payloads.items():
+                buf = io.BytesIO()
+                torch.save(payload, buf)
+                data = buf.getvalue()
+                atomic.write_durably(tmp / name, data)
+                entries[name] = FileEntry(hashlib.sha256(data).hexdigest(), len(data), payload["part"], describe(payload))
+                self._hook(name, tmp / name)
+            manifest = build_manifest(meta, entries).to_json().encode()
+            atomic.write_durably(tmp / MANIFEST, manifest)   # last: it is what makes the directory a checkpoint
+            self._hook(MANIFEST, tmp / MANIFEST)
+            atomic.publish(tmp, final)
+        except BaseException:
+            atomic.remove_tree(tmp)
+            raise
+        self._retain(keep=final)
+        return SaveResult(final, step, len(entries) + 1, sum(e.bytes for e in entries.values()) + len(manifest),
+                          time.perf_counter() - t0)
+
+    def _hook(self, name: str, path: Path) -> None:
+        if self.on_file_written is not None:
+            self.on_file_written(name, path)
+
+    def _retain(self, keep: Path) -> None:
+        if self.keep_last is None:
+            return
+        published = sorted((p for p in self.root.iterdir() if p.is_dir() and step_of_dir(p) is not None),
+                           key=step_of_dir, reverse=True)
+        for old in published[self.keep_last:]:
+            if old != keep:
+                atomic.retire(old)
+                log.info("retention (keep_last=%d): removed %s", self.keep_last, old)
+
+
+def clean_stale(root: Path) -> list[Path]:
+    """Remove working directories (``.tmp-<pid>`` / ``.del-<pid>``) left by writers that died.
+
+    A directory whose pid is alive (another writer on this host, or this process) is left alone.
+    Assumes writers of one root run on one host: a pid from another host cannot be checked.
+    """
+    removed = []
+    for p in Path(root).iterdir():
+        m = WORK_DIR.match(p.name)
+        if not m or not p.is_dir():
+            continue
+        pid = int(m.group(3))
+        if pid == os.getpid() or _alive(pid):
+            continue
+        atomic.remove_tree(p)
+        removed.append(p)
+        log.info("removed %s, left by writer pid %d which is gone", p, pid)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # exists, owned by someone else
+        return True
+    return True

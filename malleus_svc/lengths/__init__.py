@@ -1,0 +1,28 @@
+"""Sequence-length-aware planning (issue #6, hydraulis.md): balance time, not tokens.
+
+* `cost`: `LengthCost`, per-layer micro-batch time a·Σl² + b·Σl + d·n + c per TP degree, stage
+  and 1F1B pipeline times, least-squares `fit`; `max_tokens_per_stage`, the memory limit per stage.
+* `sweep`: `run_sweep`, a real CPU length sweep through the runtime's blocks, fitted and checked
+  on held-out mixes.
+* `dispatch`: stage 1, sequences of a global batch to pipelines (greedy + exact MILP on HiGHS).
+* `packing`: stage 2, one pipeline's sequences into micro-batches (LPT + per-V MILP).
+* `stats`: `LengthHistogram` (streaming, log buckets, mergeable) and `DriftDetector`.
+
+`sweep` imports torch and the MILPs import Pyomo, both lazily: the rest is numpy only.
+"""
+from .cost import (Coeffs, LengthCost, LengthError, PipelineSpec, StageSpec, analytic_bytes_per_token_per_layer,
+                   max_tokens_per_stage)
+from .dispatch import Dispatch, dispatch, greedy_dispatch, predicted_time
+from .packing import Packing, pack, v_bounds
+from .stats import DriftDetector, DriftReport, LengthHistogram
+
+
+def run_sweep(*args, **kwargs):
+    """`sweep.run_sweep`, imported on first use (it needs torch)."""
+    from .sweep import run_sweep as _run
+    return _run(*args, **kwargs)
+
+
+__all__ = ["Coeffs", "Dispatch", "DriftDetector", "DriftReport", "LengthCost", "LengthError", "LengthHistogram",
+           "Packing", "PipelineSpec", "StageSpec", "analytic_bytes_per_token_per_layer", "dispatch",
+           "greedy_dispatch", "max_tokens_per_stage", "pack", "predicted_time", "run_sweep", "v_bounds"]

@@ -1,0 +1,74 @@
+"""One way to run a Pyomo MILP on HiGHS for this package: hard time limit, MIP start, no surprises.
+
+Why not `SolverFactory('appsi_highs')` as `planner/highs.py` does: that legacy wrapper resets
+`config.time_limit` from its `timelimit` argument on each call (hydraulis.md §7 saw a 30 s limit
+ignored for 13 minutes when set on the config) and has no MIP-start argument. The APPSI class
+itself takes both on its config: `time_limit` goes straight to HiGHS's `time_limit` option and
+`warmstart` hands the variables' current values to `Highs.setSolution` as an incumbent.
+Imported lazily by the solvers (Pyomo takes ~0.3 s to import).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MilpOutcome:
+    status: str                 # "optimal" | "time_limit" | "infeasible" | "error"
+    loaded: bool                # the model's variables hold HiGHS's best solution
+    objective: float | None     # best feasible objective HiGHS reports
+    bound: float | None         # best proven lower bound (minimisation)
+    seconds: float              # wall time of the solve call
+
+
+def available() -> bool:
+    try:
+        from pyomo.contrib.appsi.solvers import Highs
+        return bool(Highs().available())
+    except Exception:  # noqa: BLE001 - any import/load failure means "no HiGHS"
+        return False
+
+
+def solve(model, time_limit_s: float, mip_gap: float = 0.0, warm_start: bool = True) -> MilpOutcome:
+    """Minimise `model` (one active objective); load the best solution found, if any."""
+    from pyomo.contrib.appsi.base import TerminationCondition as TC
+    from pyomo.contrib.appsi.solvers import Highs
+
+    opt = Highs()
+    opt.config.time_limit = max(float(time_limit_s), 1e-3)
+    opt.config.mip_gap = float(mip_gap)
+    opt.config.load_solution = False
+    opt.config.warmstart = warm_start
+    opt.config.log_level = logging.DEBUG      # HiGHS's log is noise at INFO
+    # mip_abs_gap defaults to 1e-6 in HiGHS; an exact request should be exact in both senses.
+    opt.highs_options = {"mip_abs_gap": 0.0} if mip_gap == 0 else {}
+    t0 = time.perf_counter()
+    try:
+        res = opt.solve(model)
+    except Exception as exc:  # noqa: BLE001 - a solver failure is an outcome here, the caller falls back
+        logger.warning("HiGHS failed on %s: %s", model.name, exc)
+        return MilpOutcome("error", False, None, None, time.perf_counter() - t0)
+    secs = time.perf_counter() - t0
+    tc = res.termination_condition
+    obj = res.best_feasible_objective
+    bound = res.best_objective_bound
+    has = obj is not None and math.isfinite(obj)
+    if tc == TC.optimal:
+        status = "optimal"
+    elif tc in (TC.infeasible, TC.infeasibleOrUnbounded):
+        status = "infeasible"
+    elif tc in (TC.maxTimeLimit, TC.maxIterations, TC.interrupted, TC.objectiveLimit):
+        status = "time_limit"
+    else:
+        status = "error"
+    loaded = False
+    if has and status in ("optimal", "time_limit"):
+        res.solution_loader.load_vars()
+        loaded = True
+    bound = float(bound) if bound is not None and math.isfinite(bound) else None
+    return MilpOutcome(status, loaded, float(obj) if has else None, bound, secs)

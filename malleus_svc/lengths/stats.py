@@ -1,0 +1,251 @@
+"""Streaming statistics of the sequence lengths actually sampled, and drift in their tail.
+
+The coordinator sees every global batch before it runs (the sampler is deterministic). It feeds
+the lengths here to keep (hydraulis.md §6, §8.5):
+
+* `LengthHistogram`: counts in log-spaced buckets (`buckets_per_octave` per doubling, so every
+  quantile is known to within one bucket, 2^(1/8) − 1 ≈ 9% by default, at any length scale and
+  in O(log(max length)) memory); exact count, total, min and max; mergeable across windows or
+  workers; plain JSON.
+* `DriftDetector`: a reference window (the first `window` batches, or whatever `rebase` froze)
+  against the most recent `window` batches; drift = some high quantile (p90, p99 by default)
+  moved by more than `threshold` relative. The tail is what decides memory limits and the
+  slowest pipeline, so that is what is watched; the mean can stay put while p99 doubles.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from .cost import LengthError
+
+DEFAULT_QUANTILES = (0.9, 0.99)
+
+
+class LengthHistogram:
+    """Log-bucketed counts of positive lengths: bucket k holds [2^(k/B), 2^((k+1)/B)), B per octave."""
+
+    def __init__(self, buckets_per_octave: int = 8):
+        if not (isinstance(buckets_per_octave, int) and 1 <= buckets_per_octave <= 1024):
+            raise LengthError("buckets_per_octave", buckets_per_octave, "an integer in 1..1024")
+        self.buckets_per_octave = buckets_per_octave
+        self.counts: dict[int, int] = {}
+        self.count = 0
+        self.total = 0
+        self.min: int | None = None
+        self.max: int | None = None
+
+    # -- building
+    def bucket(self, length: float) -> int:
+        # The small epsilon keeps exact powers (e.g. 2^(k/B) itself) in their own bucket despite rounding.
+        return math.floor(math.log2(length) * self.buckets_per_octave + 1e-9)
+
+    def edges(self, k: int) -> tuple[float, float]:
+        b = self.buckets_per_octave
+        return 2.0 ** (k / b), 2.0 ** ((k + 1) / b)
+
+    def add(self, length: int, n: int = 1) -> None:
+        if not (isinstance(length, numbers.Integral) and length >= 1):
+            raise LengthError("length", length, "a positive integer token count")
+        length = int(length)
+        if n < 0:
+            raise LengthError("n", n, "a count >= 0")
+        if n == 0:
+            return
+        k = self.bucket(length)
+        self.counts[k] = self.counts.get(k, 0) + n
+        self.count += n
+        self.total += length * n
+        self.min = length if self.min is None else min(self.min, length)
+        self.max = length if self.max is None else max(self.max, length)
+
+    def update(self, lengths: Iterable[int]) -> "LengthHistogram":
+        for x in lengths:
+            self.add(x)
+        return self
+
+    @classmethod
+    def of(cls, lengths: Iterable[int], buckets_per_octave: int = 8) -> "LengthHistogram":
+        return cls(buckets_per_octave).update(lengths)
+
+    def merge(self, other: "LengthHistogram") -> "LengthHistogram":
+        """A new histogram of both (same bucketing required)."""
+        out = self.copy()
+        out.absorb(other)
+        return out
+
+    def absorb(self, other: "LengthHistogram") -> None:
+        if other.buckets_per_octave != self.buckets_per_octave:
+            raise LengthError("buckets_per_octave", other.buckets_per_octave,
+                              f"the same as the histogram merged into ({self.buckets_per_octave})")
+        for k, c in other.counts.items():
+            self.counts[k] = self.counts.get(k, 0) + c
+        self.count += other.count
+        self.total += other.total
+        if other.count:
+            self.min = other.min if self.min is None else min(self.min, other.min)  # type: ignore[type-var]
+            self.max = other.max if self.max is None else max(self.max, other.max)  # type: ignore[type-var]
+
+    def copy(self) -> "LengthHistogram":
+        out = LengthHistogram(self.buckets_per_octave)
+        out.counts, out.count, out.total = dict(self.counts), self.count, self.total
+        out.min, out.max = self.min, self.max
+        return out
+
+    # -- reading
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+    def quantile(self, q: float) -> float:
+        """The q-quantile (nearest rank), interpolated geometrically inside its bucket and clipped
+        to the exact min and max; within one bucket width of the exact value."""
+        if not 0.0 <= q <= 1.0:
+            raise LengthError("q", q, "a quantile in [0, 1]")
+        if not self.count:
+            raise LengthError("histogram", "empty", "at least one length before asking for quantiles")
+        if q == 1.0:
+            return float(self.max)  # type: ignore[arg-type]
+        if q == 0.0:
+            return float(self.min)  # type: ignore[arg-type]
+        rank = max(1, math.ceil(q * self.count))   # 1-based rank of the answer
+        seen = 0
+        for k in sorted(self.counts):
+            c = self.counts[k]
+            if seen + c >= rank:
+                lo, hi = self.edges(k)
+                frac = (rank - seen - 0.5) / c
+                est = lo * (hi / lo) ** frac
+                return float(min(max(est, self.min), self.max))  # type: ignore[type-var]
+            seen += c
+        return float(self.max)  # type: ignore[arg-type]
+
+    def quantiles(self, qs: Sequence[float] = (0.5, 0.9, 0.99)) -> dict[str, float]:
+        out = {_qname(q): self.quantile(q) for q in qs}
+        out["max"] = float(self.max) if self.max is not None else 0.0
+        return out
+
+    def summary(self) -> dict:
+        if not self.count:
+            return {"count": 0}
+        return {"count": self.count, "total": self.total, "min": self.min, "mean": self.mean,
+                **self.quantiles()}
+
+    # -- JSON
+    def to_dict(self) -> dict:
+        return {"buckets_per_octave": self.buckets_per_octave, "count": self.count, "total": self.total,
+                "min": self.min, "max": self.max, "counts": {str(k): c for k, c in sorted(self.counts.items())}}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "LengthHistogram":
+        out = cls(int(data["buckets_per_octave"]))
+        out.counts = {int(k): int(c) for k, c in data["counts"].items()}
+        out.count, out.total = int(data["count"]), int(data["total"])
+        out.min, out.max = data.get("min"), data.get("max")
+        if sum(out.counts.values()) != out.count:
+            raise LengthError("counts", data["counts"], f"bucket counts that add up to count = {out.count}")
+        return out
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LengthHistogram) and self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        return f"LengthHistogram({self.summary()})"
+
+
+def _qname(q: float) -> str:
+    return f"p{q * 100:g}"
+
+
+@dataclass(frozen=True)
+class DriftReport:
+    drifted: bool
+    shifts: Mapping[str, Mapping[str, float]]   # quantile name -> {"reference", "recent", "relative"}
+    reference_count: int
+    recent_count: int
+    reason: str
+
+    def to_dict(self) -> dict:
+        return {"drifted": self.drifted, "shifts": {k: dict(v) for k, v in self.shifts.items()},
+                "reference_count": self.reference_count, "recent_count": self.recent_count, "reason": self.reason}
+
+
+class DriftDetector:
+    """Reference window vs the last `window` batches: drift when a high quantile moves > `threshold`."""
+
+    def __init__(self, window: int = 8, threshold: float = 0.25, quantiles: Sequence[float] = DEFAULT_QUANTILES,
+                 min_samples: int = 200, buckets_per_octave: int = 8):
+        if not (isinstance(window, int) and window >= 1):
+            raise LengthError("window", window, "a number of batches >= 1")
+        if not (threshold > 0):
+            raise LengthError("threshold", threshold, "a relative shift > 0 (0.25 = 25%)")
+        # A shift smaller than one bucket cannot be told from bucketing error.
+        width = 2.0 ** (1.0 / buckets_per_octave) - 1.0
+        if threshold <= width:
+            raise LengthError("threshold", threshold, f"more than one bucket width ({width:.3f}); raise it or "
+                                                      "use more buckets_per_octave")
+        if not quantiles or any(not 0 < q <= 1 for q in quantiles):
+            raise LengthError("quantiles", list(quantiles), "quantiles in (0, 1], at least one")
+        self.window, self.threshold, self.quantile_levels = window, float(threshold), tuple(quantiles)
+        self.min_samples, self.buckets_per_octave = int(min_samples), buckets_per_octave
+        self.reference = LengthHistogram(buckets_per_octave)
+        self.reference_batches = 0
+        self.recent: deque[LengthHistogram] = deque(maxlen=window)
+        self.lifetime = LengthHistogram(buckets_per_octave)
+
+    def observe(self, lengths: Iterable[int]) -> DriftReport:
+        """Add one batch's lengths; returns the check after it."""
+        h = LengthHistogram.of(lengths, self.buckets_per_octave)
+        self.lifetime.absorb(h)
+        if self.reference_batches < self.window:   # still filling the reference
+            self.reference.absorb(h)
+            self.reference_batches += 1
+        self.recent.append(h)
+        return self.check()
+
+    def recent_histogram(self) -> LengthHistogram:
+        out = LengthHistogram(self.buckets_per_octave)
+        for h in self.recent:
+            out.absorb(h)
+        return out
+
+    def check(self) -> DriftReport:
+        recent = self.recent_histogram()
+        if self.reference_batches < self.window:
+            return DriftReport(False, {}, self.reference.count, recent.count, "reference window still filling")
+        if min(self.reference.count, recent.count) < self.min_samples:
+            return DriftReport(False, {}, self.reference.count, recent.count,
+                               f"fewer than {self.min_samples} lengths in a window")
+        shifts, moved = {}, []
+        for q in self.quantile_levels:
+            ref, now = self.reference.quantile(q), recent.quantile(q)
+            rel = now / ref - 1.0
+            shifts[_qname(q)] = {"reference": ref, "recent": now, "relative": rel}
+            if abs(rel) > self.threshold:
+                moved.append(f"{_qname(q)} {ref:g} -> {now:g} ({rel:+.0%})")
+        reason = ("; ".join(moved) + f" beyond ±{self.threshold:.0%}") if moved else "within threshold"
+        return DriftReport(bool(moved), shifts, self.reference.count, recent.count, reason)
+
+    def rebase(self) -> None:
+        """Accept the recent distribution as the new reference (after re-planning on it)."""
+        self.reference = self.recent_histogram()
+        self.reference_batches = self.window
+
+    def to_dict(self) -> dict:
+        return {"window": self.window, "threshold": self.threshold, "quantiles": list(self.quantile_levels),
+                "min_samples": self.min_samples, "buckets_per_octave": self.buckets_per_octave,
+                "reference": self.reference.to_dict(), "reference_batches": self.reference_batches,
+                "recent": [h.to_dict() for h in self.recent], "lifetime": self.lifetime.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "DriftDetector":
+        out = cls(int(data["window"]), float(data["threshold"]), tuple(data["quantiles"]), int(data["min_samples"]),
+                  int(data["buckets_per_octave"]))
+        out.reference = LengthHistogram.from_dict(data["reference"])
+        out.reference_batches = int(data["reference_batches"])
+        out.recent.extend(LengthHistogram.from_dict(h) for h in data["recent"])
+        out.lifetime = LengthHistogram.from_dict(data["lifetime"])
+        return out

@@ -1,0 +1,1 @@
+"""The service surface: Ray Jobs submission and the job-control commands of the CLI."""

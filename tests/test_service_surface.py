@@ -1,0 +1,192 @@
+"""The service surface without a cluster: metrics exposition, discovery files, the dashboard's
+build, deployment files (checked by their own tools: promtool, Ray's cluster-config schema), CLI
+input errors, and the what-if example. The end-to-end run is tests/test_service_e2e.py."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from malleus_svc.cli import main as cli
+from malleus_svc.config import ConfigError
+from malleus_svc.config.job import JobConfig
+from malleus_svc.control.metrics import JobMetrics
+from malleus_svc.service.commands import parse_rate_assignments
+
+from _plans import BASELINE, PLAN_1
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _samples(m: JobMetrics) -> dict[tuple, float]:
+    from prometheus_client import generate_latest
+    out = {}
+    for fam in text_string_to_metric_families(generate_latest(m.registry).decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _line(step=0, tokens=640, samples=8, secs=0.5, loss=5.0):
+    return {"step": step, "tokens": tokens, "samples": samples, "iteration_seconds": secs, "loss": loss}
+
+
+def test_metrics_follow_the_plan_and_the_iterations():
+    m = JobMetrics("j", gpus_per_node=8)
+    m.on_plan(BASELINE, 0)
+    s = _samples(m)
+    stages = {k: v for k, v in s.items() if k[0] == "malleus_plan_stage_layers"}
+    assert sorted(stages.values()) == [16, 16, 16, 16]
+    # every re-plan counter exists at zero before the first round, so increase() sees the first one
+    assert s[("malleus_replans_total", (("job", "j"), ("outcome", "applied"), ("reason", "request")))] == 0
+
+    m.on_plan(PLAN_1, 1)                  # stale stages of the old plan must disappear
+    s = _samples(m)
+    stages = {dict(k[1])["devices"]: v for k, v in s.items() if k[0] == "malleus_plan_stage_layers"}
+    assert stages == {"7": 4, "15": 4, "4,6": 8, "0,1,2,3": 16, "8,9,10,11": 16, "12,14": 16}
+    assert s[("malleus_plan_suspended_devices", (("job", "j"),))] == 2
+    assert s[("malleus_plan_version", (("job", "j"),))] == 1
+
+    rates = {d: 1.0 for d in range(16)} | {5: 4.0, 13: 2.0}
+    for step in range(3):
+        m.on_iteration(_line(step), {0: {"memory_bytes": 100, "peak_memory_bytes": 150}}, rates, 16, [],
+                       healthy_tokens_per_second=1000.0, lengths=[10, 20, 300], length_quantiles={0.5: 20, 1.0: 300})
+    m.on_round(["request", "rates", "rates"], "applied", 0.25)
+    m.on_migration(1.5, 2e6)
+    s = _samples(m)
+    j = (("job", "j"),)
+    assert s[("malleus_iterations_total", j)] == 3 and s[("malleus_tokens_total", j)] == 1920
+    assert s[("malleus_samples_total", j)] == 24
+    assert s[("malleus_tokens_per_second", j)] == pytest.approx(1280)
+    assert s[("malleus_capacity_tokens_per_second", j)] == pytest.approx(1000 * (14 + 0.25 + 0.5) / 16)
+    assert s[("malleus_straggling_rate", (("device", "13"), ("job", "j"), ("node", "1")))] == 2.0
+    assert s[("malleus_device_peak_memory_bytes", (("device", "0"), ("job", "j"), ("node", "0")))] == 150
+    assert s[("malleus_sequence_length_tokens_count", j)] == 9
+    assert s[("malleus_sequence_length_quantile_tokens", (("job", "j"), ("quantile", "1")))] == 300
+    assert s[("malleus_replans_total", (("job", "j"), ("outcome", "applied"), ("reason", "rates")))] == 1
+    assert s[("malleus_planner_solve_seconds_count", j)] == 1
+    assert s[("malleus_migration_bytes_total", j)] == 2e6
+    assert s[("malleus_migration_seconds_sum", j)] == 1.5
+    assert not any(name.endswith("_created") for name, _ in s)
+
+
+def test_metrics_endpoint_binds_loopback_and_is_discoverable(tmp_path):
+    m = JobMetrics("my job/1", gpus_per_node=4)
+    m.on_plan(BASELINE, 0)
+    endpoint = m.serve(sd_dir=str(tmp_path))
+    try:
+        host, port = endpoint.rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) > 0
+        body = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10).read().decode()
+        assert 'malleus_plan_version{job="my job/1"} 0.0' in body
+        sd = json.loads((tmp_path / "my_job_1.json").read_text())
+        assert sd == [{"targets": [endpoint], "labels": {}}]
+    finally:
+        m.close()
+    assert not list(tmp_path.iterdir())          # the target disappears with the job
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5)
+
+
+@pytest.mark.parametrize("metrics, field", [
+    ({"port": 70000}, "metrics.port"), ({"port": -1}, "metrics.port"), ({"host": ""}, "metrics.host"),
+    ({"enabled": "yes"}, "metrics.enabled"), ({"prt": 1}, "metrics.prt"), ({"sd_dir": 3}, "metrics.sd_dir"),
+])
+def test_metrics_config_errors_name_the_field(metrics, field):
+    job = yaml.safe_load((REPO / "examples/tiny_job.yaml").read_text())
+    job["metrics"] = metrics
+    with pytest.raises(ConfigError) as e:
+        JobConfig.from_dict(job)
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize("item, accepted", [
+    ("3", "DEVICE=RATE"), ("x=2", "non-negative integer"), ("-1=2", "non-negative integer"),
+    ("1=abc", "number >= 1.0"), ("1=nan", "finite number"), ("1=inf", "finite number"), ("1=0.5", ">= 1.0"),
+])
+def test_rate_assignments_are_validated(item, accepted):
+    with pytest.raises(ConfigError) as e:
+        parse_rate_assignments([item])
+    assert accepted in str(e.value) and item in str(e.value)
+    assert parse_rate_assignments(["2=3", " 4=1.5"]) == {2: 3.0, 4: 1.5}
+
+
+def test_cli_refuses_bad_input_before_reaching_a_cluster(tmp_path, capsys):
+    bad = tmp_path / "job.yaml"
+    bad.write_text((REPO / "examples/tiny_job.yaml").read_text().replace("global: 8", "global: 0"))
+    assert cli(["submit", str(bad), "--working-dir", str(tmp_path), "--address", "http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err
+    assert "batch.global" in err and "Traceback" not in err
+    outside = tmp_path / "elsewhere.yaml"
+    shutil.copy(REPO / "examples/tiny_job.yaml", outside)
+    assert cli(["submit", str(outside), "--working-dir", str(REPO / "examples"), "--address", "http://127.0.0.1:9"]) == 2
+    assert "inside the working dir" in capsys.readouterr().err
+    assert cli(["submit", "examples/tiny_job.yaml", "--address", "http://127.0.0.1:9"]) == 2   # nothing listens
+    assert "cannot reach the Ray Jobs API" in capsys.readouterr().err
+
+
+def test_dashboard_is_built_from_its_source_and_well_formed():
+    subprocess.run([sys.executable, "dashboards/build_dashboard.py", "--check"], cwd=REPO, check=True)
+    dash = json.loads((REPO / "dashboards/malleus.json").read_text())
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    titles = {p["title"] for p in dash["panels"]}
+    for wanted in ("Straggling rate per device", "Throughput against the capacity bound", "Iteration time",
+                   "Stages of the plan in force", "Migration time", "Migration bytes", "Sequence-length distribution"):
+        assert wanted in titles
+    for p in dash["panels"]:
+        assert p["gridPos"]["x"] + p["gridPos"]["w"] <= 24
+        for t in p.get("targets", []):
+            assert t["refId"] and "$job" in t["expr"] and t["datasource"]["uid"] == "${datasource}"
+    assert {a["name"] for a in dash["annotations"]["list"]} >= {"Plan change", "Re-plan round"}
+    assert [v["name"] for v in dash["templating"]["list"]] == ["datasource", "job"]
+
+
+def test_deploy_files_pass_their_own_tools():
+    promtool = shutil.which("promtool")
+    if promtool:
+        p = subprocess.run([promtool, "check", "config", "deploy/prometheus/prometheus.yml"], cwd=REPO,
+                           capture_output=True, text=True)
+        assert p.returncode == 0, p.stdout + p.stderr
+    cfg = yaml.safe_load((REPO / "deploy/prometheus/prometheus.yml").read_text())
+    malleus = next(s for s in cfg["scrape_configs"] if s["job_name"] == "malleus")
+    assert malleus["honor_labels"] is True
+    assert malleus["file_sd_configs"][0]["files"] == ["/tmp/ray/malleus/metrics_sd/*.json"]
+
+    from ray.autoscaler._private.util import prepare_config, validate_config
+    validate_config(prepare_config(yaml.safe_load((REPO / "deploy/ray-cluster.yaml").read_text())))
+
+    from malleus_svc.config.job import load_job_config
+    for name in ("raycluster.yaml", "rayjob.yaml"):
+        doc = yaml.safe_load((REPO / "deploy/kuberay" / name).read_text())
+        spec = doc["spec"].get("rayClusterSpec", doc["spec"])
+        gpus = [c["resources"]["limits"].get("nvidia.com/gpu") for g in spec["workerGroupSpecs"]
+                for c in g["template"]["spec"]["containers"]]
+        assert gpus and all(g == "8" for g in gpus), (name, gpus)
+        envs = [e["name"] for c in spec["headGroupSpec"]["template"]["spec"]["containers"] for e in c["env"]]
+        assert "RAY_AUTH_MODE" in envs and "RAY_AUTH_TOKEN" in envs     # token auth stays on
+        if doc["kind"] == "RayJob":
+            entry = doc["spec"]["entrypoint"].split()
+            assert entry[:3] == ["python", "-m", "malleus_svc.train"]
+            job = load_job_config(REPO / entry[3])
+            assert job.num_devices == 8 * spec["workerGroupSpecs"][0]["replicas"]
+    prov = yaml.safe_load((REPO / "deploy/grafana/provisioning/dashboards/malleus.yaml").read_text())
+    assert prov["providers"][0]["type"] == "file"
+    ds = yaml.safe_load((REPO / "deploy/grafana/provisioning/datasources/malleus.yaml").read_text())
+    assert ds["datasources"][0]["type"] == "prometheus"
+
+
+def test_what_if_example_plans_the_110b_model():
+    p = subprocess.run([sys.executable, "examples/what_if_110b.py", "--rate", "3=2.5", "--rate", "17=5"], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    last = p.stdout.strip().splitlines()[-1]
+    speedup = float(last.rsplit("->", 1)[1].split("x")[0])
+    assert speedup > 1.5, last
