@@ -82,13 +82,15 @@ class Head:
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), PATH=f"{BIN}:{env.get('PATH', '')}",
                    RAY_USAGE_STATS_ENABLED="0")
         self.env = env
-        self.gcs_port, self.dash_port = _free_port(), _free_port()
+        self.gcs_port, self.dash_port, agent_port = _free_port(), _free_port(), _free_port()
         self.gcs = f"127.0.0.1:{self.gcs_port}"
         self.dashboard = f"http://127.0.0.1:{self.dash_port}"
         self.temp = self.dir / "ray"
         self.proc = subprocess.Popen(
             [str(BIN / "ray"), "start", "--head", "--block", f"--temp-dir={self.temp}", f"--port={self.gcs_port}",
              f"--dashboard-port={self.dash_port}", "--dashboard-host=127.0.0.1", "--num-cpus=8",
+             # the agent's default port (52365) is taken by any other local cluster (the session one)
+             f"--dashboard-agent-listen-port={agent_port}",
              "--node-ip-address=127.0.0.1", "--disable-usage-stats"],
             env=env, stdout=open(self.dir / "head.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
         # Ready when a trivial job runs: the Jobs API answers before its agent has registered.
