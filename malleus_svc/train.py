@@ -120,7 +120,7 @@ def _run(job, plan: Plan, args) -> int:
 
 def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool = False,
                             metrics_out: str | None = None, say=print, poll_s: float = 0.25,
-                            **coordinator_kwargs) -> int:
+                            restart_wait_s: float = 300.0, **coordinator_kwargs) -> int:
     """Launch the job's coordinator, train `steps`, stream metrics lines and progress; 0 on success."""
     import json
     import time
@@ -155,9 +155,26 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
             + (f"; metrics at http://{st['metrics_endpoint']}/metrics" if st.get("metrics_endpoint") else ""))
         every = max(1, steps // 50)
         seen, events_seen, t_start, tokens = 0, 0.0, time.perf_counter(), 0
+        lost_since: float | None = None
         while True:
-            st = ray.get(handle.status.remote())
-            lines = ray.get(handle.metrics.remote(seen))
+            try:
+                st = ray.get(handle.status.remote())
+                lines = ray.get(handle.metrics.remote(seen))
+                lost_since = None
+            except ray.exceptions.RayActorError as e:
+                # The coordinator died. With checkpoints Ray restarts it and it resumes by itself from
+                # the newest one; the steps redone after it are not written twice (metrics by step).
+                if not job.checkpoint.enabled or (lost_since and time.monotonic() - lost_since > restart_wait_s):
+                    print(f"error: the job's coordinator died: {e}", file=sys.stderr)
+                    return 1
+                if lost_since is None:
+                    lost_since = time.monotonic()
+                    say(f"[{job.name}] coordinator lost; waiting for it to restart from the last checkpoint")
+                time.sleep(1.0)
+                continue
+            if st.get("restarted") and st["state"] in ("created", "starting", "ready"):
+                time.sleep(poll_s)      # restarted, still restoring
+                continue
             for line in lines:
                 i = line["step"]
                 tokens += line["tokens"]
@@ -170,9 +187,10 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
                         f"iter {line['iteration_seconds']:.3f}s plan {line['plan_id']}")
             if out is not None:
                 out.flush()
-            seen += len(lines)
+            if lines:
+                seen = lines[-1]["step"] + 1
             for ev in st["events"]:
-                if ev["time"] > events_seen and ev["kind"] in ("planned", "applied", "kept", "failed", "error"):
+                if ev["time"] > events_seen and ev["kind"] in ("planned", "applied", "kept", "failed", "error", "resumed"):
                     say(f"[{job.name}] {ev['kind']} at step {ev['step']}: {ev['text'].splitlines()[0]}")
             if st["events"]:
                 events_seen = max(events_seen, max(ev["time"] for ev in st["events"]))

@@ -1,5 +1,6 @@
 """`malleus bench calibrate` without Ray: the fits recover known coefficients from synthetic
-timings, and the hand-built profiling/validation plans are valid for the `small` model."""
+timings (made by the simulator itself where the fit goes through it), the hand-off ping-pong's
+one-way times and line fit, and the hand-built profiling/validation plans are valid for `small`."""
 from __future__ import annotations
 
 import random
@@ -7,8 +8,10 @@ import random
 import pytest
 
 from malleus_svc.bench import BENCHES
-from malleus_svc.bench.calibrate import (LAYERS, ComputeFit, build_problem, calibrate_from, fit_compute, fit_scalar,
-                                         profile_plans, sim_seconds, slope, validation_plans)
+from malleus_svc.bench.calibrate import (LAYERS, ComputeFit, Handoff, Samples, Terms, boundary_bytes, build_problem,
+                                         calibrate_from, fit_compute, fit_corun, fit_handoff, fit_line, fit_monotone,
+                                         model_floats, one_way, pp2, profile_plans, sim_seconds, table,
+                                         validation_plans)
 from malleus_svc.config.presets import PRESETS
 from malleus_svc.plan import Plan
 from malleus_svc.runtime.data import split_for_plan
@@ -45,16 +48,64 @@ def test_fit_compute_without_constant_folds_nothing_away():
 
 
 def test_calibrate_from_recovers_all_coefficients():
-    """'Measurements' made by the simulator (+ D) with known coefficients are fitted back exactly."""
+    """'Measurements' made by the simulator (+ D) with known coefficients are fitted back: compute
+    exactly, κ by the 1-D search with the measured hand-off and grad sync in place."""
     true = ComputeFit(**TRUE, residual_rms=0.0)
-    p2p, sync = 0.2 * TRUE["t2"], 0.1 * TRUE["t2"]
-    prof = {name: (kind, plan, sim_seconds(plan, true, 1, 128, p2p_s=p2p, sync_s=sync) + true.dispatch)
+    handoff = (0.0004, 0.0003)
+    terms = Terms(handoff=handoff, corun=0.17, sync=0.1 * TRUE["t2"])
+    prof = {name: (kind, plan, sim_seconds(plan, true, 1, 128, terms) + true.dispatch)
             for name, (kind, plan) in profile_plans().items()}
-    fit, got_p2p, got_sync = calibrate_from(prof, 1, 128, constant=True)
+    fit, got = calibrate_from(prof, 1, 128, constant=True, handoff=handoff, sync=terms.sync)
     for k, v in TRUE.items():
         assert getattr(fit, k) == pytest.approx(v, rel=1e-6)
-    assert got_p2p == pytest.approx(p2p, rel=1e-4)
-    assert got_sync == pytest.approx(sync, rel=1e-4)
+    assert got.handoff == handoff and got.sync == terms.sync
+    assert got.corun == pytest.approx(0.17, abs=1e-4)
+    assert {k for k, _ in profile_plans().values()} == {"single", "corun"}
+
+
+def test_corun_is_what_separates_balanced_from_uneven_pipelines():
+    """With κ > 0 a balanced PP2 (both stages busy all through the steady state) pays more than an
+    uneven one per unit of work; the fit from the two uneven profiling runs predicts the balanced one."""
+    fit = ComputeFit(**{**TRUE, "dispatch": 0.0}, residual_rms=0.0)
+    terms = Terms(corun=0.2)
+    runs = [(pp2(s, m), sim_seconds(pp2(s, m), fit, 1, 128, terms)) for s, m in ((3, 4), (5, 6))]
+    k = fit_corun(runs, fit, 1, 128, Terms())
+    assert k == pytest.approx(0.2, abs=1e-4)
+    stretch = {s: sim_seconds(pp2(s, 8), fit, 1, 128, terms) / sim_seconds(pp2(s, 8), fit, 1, 128) for s in (2, 4)}
+    assert stretch[4] > stretch[2] > 1.0
+
+
+def test_fit_monotone_finds_interior_and_end_minima():
+    assert fit_monotone(lambda x: (x - 1.3) ** 2) == pytest.approx(1.3, abs=1e-4)
+    assert fit_monotone(lambda x: (x + 1.0) ** 2) == 0.0          # κ is never negative
+    assert fit_monotone(lambda x: (x - 9.0) ** 2, hi=4.0) == 4.0
+
+
+def test_handoff_one_way_times_and_line_fit():
+    """Both peers' (post, done) marks on one clock: 0 → 1 is done₁ − post₀, 1 → 0 is done₀ − post₁."""
+    fixed, bw = (50e-6, 80e-6), (4e9, 2e9)
+    marks = {0: {}, 1: {}}
+    for n in (32768, 131072, 524288):
+        t, m0, m1 = 10.0, [], []
+        for k in range(8):
+            there = t + fixed[0] + n / bw[0] + (1e-3 if k == 7 else 0.0)   # one slow wake-up
+            back = there + fixed[1] + n / bw[1]
+            m0.append((t, back))
+            m1.append((there, there))
+            t = back + 1e-3
+        marks[0][n], marks[1][n] = m0, m1
+    one = one_way(marks)
+    assert one[131072][0][0] == pytest.approx(fixed[0] + 131072 / bw[0])
+    assert one[131072][1][0] == pytest.approx(fixed[1] + 131072 / bw[1])
+    h = fit_handoff(one)
+    assert h.fixed == pytest.approx(fixed, rel=1e-6) and h.bandwidth == pytest.approx(bw, rel=1e-6)
+    nb = boundary_bytes(1, 128, 256)
+    assert nb == 131072
+    assert h.seconds(nb) == pytest.approx((fixed[0] + nb / bw[0], fixed[1] + nb / bw[1]))
+    assert fit_line([1, 2], [3.0, 2.0])[1] == float("inf")           # no bandwidth term when time falls with size
+    assert Handoff((1e-4, -1.0), (float("inf"), 1e9)).seconds(1000) == (1e-4, 0.0)
+    with pytest.raises(ValueError):
+        fit_line([1, 1], [1.0, 2.0])
 
 
 def test_fit_compute_is_least_squares_under_noise():
@@ -71,32 +122,22 @@ def test_fit_compute_rejects_underdetermined_runs():
         fit_compute([(3, LAYERS, 2, 1.0)] * 4)
 
 
-def test_fit_scalar_least_squares_through_origin():
-    assert fit_scalar([2.0, 4.0, 6.0], [1.0, 2.0, 3.0]) == pytest.approx(2.0)
-    assert fit_scalar([1.0, 3.0], [1.0, 1.0]) == pytest.approx(2.0)
-    assert fit_scalar([-1.0], [1.0]) == 0.0          # a cost is never negative
-    with pytest.raises(ValueError):
-        fit_scalar([1.0], [0.0])
-
-
-def test_p2p_fit_recovers_simulated_coefficient():
-    """Residual of a 'measured' PP2 run simulated with a known p2p, over the simulator's slope."""
-    fit = ComputeFit(**TRUE, residual_rms=0.0)
-    plan = profile_plans()["PP2 3/5 m=4"][1]
-    p2p = 0.3 * TRUE["t2"]
-    measured = sim_seconds(plan, fit, 1, 128, p2p_s=p2p) + fit.dispatch
-    got = fit_scalar([measured - fit.dispatch - sim_seconds(plan, fit, 1, 128)], [slope(plan, fit, 1, 128, "p2p")])
-    assert got == pytest.approx(p2p, rel=1e-6)
+def test_model_floats_count_the_whole_gradient():
+    shape = PRESETS["small"]
+    block = 4 * 256 * 256 + 3 * 704 * 256 + 2 * 256          # wq wk wv wo, gate up down, two norms
+    assert model_floats(shape) == 8 * block + 2 * 256 * 256 + 256   # + embedding, head, final norm
 
 
 def test_problem_carries_fitted_coefficients():
     fit = ComputeFit(**TRUE, residual_rms=0.0)
-    problem, opts = build_problem(fit, 1, 128, p2p_s=0.001, sync_s=0.002)
+    problem, opts = build_problem(fit, 1, 128, Terms(handoff=(0.0004, 0.0002), corun=0.3, sync=0.002))
     assert problem.t0_seconds == pytest.approx(TRUE["t2"])
     assert problem.tp_alpha == pytest.approx((1.0, TRUE["t1"] / TRUE["t2"]))
-    assert problem.comm.p2p_intra_node == pytest.approx(0.001 / TRUE["t2"])
+    assert problem.comm.p2p_intra_node == 0.0
     assert problem.comm.grad_sync_per_block == pytest.approx(0.002 / TRUE["t2"])
     assert opts.optimizer_per_block == pytest.approx(TRUE["opt_per_block"] / TRUE["t2"])
+    assert opts.handoff == pytest.approx((0.0004 / TRUE["t2"], 0.0002 / TRUE["t2"]))
+    assert opts.corun_slowdown == 0.3
     # A single-stage TP1 run is exactly m·L·t1 + optimizer (2 x per block at TP1) in the simulator.
     plan = validation_plans()["split: TP1 + 1 suspended (8 blocks, m=8)"]
     want = 8 * LAYERS * TRUE["t1"] + TRUE["opt_per_block"] * LAYERS * 2
@@ -118,6 +159,25 @@ def test_plans_are_valid_for_the_small_model():
     assert [p.micro_batches for p in kinds["uneven data DP2 (m=5/3)"].pipelines] == [5, 3]
     assert kinds["split: TP1 + 1 suspended (8 blocks, m=8)"].suspended == (1,)
     assert kinds["TP2 group (8 blocks, m=8)"].pipelines[0].stages[0].tp == 2
+
+
+def test_samples_and_table():
+    s = Samples(times=[0.5, 0.4, 0.45, 0.6], loads=[1.0, 2.0, 1.5, 1.2], cpu=[0.3, 0.2, 0.25, 0.3])
+    assert s.stat("min") == 0.4 and s.stat("q25") == pytest.approx(0.4375) and s.stat("median") == 0.475
+    assert s.summary()["cpu_at_min_s"] == 0.2 and s.summary()["load1_max"] == 2.0
+    c = {"t1_s": 0.015, "t2_s": 0.011, "tp_alpha": [1, 1.36], "t0_seconds": 0.011, "optimizer_per_block_s": 0.001,
+         "dispatch_s": 0.0, "handoff_s": [1e-4, 1e-4], "corun_slowdown": 0.12, "grad_sync_per_block_s": 0.004,
+         "fit_rms_s": 0.005}
+    coeffs = {"simulator_terms": c, "with_constant": dict(c, dispatch_s=-0.05), "profile": {"x": s.summary()},
+              "handoff": {"boundary_bytes": 131072, "fixed_s": [4e-5, 5e-5], "bandwidth_Bps": [4e9, float("inf")],
+                          "sizes": [32768, 131072], "median_s": [[1e-4, 2e-4], [1e-4, 3e-3]],
+                          "at_boundary_s": [7e-5, 5e-5]}}
+    row = {"plan": "p", "measured_s": 0.4, "q25_s": 0.44, "median_s": 0.47, "load1_min": 1.0, "load1_max": 2.0,
+           "predicted_s": 0.42, "error": 0.05, "error_without_handoff_corun": -0.1, "predicted_with_constant_s": 0.3,
+           "error_with_constant": -0.25}
+    md = table(coeffs, [row])
+    assert "κ = 0.120" in md and "| p | 0.400 |" in md and "+5.0% | -10.0% |" in md and "| yes |" in md
+    assert "fit B: optimizer and D within 3x the fit RMS" in md      # 8 ms < 3 · 5 ms; D negative
 
 
 def test_registered():

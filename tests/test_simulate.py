@@ -114,6 +114,126 @@ def test_p2p_overlapped_by_hand():
     assert t[("B", 0, 1)] == (9, 11) and sim.iteration_t0 == 11
 
 
+def test_handoff_on_every_crossing_of_a_balanced_pipeline_by_hand():
+    # c = 3 per stage (F 1, B 2), m = 3, hand-off 0.5 per direction (a delay on no stream).
+    # s0 F0[0,1] →1.5, F1[1,2] →2.5; s1 F0[1.5,2.5] B0[2.5,4.5] →5; s1 F1[4.5,5.5] B1[5.5,7.5] →8;
+    # s0 B0[5,7] F2[7,8] →8.5 B1[8,10]; s1 F2[8.5,9.5] B2[9.5,11.5] →12; s0 B2[12,14].
+    # End 14 = 12 without hand-off + 4 crossings on the critical path (F0, B0, F2, B2) x 0.5.
+    opts = replace(NO_OPT, handoff=(0.5, 0.5))
+    sim = simulate(chain([((0,), 3), ((1,), 3)], 3), problem(layers=6), options=opts)
+    t = times(sim)
+    assert [t[("F", 1, k)] for k in range(3)] == [(1.5, 2.5), (4.5, 5.5), (8.5, 9.5)]
+    assert [t[("B", 0, k)] for k in range(3)] == [(5, 7), (8, 10), (12, 14)]
+    assert t[("handoffF", 0, 2)] == (8, 8.5) and t[("handoffB", 1, 0)] == (4.5, 5)
+    assert sim.iteration_t0 == 14
+    # Forward and backward latencies are separate: (0.5, 0.25) → 12 + 2·0.5 + 2·0.25.
+    sim = simulate(chain([((0,), 3), ((1,), 3)], 3), problem(layers=6), options=replace(NO_OPT, handoff=(0.5, 0.25)))
+    assert sim.iteration_t0 == pytest.approx(13.5)
+
+
+def test_handoff_hides_behind_the_heavy_stage_by_hand():
+    # c = 3 on stage 0, 6 on stage 1 (F 2, B 4), m = 2, hand-off 0.5: s0 F0[0,1] →1.5 F1[1,2] →2.5;
+    # s1 F0[1.5,3.5] B0[3.5,7.5] →8 F1[7.5,9.5] (its input arrived at 2.5: hidden) B1[9.5,13.5] →14;
+    # s0 B0[8,10] B1[14,16]. End 16 = 15 + the first and the last crossing only.
+    sim = simulate(chain([((0,), 3), ((1,), 6)], 2), problem(layers=9), options=replace(NO_OPT, handoff=(0.5, 0.5)))
+    t = times(sim)
+    assert t[("F", 1, 0)] == (1.5, 3.5) and t[("F", 1, 1)] == (7.5, 9.5) and t[("B", 0, 1)] == (14, 16)
+    assert sim.iteration_t0 == 16
+
+
+def test_handoff_follows_a_blocking_send():
+    # Inter-node p2p 2 (1 per direction, on the sender's stream), hand-off 0.5 after it: the
+    # activation of F0 arrives at 1 + 1 + 0.5 (compare test_p2p_blocking_by_hand: s1 F0 at 2).
+    p = problem(num_devices=2, gpn=1, layers=6, comm=CommCosts(p2p_inter_node=2.0))
+    sim = simulate(chain([((0,), 3), ((1,), 3)], 2, num_devices=2, gpn=1), p,
+                   options=replace(NO_OPT, handoff=(0.5, 0.5)))
+    t = times(sim)
+    assert t[("sendF", 0, 0)] == (1, 2) and t[("handoffF", 0, 0)] == (2, 2.5) and t[("F", 1, 0)] == (2.5, 3.5)
+
+
+def test_corun_slowdown_by_hand():
+    # Two one-stage pipelines on one node (devices 0, 1), 3 blocks; device 1 at rate 2 (c 6: F 2,
+    # B 4), device 0 healthy (c 3: F 1, B 2), m = 2 and 1, κ = 0.5: while both compute each runs at
+    # 1/1.5. p0 F0 done at 1.5 (p1 F0 has 1 of 2 left) → p1 F0 at 3 (p0 B0 has 1 left) → p0 B0 at
+    # 4.5 (p1 B0: 3 of 4 left) → p0 F1 [4.5, 6] (p1 B0: 2 left) → p0 B1 (2) and p1 B0 (2 left) share
+    # the rest and both end at 6 + 2·1.5 = 9. Without κ: max(2·3, 1·6) = 6.
+    p = problem(num_devices=2, gpn=2, layers=3, rates=(1.0, 2.0), dp=2, pp=1)
+    plan = Plan(2, 3, 1, (Pipeline((Stage((0,), (0, 3)),), 2), Pipeline((Stage((1,), (0, 3)),), 1)), (), (), 2)
+    assert simulate(plan, p, options=NO_OPT).iteration_t0 == 6
+    sim = simulate(plan, p, options=replace(NO_OPT, corun_slowdown=0.5))
+    t = {(lab[0], lab[1], lab[3]): (s, e) for lab, s, e in sim.ops if lab[0] in "FB"}
+    assert t[("F", 0, 0)] == pytest.approx((0, 1.5)) and t[("F", 1, 0)] == pytest.approx((0, 3))
+    assert t[("B", 0, 0)] == pytest.approx((1.5, 4.5)) and t[("F", 0, 1)] == pytest.approx((4.5, 6))
+    assert t[("B", 1, 0)] == pytest.approx((3, 9)) and t[("B", 0, 1)] == pytest.approx((6, 9))
+    assert sim.iteration_t0 == pytest.approx(9)
+    assert sim.pipelines[0].stages[0].busy == 6          # busy counts work, not stretched time
+    # An op re-timed mid-way from shared to alone: m = 1 each. p0 F0 [0, 1.5]; p1 F0 ends at 3
+    # (p0 B0: 1 of 2 left) → p0 B0 ends at 4.5 (p1 B0: 3 of 4 left) → p1 B0 alone, ends at 7.5.
+    one = replace(plan, pipelines=(replace(plan.pipelines[0], micro_batches=1), plan.pipelines[1]))
+    sim = simulate(one, p, options=replace(NO_OPT, corun_slowdown=0.5))
+    t = {(lab[0], lab[1], lab[3]): (s, e) for lab, s, e in sim.ops if lab[0] in "FB"}
+    assert t[("B", 0, 0)] == pytest.approx((1.5, 4.5)) and t[("B", 1, 0)] == pytest.approx((3, 7.5))
+    # Devices on different nodes do not interfere; nor do the members of one TP group.
+    apart = replace(plan, gpus_per_node=1)
+    assert simulate(apart, replace(p, num_nodes=2, gpus_per_node=1),
+                    options=replace(NO_OPT, corun_slowdown=0.5)).iteration_t0 == 6
+    tp2 = chain([((0, 1), 3)], 2, num_devices=2, gpn=2)
+    p2 = problem(num_devices=2, gpn=2, layers=3, tp=2, alpha=(1.0, 2.0), pp=1)
+    assert simulate(tp2, p2, options=replace(NO_OPT, corun_slowdown=0.5)).iteration_t0 == 6
+
+
+def test_corun_slowdown_in_a_pipeline_by_hand():
+    # Two stages of one pipeline on one node, c = 3 (F 1, B 2), m = 2, κ = 0.5: s0 F0[0,1] alone;
+    # s0 F1 and s1 F0 share → both end at 2.5; s1 B0 [2.5, 4.5] alone; s0 B0 and s1 F1 share from
+    # 4.5: s1 F1 ends at 6 (s0 B0: 1 left); s1 B1 joins: s0 B0 ends at 7.5 (s1 B1: 1 left), then
+    # s1 B1 alone ends at 8.5; s0 B1 [8.5, 10.5]. Without κ: 9. On two nodes: 9 again.
+    opts = replace(NO_OPT, corun_slowdown=0.5)
+    sim = simulate(chain([((0,), 3), ((1,), 3)], 2, num_devices=2, gpn=2), problem(num_devices=2, gpn=2, layers=6),
+                   options=opts)
+    t = times(sim)
+    assert t[("F", 0, 1)] == pytest.approx((1, 2.5)) and t[("F", 1, 0)] == pytest.approx((1, 2.5))
+    assert t[("B", 1, 0)] == pytest.approx((2.5, 4.5)) and t[("F", 1, 1)] == pytest.approx((4.5, 6))
+    assert t[("B", 0, 0)] == pytest.approx((4.5, 7.5)) and t[("B", 1, 1)] == pytest.approx((6, 8.5))
+    assert t[("B", 0, 1)] == pytest.approx((8.5, 10.5)) and sim.iteration_t0 == pytest.approx(10.5)
+    apart = simulate(chain([((0,), 3), ((1,), 3)], 2, num_devices=2, gpn=1),
+                     problem(num_devices=2, gpn=1, layers=6), options=opts)
+    assert apart.iteration_t0 == 9
+
+
+def test_corun_slowdown_stretches_the_optimizer_step():
+    # Same node, two one-stage pipelines with equal work (3 blocks, m = 1): compute 3 · 1.5 = 4.5,
+    # both steps (0.1 · 3 blocks = 0.3 each) run together: 0.3 · 1.5 → 4.95.
+    p = problem(num_devices=2, gpn=2, layers=3, dp=2, pp=1)
+    plan = Plan(2, 3, 1, (Pipeline((Stage((0,), (0, 3)),), 1), Pipeline((Stage((1,), (0, 3)),), 1)), (), (), 2)
+    sim = simulate(plan, p, options=SimOptions(optimizer_per_block=0.1, corun_slowdown=0.5))
+    assert sim.iteration_t0 == pytest.approx(4.95)
+
+
+def test_new_options_are_checked():
+    with pytest.raises(ValueError):
+        SimOptions(handoff=(-1.0, 0.0))
+    with pytest.raises(ValueError):
+        SimOptions(corun_slowdown=-0.1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(S=st.integers(1, 4), m=st.integers(1, 8), blocks=st.integers(1, 3), lat_f=st.floats(0.0, 2.0),
+       lat_b=st.floats(0.0, 2.0))
+def test_uniform_stages_with_handoff(S, m, blocks, lat_f, lat_b):
+    """Uniform stages, hand-off λF down and λB up. The path of micro-batch 0 down, every pair on the
+    last stage, and the last backward up crosses each boundary once each way, so the iteration is
+    at least (m + S - 1)·z + (S - 1)·(λF + λB); no path crosses more than all 2·(S - 1)·m
+    boundaries. Two stages exactly: every pair of micro-batches pays one round trip,
+    (m + 1)·z + ⌈m/2⌉·(λF + λB) (the 1F1B of stage 0 runs one micro-batch ahead)."""
+    p = problem(num_devices=8, layers=S * blocks)
+    plan = chain([((j,), blocks) for j in range(S)], m)
+    base = (m + S - 1) * blocks
+    sim = simulate(plan, p, options=replace(NO_OPT, handoff=(lat_f, lat_b))).iteration_t0
+    assert base + (S - 1) * (lat_f + lat_b) - 1e-9 <= sim <= base + (S - 1) * m * (lat_f + lat_b) + 1e-9
+    if S == 2:
+        assert sim == pytest.approx(base + -(-m // 2) * (lat_f + lat_b))
+
+
 @settings(max_examples=25, deadline=None)
 @given(S=st.integers(1, 6), m=st.integers(1, 12), blocks=st.integers(1, 4))
 def test_uniform_stages_match_closed_form(S, m, blocks):

@@ -1,7 +1,7 @@
 """Benchmarks behind `malleus bench ...`: each prints a table and can write BENCHMARKS.md and plots."""
 import importlib
 
-BENCHES = ("planner", "runtime", "simulate", "malleable", "calibrate")
+BENCHES = ("planner", "runtime", "simulate", "malleable", "calibrate", "lengths")
 
 
 def run_bench(what: str, argv: list[str]) -> int:

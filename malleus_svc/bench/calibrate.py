@@ -1,41 +1,64 @@
 """`malleus bench calibrate`: fit the simulator's cost coefficients on the real runtime, then
 compare its predicted iteration time with the measured one for several hand-built plans.
 
-Set-up: 2 CPU workers (one logical node of 2 devices, so each worker has its own core and wall
-time measures the work, not the OS scheduler), the `small` preset (8 blocks), padded fixed-length
-synthetic data (every micro-batch is `micro × seq_len` tokens, so compute per micro-batch is
-constant). The scenario's baseline layout is TP2, so t0 is one block fwd+bwd for one micro-batch
-on the TP2 group and tp_alpha = (1, t(TP1) / t(TP2)).
+Set-up: 2 CPU workers (one logical node of 2 devices, one core each), the `small` preset
+(8 blocks), padded fixed-length synthetic data (every micro-batch is `micro × seq_len` tokens, so
+compute per micro-batch is constant). The scenario's baseline layout is TP2, so t0 is one block
+fwd+bwd for one micro-batch on the TP2 group and tp_alpha = (1, t(TP1) / t(TP2)).
 
-Profiling (short runs, disjoint from the validation plans) and fit:
-  1. single-stage runs at TP1 (device 1 suspended) and TP2 for several micro-batch counts m;
-     least squares on  T = m·L·t_g + opt·L·(tp/g) + D  gives t1, t2, the optimizer seconds per
-     full-TP block (the simulator's `optimizer_per_block`) and D, a per-iteration constant the
-     simulator does not model (Ray dispatch, argument/result transfer, zero_grad, the loss
-     all-reduce);
-  2. two PP2 runs (blocks 3/5, m = 4; 5/3, m = 6): p2p per boundary per micro-batch, by least
-     squares on the residual (measured − D − simulated without p2p) against the simulator's d(iteration)/d(p2p);
-  3. a DP2 run (two 1-stage TP1 pipelines, m = 2/2): grad_sync_per_block the same way.
+What a pipeline hand-off costs here (measured, see BENCHMARKS.md): the runtime posts an isend and
+goes on; the receiver blocks in irecv until the tensor is there. One hand-off of a 128 KiB
+activation costs a fraction of a millisecond end to end. What made PP2 (and DP2) slower than
+single-device runs predict is not the hand-off but the host: with both cores computing, every
+other thread on the machine (Ray's, the OS's, other jobs') is taken out of a worker's compute,
+while a single-device run leaves the second core to them. A replay of measured PP2 steps
+through the 1F1B graph with each op's measured wall time and zero hand-off reproduces the
+measured schedule to 0.5-2.5%; with each op's thread CPU time it is 11-20% short (quiet machine).
 
-Two fits from the same profiling runs: A constrains D = 0 (every second lands in a term the
-simulator has; its prediction is plain `simulate()`), B fits D and predicts `simulate() + D`.
+So the simulator has two physical terms besides compute and gradient reduction, each measured
+directly or fitted on runs that are not the evaluated plans:
+  * hand-off latency per micro-batch per boundary, forward (activation, device 0 → 1) and
+    backward (gradient, 1 → 0): fixed cost + bytes / bandwidth, measured by a ping-pong of
+    isend / blocking irecv over gloo between two processes (the runtime's transport pattern) at
+    three message sizes, evaluated at the runtime's boundary tensor (micro × seq_len × hidden
+    fp32); a delay on no stream (`SimOptions.handoff`);
+  * co-run interference κ (`SimOptions.corun_slowdown`): while the other device of the node
+    computes (another stage or pipeline), compute runs 1 + κ times longer; fitted by 1-D least
+    squares (relative residuals) through the simulator on the three profiling runs in which both
+    devices compute at once.
+
+Profiling and fit, in this order:
+  1. links, between two fresh processes before the workers start: the hand-off ping-pong, and
+     the gradient all-reduce of a DP2 plan (the whole model's fp32 gradient in one buffer, as
+     GradientSync sends it), whose lower quartile / 8 blocks is grad_sync_per_block;
+  2. single-stage runs at TP1 (device 1 suspended) and TP2 for m = 2, 4, 6: least squares on
+     T = m·L·t_g + opt·L·(tp/g) + D gives t1, t2, the optimizer seconds per full-TP block and D,
+     a per-iteration constant the simulator does not model (fit A: D = 0; fit B: D fitted);
+  3. κ from PP2 (blocks 3/5, m = 4), PP2 (5/3, m = 6) and DP2 (m = 2/2).
+
+Measuring: every plan (profiling and validation) is measured in each of `--rounds` interleaved
+rounds (apply the plan, one warm-up step, `--steps` timed steps; odd rounds in reverse order), so
+the fit and the validation see the same machine; the estimate of a plan's iteration time is the
+minimum over all its timed steps (on a shared machine other processes only ever add time), the
+lower quartile and median are shown beside it, with the 1-minute load average over its steps and
+the busiest device's compute thread CPU time at the minimum step (wall − CPU: what was stolen).
 
 Validation (plans not used in the fit): uniform PP2, uneven-layers PP2, DP2 uneven data,
 TP2 vs split (TP1 with the other device suspended), each at m = 8 (DP: 5 + 3). Reported:
-measured iteration seconds (minimum over the timed steps after a warm-up step; the median is shown
-beside it), `simulate(plan, problem).iteration_seconds`
-and the error (fit A), and fit B's `simulate() + D` and its error.
+`simulate(plan, problem).iteration_seconds` and its error (fit A), fit B's `simulate() + D`.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import socket
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -71,14 +94,14 @@ def dp2(m0: int, m1: int, mbs: int = 1) -> Plan:
 
 
 def profile_plans(mbs: int = 1) -> dict[str, tuple[str, Plan]]:
-    """name -> (kind, plan); kind: 'single' (compute fit), 'p2p', 'sync'."""
+    """name -> (kind, plan); kind: 'single' (compute fit) or 'corun' (κ: both devices compute at once)."""
     out: dict[str, tuple[str, Plan]] = {}
     for g in (1, 2):
         for m in (2, 4, 6):
             out[f"tp{g} 1-stage m={m}"] = ("single", single_stage(g, m, mbs))
-    out["PP2 3/5 m=4"] = ("p2p", pp2(3, 4, mbs))
-    out["PP2 5/3 m=6"] = ("p2p", pp2(5, 6, mbs))
-    out["DP2 m=2/2"] = ("sync", dp2(2, 2, mbs))
+    out["PP2 3/5 m=4"] = ("corun", pp2(3, 4, mbs))
+    out["PP2 5/3 m=6"] = ("corun", pp2(5, 6, mbs))
+    out["DP2 m=2/2"] = ("corun", dp2(2, 2, mbs))
     return out
 
 
@@ -102,6 +125,29 @@ class ComputeFit:
     residual_rms: float
 
 
+@dataclass(frozen=True)
+class Terms:
+    """The simulator's terms besides compute, in seconds (converted to t0 units in build_problem)."""
+    handoff: tuple[float, float] = (0.0, 0.0)   # s per micro-batch per boundary: (activation, gradient)
+    corun: float = 0.0                           # κ, dimensionless
+    sync: float = 0.0                            # s per block, grad all-reduce at full TP
+    p2p: float = 0.0                             # s per boundary per micro-batch on the sender (CommCosts): 0 here,
+                                                 # the runtime's sender does not block (see the hand-off)
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """Ping-pong fit per direction: one-way seconds = fixed + bytes / bandwidth."""
+    fixed: tuple[float, float]       # s (0 → 1, 1 → 0)
+    bandwidth: tuple[float, float]   # bytes / s
+    sizes: tuple[int, ...] = ()
+    q25: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())       # s per size, per direction (the fit's data)
+    median: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())    # s per size, per direction (shown)
+
+    def seconds(self, nbytes: int) -> tuple[float, float]:
+        return tuple(max(0.0, f + nbytes / b) if b > 0 else max(0.0, f) for f, b in zip(self.fixed, self.bandwidth))
+
+
 def fit_compute(rows: Sequence[tuple[int, int, int, float]], tp: int = 2, constant: bool = True) -> ComputeFit:
     """Least squares on single-stage runs. rows: (group size g in {1, tp}, blocks L, micro-batches m,
     measured iteration seconds). Model: T = m·L·t_g + opt·L·(tp/g) + D, with D = 0 when not
@@ -122,67 +168,134 @@ def fit_compute(rows: Sequence[tuple[int, int, int, float]], tp: int = 2, consta
     return ComputeFit(*coef, residual_rms=float(np.sqrt(np.mean(res ** 2))))
 
 
-def fit_scalar(residuals: Sequence[float], slopes: Sequence[float]) -> float:
-    """Least-squares c in residual ≈ c·slope (one coefficient through the origin), clipped at 0."""
-    r, s = np.asarray(residuals, float), np.asarray(slopes, float)
-    den = float(s @ s)
-    if den <= 0:
-        raise ValueError("all slopes are zero: the runs do not depend on this coefficient")
-    return max(0.0, float(r @ s) / den)
+def fit_line(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """(fixed s, bandwidth bytes/s) of seconds ≈ fixed + size / bandwidth; bandwidth inf if flat."""
+    x, y = np.asarray(sizes, float), np.asarray(seconds, float)
+    if len(set(x.tolist())) < 2:
+        raise ValueError("need at least two message sizes to separate fixed cost and bandwidth")
+    slope, fixed = np.polyfit(x, y, 1)
+    return float(fixed), (float(1.0 / slope) if slope > 0 else math.inf)
 
 
-def scenario_dict(fit: ComputeFit, mbs: int, seq_len: int, p2p_s: float = 0.0, sync_s: float = 0.0) -> dict:
+def fit_monotone(f: Callable[[float], float], lo: float = 0.0, hi: float = 4.0, tol: float = 1e-5) -> float:
+    """argmin of a unimodal f on [lo, hi] by golden section (the κ fit: sum of squared errors)."""
+    g = (math.sqrt(5) - 1) / 2
+    a, b = lo, hi
+    c, d = b - g * (b - a), a + g * (b - a)
+    fc, fd = f(c), f(d)
+    while b - a > tol:
+        if fc <= fd:
+            b, d, fd = d, c, fc
+            c = b - g * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + g * (b - a)
+            fd = f(d)
+    return min((lo, (a + b) / 2, hi), key=f)   # an end point when the minimum lies there
+
+
+def scenario_dict(fit: ComputeFit, mbs: int, seq_len: int) -> dict:
     return {"name": "calibrated-cpu", "cluster": {"nodes": 1, "gpus_per_node": DEVICES, "gpu_memory_mb": 16000},
             "model": "small", "parallel": {"dp": 1, "tp": 2, "pp": 1},
             "batch": {"global": 8 * mbs, "micro": mbs},
-            "profile": {"tp_alpha": [1.0, fit.t1 / fit.t2], "t0_seconds": fit.t2},
-            "_comm_t0": {"p2p": p2p_s / fit.t2, "sync": sync_s / fit.t2}}
+            "profile": {"tp_alpha": [1.0, fit.t1 / fit.t2], "t0_seconds": fit.t2}}
 
 
-def build_problem(fit: ComputeFit, mbs: int, seq_len: int, p2p_s: float = 0.0, sync_s: float = 0.0):
-    """(PlannerProblem, SimOptions) carrying the fitted coefficients (comm in t0 units)."""
+def build_problem(fit: ComputeFit, mbs: int, seq_len: int, terms: Terms = Terms()):
+    """(PlannerProblem, SimOptions) carrying the fitted coefficients (in t0 units)."""
     import dataclasses
 
     from ..config.scenario import Scenario
     from ..planner.problem import CommCosts
     from ..simulate.timeline import SimOptions
 
-    d = scenario_dict(fit, mbs, seq_len, p2p_s, sync_s)
-    comm_t0 = d.pop("_comm_t0")
-    sc = Scenario.from_dict(d)
-    sc = dataclasses.replace(sc, comm=CommCosts(p2p_intra_node=comm_t0["p2p"], p2p_inter_node=comm_t0["p2p"],
-                                                grad_sync_per_block=comm_t0["sync"]))
-    return sc.problem(), SimOptions(optimizer_per_block=max(0.0, fit.opt_per_block) / fit.t2)
+    sc = Scenario.from_dict(scenario_dict(fit, mbs, seq_len))
+    t0 = fit.t2
+    sc = dataclasses.replace(sc, comm=CommCosts(p2p_intra_node=terms.p2p / t0, p2p_inter_node=terms.p2p / t0,
+                                                grad_sync_per_block=terms.sync / t0))
+    return sc.problem(), SimOptions(optimizer_per_block=max(0.0, fit.opt_per_block) / t0,
+                                    handoff=(terms.handoff[0] / t0, terms.handoff[1] / t0),
+                                    corun_slowdown=terms.corun)
 
 
-def sim_seconds(plan: Plan, fit: ComputeFit, mbs: int, seq_len: int, p2p_s: float = 0.0, sync_s: float = 0.0) -> float:
+def sim_seconds(plan: Plan, fit: ComputeFit, mbs: int, seq_len: int, terms: Terms = Terms()) -> float:
     from ..simulate.timeline import simulate
 
-    problem, opts = build_problem(fit, mbs, seq_len, p2p_s, sync_s)
+    problem, opts = build_problem(fit, mbs, seq_len, terms)
     return simulate(plan, problem, options=opts).iteration_seconds
 
 
-def slope(plan: Plan, fit: ComputeFit, mbs: int, seq_len: int, which: str, p2p_s: float = 0.0) -> float:
-    """d(simulated seconds)/d(coefficient seconds), by a small finite difference."""
-    h = 0.01 * fit.t2
-    kw0 = {"p2p_s": p2p_s, "sync_s": 0.0}
-    kw1 = dict(kw0)
-    kw1["p2p_s" if which == "p2p" else "sync_s"] += h
-    return (sim_seconds(plan, fit, mbs, seq_len, **kw1) - sim_seconds(plan, fit, mbs, seq_len, **kw0)) / h
+def fit_corun(runs: Sequence[tuple[Plan, float]], fit: ComputeFit, mbs: int, seq_len: int, terms: Terms) -> float:
+    """κ minimising Σ ((simulate(κ) + D − T) / T)² over the runs (relative: runs of different lengths
+    count alike). The simulated time grows monotonically with κ, so the objective is unimodal."""
+    import dataclasses
+
+    def sse(k: float) -> float:
+        t = dataclasses.replace(terms, corun=k)
+        return sum(((sim_seconds(p, fit, mbs, seq_len, t) + fit.dispatch - T) / T) ** 2 for p, T in runs)
+
+    return fit_monotone(sse)
+
+
+def calibrate_from(prof: dict, mbs: int, seq_len: int, constant: bool, handoff: tuple[float, float] = (0.0, 0.0),
+                   sync: float = 0.0) -> tuple[ComputeFit, Terms]:
+    """(compute fit, terms) from profiling results {name: (kind, plan, seconds)} and the measured
+    hand-off seconds (activation, gradient) at the runtime's boundary tensor and gradient
+    all-reduce seconds per block: compute from the 'single' runs, then κ from the 'corun' runs."""
+    import dataclasses
+
+    rows = [(plan.pipelines[0].stages[0].tp, LAYERS, plan.pipelines[0].micro_batches, T)
+            for kind, plan, T in prof.values() if kind == "single"]
+    fit = fit_compute(rows, constant=constant)
+    terms = Terms(handoff=tuple(handoff), sync=sync)
+    corun = [(plan, T) for kind, plan, T in prof.values() if kind == "corun"]
+    if corun:
+        terms = dataclasses.replace(terms, corun=fit_corun(corun, fit, mbs, seq_len, terms))
+    return fit, terms
 
 
 # ----------------------------------------------------------------------------- measuring
-def measure(group, plan: Plan, shape, sampler, steps: int, optim) -> tuple[float, float]:
-    """(min, median) iteration seconds of `steps` steps after one warm-up step. The minimum is the
-    estimate used: on a shared machine other processes only ever add time to a step."""
-    group.apply_plan(plan, shape, seed=0, optim=optim)
-    times = []
-    for k in range(steps + 1):
-        ids = [sampler.next_index() for _ in range(plan.global_batch)]
-        rec = group.step(ids)
-        if k:
-            times.append(rec.iteration_seconds)
-    return min(times), statistics.median(times)
+@dataclass
+class Samples:
+    """Timed steps of one plan over all rounds."""
+    times: list[float] = field(default_factory=list)    # driver's iteration seconds
+    loads: list[float] = field(default_factory=list)    # 1-minute load average after each step
+    cpu: list[float] = field(default_factory=list)      # busiest device's compute thread CPU seconds
+
+    def stat(self, which: str = "min") -> float:
+        t = sorted(self.times)
+        if which == "min":
+            return t[0]
+        if which == "q25":
+            return float(np.quantile(t, 0.25))
+        return statistics.median(t)
+
+    def summary(self) -> dict:
+        i = int(np.argmin(self.times))
+        return {"min_s": self.stat("min"), "q25_s": self.stat("q25"), "median_s": self.stat("median"),
+                "steps": len(self.times), "load1_min": min(self.loads), "load1_max": max(self.loads),
+                "cpu_at_min_s": self.cpu[i], "times_s": list(self.times)}
+
+
+def measure_rounds(group, plans: dict[str, Plan], shape, sampler, rounds: int, steps: int, optim,
+                   log=None) -> dict[str, Samples]:
+    """Every plan, `rounds` times in turn: apply it, one warm-up step, `steps` timed steps. Interleaving
+    puts the profiling and validation runs under the same machine load."""
+    out = {name: Samples() for name in plans}
+    for r in range(rounds):   # odd rounds backwards: a drift in machine load does not favour one end
+        for name, plan in (list(plans.items()) if r % 2 == 0 else list(plans.items())[::-1]):
+            if log:
+                log(f"round {r + 1}/{rounds}: {name}")
+            group.apply_plan(plan, shape, seed=0, optim=optim)
+            for k in range(steps + 1):
+                ids = [sampler.next_index() for _ in range(plan.global_batch)]
+                rec = group.step(ids)
+                if k:
+                    out[name].times.append(rec.iteration_seconds)
+                    out[name].loads.append(os.getloadavg()[0])
+                    out[name].cpu.append(max(float(s.get("compute_seconds") or 0.0) for s in rec.devices.values()))
+    return out
 
 
 class _Sampler:
@@ -194,77 +307,239 @@ class _Sampler:
         return self.i
 
 
-def calibrate_from(prof: dict, mbs: int, seq_len: int, constant: bool) -> tuple[ComputeFit, float, float]:
-    """(compute fit, p2p s, grad sync s per block) from profiling results {name: (kind, plan, seconds)}."""
-    rows = [(plan.pipelines[0].stages[0].tp, LAYERS, plan.pipelines[0].micro_batches, T)
-            for kind, plan, T in prof.values() if kind == "single"]
-    fit = fit_compute(rows, constant=constant)
-    p_runs = [v for v in prof.values() if v[0] == "p2p"]
-    p2p = fit_scalar([T - fit.dispatch - sim_seconds(plan, fit, mbs, seq_len) for _, plan, T in p_runs],
-                     [slope(plan, fit, mbs, seq_len, "p2p") for _, plan, _ in p_runs])
-    s_runs = [v for v in prof.values() if v[0] == "sync"]
-    sync = fit_scalar([T - fit.dispatch - sim_seconds(plan, fit, mbs, seq_len, p2p_s=p2p) for _, plan, T in s_runs],
-                      [slope(plan, fit, mbs, seq_len, "sync", p2p_s=p2p) for _, plan, _ in s_runs])
-    return fit, p2p, sync
+class LinkPeer:
+    """One side of the link measurements between the two cores: its own gloo world of two
+    processes. `pingpong`: the runtime's transport pattern (isend posted, blocking irecv, sends
+    waited for at the end); timestamps are CLOCK_MONOTONIC (time.perf_counter), common to the
+    processes of one machine, so one-way times are exact. `allreduce`: the gradient reduction of
+    a DP2 plan (one flat fp32 buffer of the whole model, as GradientSync sends it)."""
+
+    def __init__(self, rank: int):
+        import torch
+
+        torch.set_num_threads(1)
+        self.rank = rank
+
+    def endpoint(self) -> tuple[str, int]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return "127.0.0.1", s.getsockname()[1]
+
+    def init(self, addr: str, port: int) -> bool:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=2)
+        return True
+
+    def pingpong(self, sizes: Sequence[int], repeats: int, warmup: int = 5) -> dict[int, list[tuple[float, float]]]:
+        """{bytes: [(post of my send, completion of my receive), ...]} per round trip."""
+        import torch
+        import torch.distributed as dist
+
+        out = {}
+        peer = 1 - self.rank
+        for n in sizes:
+            send = torch.randn(n // 4)
+            recv = torch.empty(n // 4)
+            marks, pending = [], []
+            for k in range(warmup + repeats):   # sends are waited for at the end, as StageTransport.finish()
+                if self.rank == 0:
+                    t_post = time.perf_counter()
+                    pending.append(dist.isend(send, dst=peer, tag=2 * k))
+                    dist.irecv(recv, src=peer, tag=2 * k + 1).wait()
+                    t_done = time.perf_counter()
+                else:
+                    dist.irecv(recv, src=peer, tag=2 * k).wait()
+                    t_done = t_post = time.perf_counter()
+                    pending.append(dist.isend(send, dst=peer, tag=2 * k + 1))
+                if k >= warmup:
+                    marks.append((t_post, t_done))
+            for w in pending:
+                w.wait()
+            out[n] = marks
+        return out
+
+    def allreduce(self, floats: int, repeats: int, warmup: int = 2) -> list[float]:
+        """Seconds of each all-reduce of `floats` fp32 elements, started after a barrier."""
+        import torch
+        import torch.distributed as dist
+
+        buf = torch.randn(floats)
+        out = []
+        for k in range(warmup + repeats):
+            dist.barrier()
+            t = time.perf_counter()
+            dist.all_reduce(buf)
+            if k >= warmup:
+                out.append(time.perf_counter() - t)
+        return out
+
+    def close(self) -> bool:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return True
 
 
-def _coeff_dict(fit: ComputeFit, p2p: float, sync: float) -> dict:
-    return {"t1_s": fit.t1, "t2_s": fit.t2, "tp_alpha": [1.0, fit.t1 / fit.t2], "t0_seconds": fit.t2,
-            "optimizer_per_block_s": fit.opt_per_block, "dispatch_s": fit.dispatch,
-            "p2p_s": p2p, "grad_sync_per_block_s": sync, "fit_rms_s": fit.residual_rms}
+def one_way(marks: dict[int, dict[int, list[tuple[float, float]]]]) -> dict[int, tuple[list[float], list[float]]]:
+    """{bytes: (0 → 1 seconds, 1 → 0 seconds)} from both peers' (post, done) marks: a message
+    from 0 is received by 1 at done₁, posted at post₀; the reply the other way."""
+    out = {}
+    for n in marks[0]:
+        a, b = marks[0][n], marks[1][n]
+        out[n] = ([db - pa for (pa, _), (_, db) in zip(a, b)], [da - pb for (_, da), (pb, _) in zip(a, b)])
+    return out
 
 
-def run(steps: int, mbs: int, seq_len: int) -> tuple[dict, list[dict]]:
+def fit_handoff(one: dict[int, tuple[list[float], list[float]]]) -> Handoff:
+    """Per direction, a line through the lower quartiles of the one-way times of each size: the
+    hand-off when the receiving thread gets a core at once, which is what the minimum iteration
+    times (the estimate used) see. The median is kept beside it: on a loaded machine a woken
+    receiver waits for the scheduler, milliseconds in the tail."""
+    sizes = tuple(sorted(one))
+    q25 = tuple(tuple(float(np.quantile(one[n][d], 0.25)) for n in sizes) for d in (0, 1))
+    med = tuple(tuple(float(statistics.median(one[n][d])) for n in sizes) for d in (0, 1))
+    lines = [fit_line(sizes, q25[d]) for d in (0, 1)]
+    return Handoff(fixed=(lines[0][0], lines[1][0]), bandwidth=(lines[0][1], lines[1][1]), sizes=sizes,
+                   q25=q25, median=med)
+
+
+def measure_links(sizes: Sequence[int], repeats: int, grad_floats: int,
+                  reduce_repeats: int = 20) -> tuple[Handoff, list[float]]:
+    """(hand-off fit, all-reduce seconds of `grad_floats` per repeat: the slower rank's) between two
+    fresh processes (Ray actors, no CPU reserved: they run before the workers start)."""
+    import ray
+
+    actor = ray.remote(num_cpus=0)(LinkPeer)
+    peers = [actor.remote(r) for r in (0, 1)]
+    try:
+        addr, port = ray.get(peers[0].endpoint.remote())
+        ray.get([p.init.remote(addr, port) for p in peers], timeout=120)
+        marks = ray.get([p.pingpong.remote(list(sizes), repeats) for p in peers], timeout=300)
+        reduce = ray.get([p.allreduce.remote(grad_floats, reduce_repeats) for p in peers], timeout=300)
+        ray.get([p.close.remote() for p in peers], timeout=60)
+    finally:
+        for p in peers:
+            ray.kill(p)
+    return fit_handoff(one_way({0: marks[0], 1: marks[1]})), [max(a, b) for a, b in zip(*reduce)]
+
+
+def model_floats(shape) -> int:
+    """Parameters (= gradient elements) of the whole model: what a DP2 plan of TP1 stages all-reduces."""
+    from ..runtime.model import full_shape_of, model_parts, part_tensor_names
+
+    return sum(math.prod(full_shape_of(shape, n)) for p in model_parts(shape) for n in part_tensor_names(p))
+
+
+def boundary_bytes(mbs: int, seq_len: int, hidden: int, itemsize: int = 4) -> int:
+    """Bytes of one stage-boundary tensor (activation or its gradient): micro × seq_len × hidden, fp32."""
+    return mbs * seq_len * hidden * itemsize
+
+
+def run(steps: int, rounds: int, mbs: int, seq_len: int, repeats: int = 100) -> tuple[dict, list[dict]]:
     from ..config.presets import PRESETS
     from ..runtime.cluster import WorkerGroup
     from ..runtime.engine import OptimConfig
 
+    def log(msg: str) -> None:
+        print(f"[bench calibrate] {msg}", file=sys.stderr, flush=True)
+
     shape = PRESETS["small"]
+    nbytes = boundary_bytes(mbs, seq_len, shape.hidden)
+    floats = model_floats(shape)
+    log(f"links: hand-off ping-pong ({nbytes} B boundary tensor), all-reduce of {floats} fp32 ...")
+    hand, reduce = measure_links((nbytes // 4, nbytes, 4 * nbytes), repeats, floats)
+    handoff_s = hand.seconds(nbytes)
+    sync_s = float(np.quantile(reduce, 0.25)) / LAYERS   # embedding and head folded in, as in t1
     spec = {"source": "synthetic", "seq_len": seq_len, "num_samples": 1024, "vocab": shape.vocab, "seed": 0}
     sampler = _Sampler(1024)
     optim = OptimConfig()
+    profiles = profile_plans(mbs)
+    valid = validation_plans(mbs)
+    plans = {**{n: p for n, (_, p) in profiles.items()}, **valid}
+    t_start = time.time()
     with WorkerGroup(DEVICES, DEVICES) as group:
         group.set_data(spec, "pad", seq_len)
-        prof = {}
-        for name, (kind, plan) in profile_plans(mbs).items():
-            print(f"[bench calibrate] profile {name} ...", file=sys.stderr, flush=True)
-            prof[name] = (kind, plan, measure(group, plan, shape, sampler, steps, optim)[0])
-        fits = {c: calibrate_from(prof, mbs, seq_len, constant=c) for c in (False, True)}
-        coeffs = {("with_constant" if c else "simulator_terms"): _coeff_dict(*f) for c, f in fits.items()}
-        coeffs["profile"] = {k: v[2] for k, v in prof.items()}
-        out = []
-        for name, plan in validation_plans(mbs).items():
-            print(f"[bench calibrate] validate {name} ...", file=sys.stderr, flush=True)
-            T, med = measure(group, plan, shape, sampler, steps, optim)
-            a, a_p2p, a_sync = fits[False]
-            b, b_p2p, b_sync = fits[True]
-            pred = sim_seconds(plan, a, mbs, seq_len, p2p_s=a_p2p, sync_s=a_sync)
-            pred_d = sim_seconds(plan, b, mbs, seq_len, p2p_s=b_p2p, sync_s=b_sync) + b.dispatch
-            out.append({"plan": name, "measured_s": T, "median_s": med, "load1": os.getloadavg()[0],
-                        "predicted_s": pred, "error": (pred - T) / T,
-                        "predicted_with_constant_s": pred_d, "error_with_constant": (pred_d - T) / T})
+        samples = measure_rounds(group, plans, shape, sampler, rounds, steps, optim, log)
+    prof = {n: (kind, p, samples[n].stat("min")) for n, (kind, p) in profiles.items()}
+    fits = {c: calibrate_from(prof, mbs, seq_len, constant=c, handoff=handoff_s, sync=sync_s) for c in (False, True)}
+    coeffs = {("with_constant" if c else "simulator_terms"): _coeff_dict(*f) for c, f in fits.items()}
+    coeffs["profile"] = {n: samples[n].summary() for n in profiles}
+    coeffs["handoff"] = {"boundary_bytes": nbytes, "fixed_s": list(hand.fixed), "bandwidth_Bps": list(hand.bandwidth),
+                         "sizes": list(hand.sizes), "q25_s": [list(m) for m in hand.q25],
+                         "median_s": [list(m) for m in hand.median],
+                         "at_boundary_s": list(handoff_s)}
+    coeffs["allreduce"] = {"floats": floats, "seconds": reduce, "q25_s": float(np.quantile(reduce, 0.25)),
+                           "median_s": float(np.median(reduce)), "per_block_s": sync_s}
+    coeffs["measure_seconds"] = time.time() - t_start
+    out = []
+    a, a_terms = fits[False]
+    b, b_terms = fits[True]
+    for name, plan in valid.items():
+        s = samples[name]
+        T = s.stat("min")
+        pred = sim_seconds(plan, a, mbs, seq_len, a_terms)
+        pred_d = sim_seconds(plan, b, mbs, seq_len, b_terms) + b.dispatch
+        bare = sim_seconds(plan, a, mbs, seq_len, Terms(sync=a_terms.sync))   # no hand-off, no κ
+        out.append({"plan": name, "measured_s": T, "q25_s": s.stat("q25"), "median_s": s.stat("median"),
+                    "load1_min": min(s.loads), "load1_max": max(s.loads), "steps": len(s.times),
+                    "predicted_s": pred, "error": (pred - T) / T,
+                    "predicted_with_constant_s": pred_d, "error_with_constant": (pred_d - T) / T,
+                    "predicted_without_handoff_corun_s": bare, "error_without_handoff_corun": (bare - T) / T,
+                    "cpu_at_min_s": s.summary()["cpu_at_min_s"]})
     return coeffs, out
+
+
+def _coeff_dict(fit: ComputeFit, terms: Terms) -> dict:
+    return {"t1_s": fit.t1, "t2_s": fit.t2, "tp_alpha": [1.0, fit.t1 / fit.t2], "t0_seconds": fit.t2,
+            "optimizer_per_block_s": fit.opt_per_block, "dispatch_s": fit.dispatch,
+            "handoff_s": list(terms.handoff), "corun_slowdown": terms.corun,
+            "grad_sync_per_block_s": terms.sync, "fit_rms_s": fit.residual_rms}
 
 
 def _describe(c: dict) -> str:
     return (f"t0 (TP2 block, 1 micro-batch) = {c['t0_seconds'] * 1e3:.2f} ms, tp_alpha = [1, {c['tp_alpha'][1]:.3f}] "
             f"(TP1 block {c['t1_s'] * 1e3:.2f} ms), optimizer {c['optimizer_per_block_s'] * 1e3:.2f} ms per full-TP "
-            f"block{' (negative: used as 0)' if c['optimizer_per_block_s'] < 0 else ''}, p2p {c['p2p_s'] * 1e3:.2f} ms per boundary per micro-batch, "
-            f"grad sync {c['grad_sync_per_block_s'] * 1e3:.2f} ms per block, unmodelled per-iteration constant "
-            f"D = {c['dispatch_s'] * 1e3:.1f} ms; single-stage fit RMS {c['fit_rms_s'] * 1e3:.1f} ms")
+            f"block{' (negative: used as 0)' if c['optimizer_per_block_s'] < 0 else ''}, co-run interference "
+            f"κ = {c['corun_slowdown']:.3f}, grad sync {c['grad_sync_per_block_s'] * 1e3:.2f} ms per block "
+            f"(measured), "
+            f"unmodelled per-iteration constant D = {c['dispatch_s'] * 1e3:.1f} ms; single-stage fit RMS "
+            f"{c['fit_rms_s'] * 1e3:.1f} ms")
+
+
+def _profile_line(name: str, s: dict) -> str:
+    return (f"{name}: {s['min_s']:.3f} s (q25 {s['q25_s']:.3f}, load {s['load1_min']:.1f}–{s['load1_max']:.1f}, "
+            f"CPU {s['cpu_at_min_s']:.3f})")
 
 
 def table(coeffs: dict, rows: list[dict]) -> str:
-    prof = " · ".join(f"{k}: {v:.3f} s" for k, v in coeffs["profile"].items())
-    head = (f"Fit A (simulator terms only, D = 0): {_describe(coeffs['simulator_terms'])}.\n\n"
+    h = coeffs["handoff"]
+    sizes = ", ".join(f"{n // 1024}" for n in h["sizes"])
+    hand = (f"Hand-off (ping-pong, isend + blocking irecv over gloo, {sizes} KiB; line through each size's "
+            f"lower quartile): forward (0 → 1) {h['fixed_s'][0] * 1e6:.0f} µs + bytes / "
+            f"{h['bandwidth_Bps'][0] / 1e9:.2f} GB/s, backward (1 → 0) {h['fixed_s'][1] * 1e6:.0f} µs + bytes / "
+            f"{h['bandwidth_Bps'][1] / 1e9:.2f} GB/s; at the {h['boundary_bytes'] // 1024} KiB boundary tensor "
+            f"{h['at_boundary_s'][0] * 1e3:.3f} / {h['at_boundary_s'][1] * 1e3:.3f} ms per micro-batch (medians "
+            f"{' / '.join(', '.join(f'{x * 1e3:.2f}' for x in m) for m in h['median_s'])} ms: a woken receiver "
+            f"waits for a core on a loaded machine).\n\n")
+    r = coeffs.get("allreduce")
+    if r:
+        hand += (f"Gradient all-reduce (DP2: {r['floats'] * 4 / 2 ** 20:.1f} MiB fp32 over gloo, after a barrier): "
+                 f"lower quartile {r['q25_s'] * 1e3:.1f} ms, median {r['median_s'] * 1e3:.1f} ms; grad sync "
+                 f"{r['per_block_s'] * 1e3:.2f} ms per block (embedding and head folded in, as in t1).\n\n")
+    prof = " · ".join(_profile_line(k, v) for k, v in coeffs["profile"].items())
+    head = (hand + f"Fit A (simulator terms only, D = 0): {_describe(coeffs['simulator_terms'])}.\n\n"
             f"Fit B (with a per-iteration constant D outside the simulator): {_describe(coeffs['with_constant'])}.\n\n"
-            f"Profiling runs (min iteration s): {prof}.\n\n")
-    out = ["| plan | measured s (min) | median s | load1 | simulate() s, fit A | error A | simulate() + D s, fit B "
-           "| error B | A within 15% |",
-           "|---|---|---|---|---|---|---|---|---|"]
+            f"Profiling runs (min iteration s over all rounds; CPU: the busiest device's compute thread time "
+            f"at that step): {prof}.\n\n")
+    out = ["| plan | measured s (min) | q25 s | median s | load1 | simulate() s, fit A | error A | "
+           "fit A without hand-off and κ | simulate() + D s, fit B | error B | A within 15% |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['plan']} | {r['measured_s']:.3f} | {r['median_s']:.3f} | {r['load1']:.1f} | "
-                   f"{r['predicted_s']:.3f} | {r['error']:+.1%} | {r['predicted_with_constant_s']:.3f} | "
+        out.append(f"| {r['plan']} | {r['measured_s']:.3f} | {r['q25_s']:.3f} | {r['median_s']:.3f} | "
+                   f"{r['load1_min']:.1f}–{r['load1_max']:.1f} | {r['predicted_s']:.3f} | {r['error']:+.1%} | "
+                   f"{r['error_without_handoff_corun']:+.1%} | {r['predicted_with_constant_s']:.3f} | "
                    f"{r['error_with_constant']:+.1%} | {'yes' if abs(r['error']) <= TARGET else 'no'} |")
     notes = []
     for label, key in (("A", "simulator_terms"), ("B", "with_constant")):
@@ -280,19 +555,23 @@ def table(coeffs: dict, rows: list[dict]) -> str:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="malleus bench calibrate", description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per run (one more warms up)")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per plan per round (one more warms up)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all plans")
     ap.add_argument("--micro", type=int, default=1, help="samples per micro-batch")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--write", metavar="MD", help="update this markdown file's calibrate section")
     ap.add_argument("--json", metavar="PATH", help="also dump the fitted coefficients and rows as JSON")
     args = ap.parse_args(argv)
+    if args.steps < 1 or args.rounds < 1:
+        ap.error("--steps and --rounds must be >= 1")
     import ray
 
     from ..runtime.cluster import start_local_ray
 
+    load0 = os.getloadavg()
     start_local_ray(DEVICES, include_dashboard=False, log_to_driver=False)
     try:
-        coeffs, rows = run(args.steps, args.micro, args.seq_len)
+        coeffs, rows = run(args.steps, args.rounds, args.micro, args.seq_len)
     finally:
         ray.shutdown()
     load = os.getloadavg()
@@ -300,12 +579,18 @@ def main(argv: list[str]) -> int:
     print(md)
     if args.json:
         import json
-        Path(args.json).write_text(json.dumps({"coefficients": coeffs, "rows": rows}, indent=1))
-    print(f"load average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", file=sys.stderr)
+        Path(args.json).write_text(json.dumps({"coefficients": coeffs, "rows": rows,
+                                               "load_start": load0, "load_end": load}, indent=1))
+    print(f"load average at the start: {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}; at the end: "
+          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", file=sys.stderr)
     if args.write:
         cmd = ("malleus bench calibrate " + " ".join(argv)).strip()
-        write_section(f"Command: `{cmd}` — {time.strftime('%Y-%m-%d')}, {os.cpu_count()}-core CPU machine, "
+        worst = max(rows, key=lambda r: abs(r["error"]))
+        write_section(f"Command: `{cmd}` — {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()}-core CPU machine, "
                       f"2 CPU worker actors (one per core), `small` preset, padded seq_len {args.seq_len}, "
-                      f"micro-batch {args.micro}; load average at the end {load[0]:.2f}.\n\n{md}",
+                      f"micro-batch {args.micro}, {args.rounds} interleaved rounds × {args.steps} timed steps per "
+                      f"plan; load average (1/5/15 min) {load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f} at the start, "
+                      f"{load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f} at the end; worst fit-A error "
+                      f"{worst['error']:+.1%} ({worst['plan']}).\n\n{md}",
                       Path(args.write), "bench:calibrate")
     return 0

@@ -10,6 +10,9 @@ Format (YAML or JSON); every scenario section (see scenario.py) plus:
     metrics: {enabled: true, host: 127.0.0.1, port: 0, sd_dir: null}
              # Prometheus endpoint of the job's coordinator; port 0 = any free port; sd_dir: where the
              # file-SD target is written (null: <Ray temp dir>/malleus/metrics_sd)
+    checkpoint: {dir: null, every: 0, keep: 3}
+             # plan-agnostic checkpoints every `every` steps under `dir` (null/0: none); a job that finds
+             # one there resumes from it, and its coordinator restarts from it if it dies
 
 Unknown keys and bad values raise ConfigError naming the field, the value and what is accepted.
 This module knows nothing of Ray or torch; the runtime turns `DataConfig` into a dataset spec.
@@ -24,7 +27,7 @@ from .errors import ConfigError
 from .fields import Section
 from .scenario import SCENARIO_KEYS, Scenario, read_mapping
 
-JOB_KEYS = ("data", "train", "emulate", "ray", "metrics")
+JOB_KEYS = ("data", "train", "emulate", "ray", "metrics", "checkpoint")
 DATA_SOURCES = ("synthetic", "python-stdlib")
 # How samples become a micro-batch (datasets.collate): "pack" concatenates variable-length samples
 # into one row (no padding), "pad" pads every sample to seq_len.
@@ -89,6 +92,17 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str | None = None
+    every: int = 0          # steps between checkpoints; 0: none (a dir alone still resumes)
+    keep: int = 3
+
+    @property
+    def enabled(self) -> bool:
+        return self.dir is not None
+
+
+@dataclass(frozen=True)
 class JobConfig:
     name: str
     scenario: Scenario
@@ -97,6 +111,7 @@ class JobConfig:
     emulate: tuple[EmulateEntry, ...] = ()
     ray: RayConfig = RayConfig()
     metrics: MetricsConfig = MetricsConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
     source: str | None = None
 
     @property
@@ -126,8 +141,9 @@ class JobConfig:
         emulate = _parse_emulate(d.get("emulate"), scenario.num_devices, source)
         ray_cfg = _parse_ray(Section(d.get("ray"), "ray", source))
         metrics = parse_metrics(Section(d.get("metrics"), "metrics", source))
+        checkpoint = parse_checkpoint(Section(d.get("checkpoint"), "checkpoint", source))
         return cls(name=scenario.name if "name" in d else "job", scenario=scenario, data=data, train=train,
-                   emulate=emulate, ray=ray_cfg, metrics=metrics, source=source)
+                   emulate=emulate, ray=ray_cfg, metrics=metrics, checkpoint=checkpoint, source=source)
 
 
 def load_job_config(path: str | Path) -> JobConfig:
@@ -178,8 +194,8 @@ def _parse_train(s: Section) -> TrainConfig:
     if clip is not None:
         clip = s.float("grad_clip", clip, minimum=0, exclusive=True)
     betas = s.float_list("betas", list(d.betas), minimum=0)
-    if len(betas) != 2 or not all(b < 1.0 for b in betas):
-        raise s.error("betas", list(betas), "expected two numbers in [0, 1), e.g. [0.9, 0.95]")
+    if betas is None or len(betas) != 2 or not all(b < 1.0 for b in betas):
+        raise s.error("betas", None if betas is None else list(betas), "expected two numbers in [0, 1), e.g. [0.9, 0.95]")
     cfg = TrainConfig(
         steps=s.int("steps", d.steps, minimum=1),
         seed=s.int("seed", d.seed, minimum=0),
@@ -234,5 +250,18 @@ def parse_metrics(s: Section) -> MetricsConfig:
     if sd_dir is not None and (not isinstance(sd_dir, str) or not sd_dir.strip()):
         raise s.error("sd_dir", sd_dir, "a directory path, or null for <Ray temp dir>/malleus/metrics_sd")
     cfg = MetricsConfig(enabled=s.bool("enabled", d.enabled), host=host.strip(), port=port, sd_dir=sd_dir)
+    s.done()
+    return cfg
+
+
+def parse_checkpoint(s: Section) -> CheckpointConfig:
+    d = CheckpointConfig()
+    path = s.raw("dir", None)
+    if path is not None and (not isinstance(path, str) or not path.strip()):
+        raise s.error("dir", path, "a directory path (created if missing), or null for no checkpoints")
+    every = s.int("every", d.every, minimum=0)
+    if every and path is None:
+        raise s.error("every", every, "0 unless checkpoint.dir is set (where would they go?)")
+    cfg = CheckpointConfig(dir=path, every=every, keep=s.int("keep", d.keep, minimum=1))
     s.done()
     return cfg

@@ -52,6 +52,8 @@ from typing import Any, Iterable, Mapping
 from malleus_svc.config.job import JobConfig
 from malleus_svc.plan import Plan
 
+from malleus_svc.runtime.cluster import WorkerGroupError
+
 from .measure import RateEstimator, WorkSample
 from .policy import Option, ReplanPolicy, choose
 from .workload import busy_seconds, device_work
@@ -61,6 +63,8 @@ log = logging.getLogger(__name__)
 NAMESPACE = "malleus"
 DEFAULT_SECONDS_PER_BYTE = 2e-8      # 50 MB/s: conservative until a migration was measured
 DEFAULT_MIGRATION_OVERHEAD_S = 2.0   # rebuilding engines and groups, conservative
+MAX_RESTARTS = 3                     # coordinator restarts (from the last checkpoint) before the job fails
+RECORDS_KEPT = 256                   # metrics lines saved with each checkpoint
 
 
 def actor_name(job_name: str) -> str:
@@ -105,7 +109,8 @@ class JobCoordinator:
                  band: float = 0.3, threshold: float = 1.2, jitter: float = 0.0, jitter_seed: int = 0,
                  emulate_schedule: Iterable | None = None, bucket_bytes: int = 64 << 20,
                  driver_job_id: str | None = None, submission_id: str | None = None, length_window: int = 50,
-                 plan_delay_s: float = 0.0, grace: float = 0.1, migrate_delay_s: float = 0.0):
+                 plan_delay_s: float = 0.0, grace: float = 0.1, migrate_delay_s: float = 0.0,
+                 collective_timeout_s: float = 120.0):
         self.job = job
         self.static = bool(static)
         self.steps_total = int(steps if steps is not None else job.train.steps)
@@ -113,6 +118,7 @@ class JobCoordinator:
         self.skip = max(0, int(skip))           # first iterations not measured (allocator, caches warm up)
         self.skip_after_migration = 2            # new engines warm up too: their first iterations are not measured
         self._measure_from = self.skip
+        self._start_step = 0
         self.plan_delay_s = float(plan_delay_s)  # tests only: a slow planner, to exercise coalescing
         self.grace = float(grace)                # boundary waits up to grace x iteration for a plan in progress
         self.migrate_delay_s = float(migrate_delay_s)  # tests only: a slow migration, to exercise coalescing
@@ -120,10 +126,15 @@ class JobCoordinator:
         self.jitter = float(jitter)
         self._rng = random.Random(jitter_seed)
         self.bucket_bytes = int(bucket_bytes)
+        self.collective_timeout_s = float(collective_timeout_s)   # a collective slower than this is a failure
+        self.failures: list[dict] = []
         self.driver_job_id = driver_job_id
         self.submission_id = submission_id      # the Ray Jobs submission id, when submitted as a Ray job
         self.metrics_export = None              # JobMetrics once set up (metrics.py)
         self.plan_version = 0
+        self._writer = None                     # CheckpointWriter when job.checkpoint.dir is set
+        self.resumed_from: dict | None = None   # the checkpoint this run started from
+        self.restarted = _was_restarted()
         from malleus_svc.runtime.straggler import EmulationSchedule
         self.schedule = EmulationSchedule(job.emulate if emulate_schedule is None else tuple(emulate_schedule))
         self.policy = ReplanPolicy(band=band, threshold=threshold, min_interval=min_interval)
@@ -163,6 +174,16 @@ class JobCoordinator:
         self._t_start: float | None = None
         self._tokens_total = 0
         self._stop = False
+        if self.restarted:   # Ray restarted this coordinator: resume training from the last checkpoint
+            threading.Thread(target=self._resume_after_restart, name="malleus-resume", daemon=True).start()
+
+    def _resume_after_restart(self) -> None:
+        try:
+            self.start(self.steps_total)
+        except Exception as e:
+            with self._lock:
+                self.state, self.error = "failed", f"restart failed: {type(e).__name__}: {e}"
+            self._done.set()
 
     # ================================================================== lifecycle
     def setup(self) -> dict:
@@ -176,14 +197,27 @@ class JobCoordinator:
         from malleus_svc.runtime.trainer import check_plan_for_job, make_plan, optim_config
 
         job = self.job
-        plan = check_plan_for_job(self._initial_plan, job) if self._initial_plan else make_plan(job)
-        group = WorkerGroup(job.num_devices, job.scenario.gpus_per_node, name=f"malleus-{job.name}")
+        ckpt = self._latest_checkpoint()
+        plan = None
+        if ckpt is not None and (self.restarted or self._initial_plan is None):
+            try:  # resume under the plan in force when it was written, if it fits (any plan would do)
+                plan = check_plan_for_job(ckpt.manifest.plan_obj(), job, f"{ckpt.path.name} plan")
+            except Exception as e:
+                log.warning("checkpoint plan does not fit the job (%s); planning afresh", e)
+        if plan is None:
+            plan = check_plan_for_job(self._initial_plan, job) if self._initial_plan else make_plan(job)
+        group = WorkerGroup(job.num_devices, job.scenario.gpus_per_node, name=f"malleus-{job.name}",
+                            timeout_s=self.collective_timeout_s)
         group.start()
         try:
             d = job.data
             n = group.set_data(d.spec(), d.mode, d.seq_len)
             sampler = GlobalSampler(n, plan.global_batch, seed=job.train.seed)
             group.apply_plan(plan, job.shape, seed=job.train.seed, optim=optim_config(job))
+            start_step = 0
+            if ckpt is not None:  # parameters, Adam state and the data position, under this plan
+                from malleus_svc.checkpoint import restore_group
+                start_step = restore_group(group, ckpt, sampler)
             self._probe_all(group, range(job.num_devices), rounds=1)   # warm-up round, discarded
             baselines = self._probe_all(group, range(job.num_devices), rounds=5)
         except BaseException:
@@ -191,6 +225,13 @@ class JobCoordinator:
             raise
         with self._lock:
             self.group, self.sampler, self.plan = group, sampler, plan
+            self._begin_at(start_step)
+            if ckpt is not None:
+                self.records = [r for r in ckpt.manifest.extra.get("records", []) if r["step"] < start_step]
+                self.resumed_from = {"path": str(ckpt.path), "step": start_step,
+                                     "skipped": [f"{p.name}: {why}" for p, why in ckpt.skipped]}
+                self._event("resumed", f"from {ckpt.path.name} at step {start_step}"
+                            + (f" (skipped damaged: {self.resumed_from['skipped']})" if ckpt.skipped else ""))
             self.basis = {dv: float(r) for dv, r in job.scenario.rates.items()}
             self._probe_baseline = baselines
             for dv, s in baselines.items():
@@ -205,6 +246,33 @@ class JobCoordinator:
             self._event("start", f"plan {plan.plan_id}: {len(plan.pipelines)} pipelines, suspended "
                                  f"{list(plan.suspended)}, excluded {list(plan.excluded)}")
         return self.status()
+
+    def _begin_at(self, step: int) -> None:
+        """(lock held) Training starts at `step` (0, or a checkpoint's): warm-up counts from here."""
+        self.step = step
+        self._start_step = step
+        self._measure_from = step + self.skip
+
+    def _latest_checkpoint(self):
+        cfg = self.job.checkpoint
+        if not cfg.enabled:
+            return None
+        from malleus_svc.checkpoint import CheckpointWriter, load_latest
+        ckpt = load_latest(cfg.dir, self.job.shape)   # damaged ones are skipped; a wrong model raises
+        self._writer = CheckpointWriter(cfg.dir, keep_last=cfg.keep)
+        return ckpt
+
+    def _checkpoint(self) -> None:
+        """At an iteration boundary: gather (synchronous), write (in the background). A failed
+        write is reported and training goes on; the previous checkpoint stays the good one."""
+        from malleus_svc.checkpoint import CheckpointError, save_group
+        try:
+            with self._lock:   # the last metrics lines travel along: a driver that had not read them yet still can
+                recent = list(self.records[-RECORDS_KEPT:])
+            save_group(self._writer, self.group, self.sampler, self.step,
+                       extra={"plan_version": self.plan_version, "records": recent})
+        except CheckpointError as e:
+            self._event("error", f"checkpoint at step {self.step} failed: {e}")
 
     def _start_metrics(self, plan: Plan) -> None:
         """Serve the job's Prometheus metrics (metrics.py); a port that cannot be bound fails the job
@@ -277,6 +345,10 @@ class JobCoordinator:
         try:
             while not self._stop and self.step < self.steps_total:
                 self._iteration()
+            if self._writer is not None:
+                if self.job.checkpoint.every and self.step % self.job.checkpoint.every:
+                    self._checkpoint()          # the final state too, so a later run resumes from the end
+                self._writer.wait()
             with self._lock:
                 self.state = "stopped" if self.step < self.steps_total else "done"
                 if self.state == "stopped":
@@ -294,12 +366,18 @@ class JobCoordinator:
         step = self.step
         self._emulate(step)
         plan, group = self.plan, self.group
+        before = self.sampler.state_dict()
         ids = self.sampler.next_global_batch(plan.global_batch)
         suspended = [d for d in plan.suspended if d not in plan.excluded]
         probes = [group.workers[d].probe.remote() for d in suspended]
         if self._t_start is None:
             self._t_start = time.perf_counter()
-        rec = group.step(ids)
+        try:
+            rec = group.step(ids)
+        except WorkerGroupError as e:
+            rec = self._recover(e, before)
+            if rec is None:        # the batch is given back to the sampler and the step redone
+                return
         rec.step = step
         probe_res = ray.get(probes, timeout=group.timeout_s) if probes else []
         batch_lengths = self._batch_lengths(ids)
@@ -321,7 +399,7 @@ class JobCoordinator:
                     self.healthy_tokens_per_second, batch_lengths,
                     {q: st[k] for q, k in ((0.5, "p50"), (0.9, "p90"), (0.99, "p99"), (1.0, "max")) if k in st})
             self.step = step + 1
-            if self.step == self.skip + self.warmup and not self.calibrated:
+            if self.step == self._start_step + self.skip + self.warmup and not self.calibrated:
                 self.estimator.calibrate()
                 self.calibrated = True
                 recent = self.records[-self.warmup:]
@@ -329,8 +407,42 @@ class JobCoordinator:
                 self.healthy_tokens_per_second = sum(r["tokens"] for r in recent) / secs if secs > 0 else None
                 self._event("calibrated", f"healthy unit {self.estimator.healthy_unit_seconds:.3g} s/t0, "
                                           f"{self.healthy_tokens_per_second or 0:,.0f} tok/s")
+        every = self.job.checkpoint.every
+        if every and self.step % every == 0:
+            self._checkpoint()
         self._decide()
         self._grace_wait(rec.iteration_seconds)
+
+    def _recover(self, error: Exception, sampler_before: dict):
+        """A step failed: replace lost devices, keep the survivors, restore the state from the
+        survivors' replicas, else from the newest checkpoint. The StepRecord if the failed step had
+        completed everywhere, else None (the step is redone on the same global batch)."""
+        t0 = time.perf_counter()
+        self._event("failure", f"step {self.step} failed: {str(error).splitlines()[0]}")
+        rep = self.group.recover()
+        how = "from the survivors' replicas"
+        if rep.source != "replicas":
+            ckpt = self._latest_checkpoint()
+            if ckpt is None:
+                raise MalleusError(f"devices {rep.lost} were lost and hold layers no other device has, and there is "
+                                   "no checkpoint to restore them from (set checkpoint.dir and checkpoint.every)")
+            from malleus_svc.checkpoint import restore_group
+            step = restore_group(self.group, ckpt, self.sampler)
+            with self._lock:
+                self.records = [r for r in self.records if r["step"] < step]
+                self.step = step
+            how = f"from checkpoint {ckpt.path.name} (step {step})"
+        elif not rep.completed:
+            self.sampler.load_state_dict(sampler_before)
+        with self._lock:
+            for d in rep.lost:
+                self.estimator.forget(d)
+            self._measure_from = max(self._measure_from, self.step + self.skip_after_migration)
+            self.failures.append({"step": self.step, "lost": rep.lost, "source": rep.source, "completed": rep.completed,
+                                  "seconds": time.perf_counter() - t0})
+            self._event("recovered", f"replaced devices {rep.lost}; state restored {how} in "
+                                     f"{time.perf_counter() - t0:.1f} s" + ("" if rep.completed else "; step redone"))
+        return rep.record
 
     def _grace_wait(self, iteration_seconds: float) -> None:
         """A plan being made when an iteration ends may take effect at this boundary if it is ready
@@ -362,16 +474,17 @@ class JobCoordinator:
         set the random per-step jitter (each device's factor times U(1, 1 + 2·jitter) every step).
         The coordinator never reads these factors to estimate rates; it measures."""
         if jitter is not None:
+            if not _is_number(jitter) or not 0.0 <= float(jitter) <= 1.0:
+                raise MalleusError(f"jitter must be a number in [0, 1], got {jitter!r}")
             jitter = float(jitter)
-            if not math.isfinite(jitter) or not 0.0 <= jitter <= 1.0:
-                raise MalleusError(f"jitter must be in [0, 1], got {jitter!r}")
+        if factors is not None and not isinstance(factors, Mapping):
+            raise MalleusError(f"factors must be a mapping of device -> slowdown factor (>= 1.0), got {factors!r}")
         clean = {}
-        for d, f in dict(factors or {}).items():
+        for d, f in (factors or {}).items():
             d = self._check_device(d)
-            f = float(f)
-            if not math.isfinite(f) or f < 1.0:
+            if not _is_number(f) or float(f) < 1.0:
                 raise MalleusError(f"slowdown factor for device {d} must be a finite number >= 1.0, got {f!r}")
-            clean[d] = f
+            clean[d] = float(f)
         with self._lock:
             self._manual_slowdown.update(clean)
             if jitter is not None:
@@ -654,7 +767,7 @@ class JobCoordinator:
             if r is None:
                 clean[d] = None
                 continue
-            if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(float(r)):
+            if not _is_number(r):
                 raise MalleusError(f"rate for device {d} must be a finite number >= 1.0 (or None to clear), got {r!r}")
             if float(r) < 1.0:
                 raise MalleusError(f"rate for device {d} must be >= 1.0 (1.0 = healthy, 3.0 = three times slower), "
@@ -728,8 +841,9 @@ class JobCoordinator:
             return list(self.history)
 
     def metrics(self, since: int = 0) -> list[dict]:
+        """Metrics lines of steps >= `since` (after a restart the first lines are the resumed steps)."""
         with self._lock:
-            return self.records[since:]
+            return [r for r in self.records if r["step"] >= since]
 
     def job_info(self) -> dict:
         import ray
@@ -744,6 +858,7 @@ class JobCoordinator:
             return {
                 "job": self.job.name, "state": self.state, "error": self.error, "static": self.static,
                 "step": self.step, "steps": self.steps_total, "submission_id": self.submission_id,
+                "resumed_from": self.resumed_from, "restarted": self.restarted, "failures": list(self.failures),
                 "plan_id": plan.plan_id if plan else None, "plan_version": self.plan_version,
                 "plan": _plan_summary(plan) if plan else None,
                 "excluded": sorted(self.excluded),
@@ -766,7 +881,8 @@ class JobCoordinator:
                 "metrics_endpoint": self.metrics_export.endpoint if self.metrics_export else None,
                 "workers": None if self.group is None else {
                     "devices": self.group.num_devices, "cpus_per_worker": self.group.cpus_per_worker,
-                    "use_gpu": self.group.use_gpu, "host_cores": os.cpu_count()},
+                    "use_gpu": self.group.use_gpu, "host_cores": os.cpu_count(),
+                    "pids": {str(i["device"]): i["pid"] for i in self.group.infos}},
             }
 
     def summary(self) -> dict:
@@ -801,9 +917,26 @@ def describe_plan(plan: Plan | dict) -> str:
     return " ".join(pipes) + extra
 
 
-def _make_actor_class():
+def _is_number(v: Any) -> bool:
+    """A finite real number (bools are not numbers here, though Python says they are)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
+
+
+def _was_restarted() -> bool:
+    """True in a coordinator actor that Ray restarted after it died."""
+    import warnings
+    try:
+        import ray
+        with warnings.catch_warnings():   # Ray's own property trips its own actor_id deprecation warning
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return bool(ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # not in an actor
+        return False
+
+
+def _make_actor_class(restarts: int):
     import ray
-    return ray.remote(num_cpus=0, max_concurrency=16, max_restarts=0)(JobCoordinator)
+    return ray.remote(num_cpus=0, max_concurrency=16, max_restarts=restarts)(JobCoordinator)
 
 
 def launch(job: JobConfig, *, name: str | None = None, detached: bool = False, **kwargs) -> Any:
@@ -825,4 +958,7 @@ def launch(job: JobConfig, *, name: str | None = None, detached: bool = False, *
     opts = {"name": name, "namespace": NAMESPACE, "scheduling_strategy": here}
     if detached:
         opts["lifetime"] = "detached"
-    return _make_actor_class().options(**opts).remote(job, **kwargs)
+    # With checkpoints, a coordinator that dies is restarted by Ray and resumes from the newest one
+    # (its workers die with it: they are its children); without, there is nothing to resume from.
+    restarts = MAX_RESTARTS if job.checkpoint.enabled else 0
+    return _make_actor_class(restarts).options(**opts).remote(job, **kwargs)

@@ -79,6 +79,17 @@ class StepRecord:
 
 
 @dataclass
+class RecoveryReport:
+    """What `WorkerGroup.recover` did after a failed step."""
+
+    lost: list[int]                 # devices replaced by fresh actors
+    source: str                     # "replicas": state rebuilt from survivors; "none": restore a checkpoint
+    completed: bool                 # the failed step had applied everywhere; `record` is its StepRecord
+    record: "StepRecord | None"
+    seconds: float
+
+
+@dataclass
 class MigrationReport:
     """What `WorkerGroup.migrate` did. Bytes count param + exp_avg + exp_avg_sq payload (the
     per-slice Adam step counts travel beside them, 8 bytes each, uncounted)."""
@@ -129,6 +140,8 @@ class WorkerGroup:
         self.seq_len: int | None = None
         self._step = 0
         self._started = False
+        self._data_args: tuple | None = None   # (spec, mode, seq_len): a replacement worker needs them too
+        self._inflight: dict = {}              # train_step refs of the step in progress -> device
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "WorkerGroup":
@@ -153,6 +166,7 @@ class WorkerGroup:
 
     def _place(self) -> None:
         nodes = math.ceil(self.num_devices / self.gpus_per_node)
+        self._remove_stale(nodes)
         for n in range(nodes):
             k = min(self.gpus_per_node, self.num_devices - n * self.gpus_per_node)
             self.placement_groups.append(placement_group([self._bundle()] * k, strategy="STRICT_PACK",
@@ -164,16 +178,29 @@ class WorkerGroup:
                     f"all on one Ray node) was not placed within {self.timeout_s:g} s; the cluster has "
                     f"{ray.available_resources()} available. Lower gpus_per_node or add resources.")
 
+    def _remove_stale(self, nodes: int) -> None:
+        """Placement groups of this name left by a predecessor that died (a coordinator that Ray
+        restarted): the names are ours, so they are stale; removing them frees their bundles."""
+        from ray.util import get_placement_group
+        for n in range(nodes):
+            try:
+                stale = get_placement_group(f"{self.name}-node{n}")
+            except ValueError:  # none: the normal case
+                continue
+            log.warning("removing stale placement group %s-node%d", self.name, n)
+            remove_placement_group(stale)
+
+    def _new_worker(self, d: int):
+        pg = self.placement_groups[d // self.gpus_per_node]
+        return WORKER.options(
+            num_cpus=self._bundle()["CPU"], num_gpus=1 if self.use_gpu else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=d % self.gpus_per_node),
+            max_restarts=0,  # a lost device is the coordinator's decision, not a silent restart
+        ).remote(d, self.use_gpu)
+
     def _spawn(self) -> None:
-        for d in range(self.num_devices):
-            pg = self.placement_groups[d // self.gpus_per_node]
-            opts = dict(
-                num_cpus=self._bundle()["CPU"], num_gpus=1 if self.use_gpu else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=d % self.gpus_per_node),
-                max_restarts=0,  # a lost device is the coordinator's decision, not a silent restart
-            )
-            self.workers.append(WORKER.options(**opts).remote(d, self.use_gpu))
+        self.workers = [self._new_worker(d) for d in range(self.num_devices)]
         self.infos = self._get([w.info.remote() for w in self.workers], "start")
 
     def _init_world(self, attempts: int = 3) -> None:
@@ -211,6 +238,7 @@ class WorkerGroup:
 
         self.dataset = build_dataset(spec)
         self.data_mode, self.seq_len = mode, int(seq_len)
+        self._data_args = (spec, mode, int(seq_len))
         sizes = self._get([w.set_data.remote(spec, mode, seq_len) for w in self.workers], "set_data")
         if any(n != len(self.dataset) for n in sizes):
             raise WorkerGroupError(f"workers built datasets of sizes {sorted(set(sizes))}, the driver {len(self.dataset)}: "
@@ -316,16 +344,21 @@ class WorkerGroup:
         roles = plan.roles()
         devices = sorted(roles)
         refs = [self.workers[d].train_step.remote(splits[roles[d].pipeline], loss_tokens) for d in devices]
+        self._inflight = {"refs": dict(zip(refs, devices)), "sample_ids": list(sample_ids), "t0": t0}
         results = self._get(refs, f"train_step {self._step}", devices=devices)
-        dt = time.perf_counter() - t0
-        per = {r["device"]: r for r in results}
+        self._inflight = {}
+        return self._record(plan, {r["device"]: r for r in results}, sample_ids, time.perf_counter() - t0)
+
+    def _record(self, plan: Plan, per: dict[int, dict], sample_ids: Sequence[int], dt: float) -> StepRecord:
+        tokens, loss_tokens = self.count_tokens(sample_ids)
         # Per pipeline, what its first stage's TP rank 0 actually trained on (every rank of the
         # pipeline collates the same list; the test audits this, not the driver's intention).
         seen = []
-        for i, pipe in enumerate(plan.pipelines):
-            seen.append([s for mb in per[pipe.stages[0].devices[0]]["sample_ids"] for s in mb])
+        for pipe in plan.pipelines:
+            holder = next((d for st in pipe.stages for d in st.devices if d in per), None)  # after a loss: any
+            seen.append([s for mb in per[holder]["sample_ids"] for s in mb] if holder is not None else [])
         loss = _global_loss(plan, per)
-        gn = per[devices[0]].get("grad_norm")
+        gn = per[min(per)].get("grad_norm")
         rec = StepRecord(step=self._step, plan_id=plan.plan_id, loss=loss, loss_tokens=loss_tokens,
                          tokens=tokens, samples=len(sample_ids), iteration_seconds=dt,
                          grad_norm=None if gn is None else float(gn),
@@ -333,6 +366,72 @@ class WorkerGroup:
                          sample_ids=seen)
         self._step += 1
         return rec
+
+    # ------------------------------------------------------------------ failures
+    def recover(self) -> "RecoveryReport":
+        """After a failed step: find the lost devices, replace them, rebuild the world, restore state.
+
+        Lost = a worker whose actor died (RayActorError), or whose step neither returned nor failed
+        within the collective timeout (a hang: the device that did not arrive; it is killed). The
+        others are NOT restarted: they finish their failed step (a collective with a lost peer errors
+        out, at the latest at the timeout), export their shards, leave the old world and join a new
+        one with a fresh actor in each lost device's bundle. The state is reassembled from the
+        survivors when every slice has a surviving copy (data parallelism keeps replicas):
+        `source="replicas"`; otherwise `source="none"` and the caller restores a checkpoint.
+        `completed`: the failed step had finished on every survivor (its optimizer step applied),
+        with its record; otherwise the survivors are all at the state before it and it must be redone.
+        """
+        t0 = time.perf_counter()
+        inflight, self._inflight = self._inflight, {}
+        refs: dict = inflight.get("refs", {})
+        # every survivor's step ends by the collective timeout (it errors out); what has not ended
+        # by then, with a margin, hangs
+        done, stuck = ray.wait(list(refs), num_returns=len(refs), timeout=self.timeout_s + 10) if refs else ([], [])
+        lost, results = {refs[r] for r in stuck}, {}
+        for r in done:
+            try:
+                results[refs[r]] = ray.get(r)
+            except ray.exceptions.RayActorError:
+                lost.add(refs[r])
+            except Exception:  # a collective that failed because of a lost peer: a survivor
+                pass
+        for d, w in enumerate(self.workers):
+            if d not in lost:
+                try:
+                    ray.get(w.ping.remote(), timeout=30)
+                except Exception:   # dead, or not answering even on its control thread
+                    lost.add(d)
+        survivors = [d for d in sorted(self.plan.roles()) if d not in lost]
+        completed = bool(results) and all(d in results for d in survivors)
+        exports = dict(zip(survivors, self._get([self.workers[d].export_state.remote() for d in survivors],
+                                                "export_state", devices=survivors)))
+        for d in sorted(lost):
+            try:
+                ray.kill(self.workers[d])
+            except Exception:  # already gone
+                pass
+        self._get([self.workers[d].close.remote() for d in range(self.num_devices) if d not in lost], "close")
+        for d in sorted(lost):
+            self.workers[d] = self._new_worker(d)
+        self.infos = self._get([w.info.remote() for w in self.workers], "start")
+        self._init_world()
+        spec, mode, seq_len = self._data_args
+        self._get([self.workers[d].set_data.remote(spec, mode, seq_len) for d in sorted(lost)], "set_data")
+        self.apply_plan(self.plan, self.shape, seed=self.seed, optim=self.optim)
+        source = "none"
+        try:
+            from .engine import assemble_full
+            self.load_full_state(assemble_full(list(exports.values())))
+            source = "replicas"
+        except (ValueError, WorkerGroupError) as e:
+            # a slice (or whole layer) held only by lost devices, or survivors at different steps
+            log.warning("state cannot be rebuilt from the survivors: %s", str(e).splitlines()[0])
+        record = None
+        if completed and source == "replicas":
+            record = self._record(self.plan, {d: results[d] for d in survivors}, inflight["sample_ids"],
+                                  time.perf_counter() - inflight["t0"])
+        return RecoveryReport(lost=sorted(lost), source=source, completed=record is not None, record=record,
+                              seconds=time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ state and control
     def export_states(self) -> dict[int, Any]:

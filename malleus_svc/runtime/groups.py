@@ -27,6 +27,16 @@ from malleus_svc.plan import EMBEDDING, HEAD, Plan, Stage
 from malleus_svc.runtime.model import Part
 from malleus_svc.runtime.tensor_parallel import TensorParallel
 
+# Subgroups take the world's collective timeout (torch gives new groups its 30-minute default
+# otherwise), so a collective that waits for a lost peer fails in bounded time (WorkerGroup.recover).
+_TIMEOUT = None
+
+
+def set_collective_timeout(timeout) -> None:
+    global _TIMEOUT
+    _TIMEOUT = timeout
+
+
 _GROUP_CACHE: dict[tuple[int, tuple[int, ...]], "dist.ProcessGroup"] = {}
 
 
@@ -171,7 +181,7 @@ def _get_or_create(ranks: tuple[int, ...]) -> "dist.ProcessGroup":
     key = (id(dist.group.WORLD), ranks)
     if key not in _GROUP_CACHE:
         _agree_on_name_salt(ranks)
-        _GROUP_CACHE[key] = dist.new_group(list(ranks), use_local_synchronization=True)
+        _GROUP_CACHE[key] = dist.new_group(list(ranks), use_local_synchronization=True, timeout=_TIMEOUT)
     return _GROUP_CACHE[key]
 
 
@@ -207,4 +217,4 @@ def _agree_on_name_salt(ranks: tuple[int, ...]) -> None:
         dist.send(count, dst=leader, tag=_SALT_TAG)
         dist.recv(count, src=leader, tag=_SALT_TAG)
     while len(world.pg_names) < int(count):
-        dist.new_group([me], use_local_synchronization=True)
+        dist.new_group([me], use_local_synchronization=True, timeout=_TIMEOUT)

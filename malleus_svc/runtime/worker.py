@@ -102,6 +102,8 @@ class DeviceWorker:
             world_size=int(world_size),
             timeout=datetime.timedelta(seconds=float(timeout_s)),
         )
+        from .groups import set_collective_timeout
+        set_collective_timeout(datetime.timedelta(seconds=float(timeout_s)))
         self.world_ready = True
         return backend
 

@@ -26,6 +26,21 @@ TP group; `problem.t0_seconds` converts):
   * optimizer step of stage (i, j) after its reduction: `optimizer_per_block` · l_ij ·
     (tp/|g_ij|) · max rate (Adam is memory-bound on the device's state shard; default 0.05 t0 per
     full-TP block ≈ 1 ms for a 70B block at TP 8, where t0 ≈ 22 ms);
+  * pipeline hand-off (`SimOptions.handoff`, default 0): a latency per micro-batch per boundary,
+    one value for the forward activation and one for the backward gradient, from the end of the
+    op that produced the tensor (or of its blocking send) to the moment the next stage may use it.
+    It occupies no stream: the runtime posts an isend and goes on, the receiver blocks in its
+    irecv (the receiver waits only if it is already idle, so the latency costs time exactly where
+    the hand-off is on the critical path: at every boundary crossing of a balanced 1F1B, rarely in
+    an unbalanced one). Independent of, and added after, the CommCosts p2p term above;
+  * co-run interference (`SimOptions.corun_slowdown` κ, default 0): devices of one node share the
+    host (cores, memory bandwidth, the OS's other work). While k devices of OTHER stages on the
+    same node compute, a compute op (forward, backward, optimizer step) progresses at 1/(1 + κ·k)
+    of its speed alone: processor sharing with piecewise-constant rates, simulated exactly (an
+    op's remaining work is re-timed whenever a neighbour starts or stops). Devices of the op's own
+    TP group do not count: their contention is part of α(|g|). On a GPU cluster κ ≈ 0; on a CPU
+    machine with one core per device it is what the OS's other threads steal once every core is
+    busy (see `bench/calibrate.py`);
   * embedding and head compute are not modelled (as in the planner). The iteration ends when
     every stage has stepped.
 
@@ -54,6 +69,9 @@ class SimOptions:
     p2p: P2PMode = "blocking"
     optimizer_per_block: float = 0.05  # t0 per block at full TP on a healthy device
     record_ops: bool = False           # keep every op's (start, end) in the result (for plots and tests)
+    handoff: tuple[float, float] = (0.0, 0.0)   # t0 per micro-batch per boundary: (activation, gradient) latency
+    corun_slowdown: float = 0.0        # κ: compute takes 1 + κ·k times longer while k devices of other stages
+                                       # on its node compute
 
     def __post_init__(self) -> None:
         if self.backward_ratio <= 0:
@@ -62,33 +80,49 @@ class SimOptions:
             raise ValueError(f"p2p must be 'blocking' or 'overlapped', got {self.p2p!r}")
         if self.optimizer_per_block < 0:
             raise ValueError(f"optimizer_per_block must be >= 0, got {self.optimizer_per_block}")
+        if len(self.handoff) != 2 or min(self.handoff) < 0:
+            raise ValueError(f"handoff must be (forward, backward) latencies >= 0, got {self.handoff}")
+        if self.corun_slowdown < 0:
+            raise ValueError(f"corun_slowdown must be >= 0, got {self.corun_slowdown}")
 
 
 # ----------------------------------------------------------------------------- the event engine
 @dataclass
 class _Op:
-    label: tuple            # ("F"|"B"|"sendF"|"sendB"|"sync"|"step", pipeline, stage, micro-batch)
+    label: tuple            # (kind, pipeline, stage, micro-batch); kind: F B sendF sendB handoffF handoffB sync step
     resource: tuple
-    duration: float
+    duration: float         # work: seconds (t0) it takes when it runs alone
     deps: list[int] = field(default_factory=list)
     start: float = -1.0
     end: float = -1.0
+    share: tuple | None = None   # (host key, devices): a compute op that shares its host with other stages' ops
 
 
 class EventEngine:
     """Ops on serial resources, each resource running its ops in a fixed order, each op waiting
     for its dependencies. Completions are processed in time order from a heap; an op starts the
     moment it is at the head of its resource's queue, the resource is idle and all its
-    dependencies have completed."""
+    dependencies have completed.
 
-    def __init__(self) -> None:
+    With `corun_slowdown` κ > 0, ops added with a `share` = (host, devices) progress at
+    1/(1 + κ·k), k = the devices of the OTHER running shared ops on the same host; the rates are
+    piecewise constant, so the remaining work of every running op of a host is re-timed whenever
+    an op of that host starts or ends (exact processor sharing, no time step). κ = 0 runs the
+    plain algorithm: every op lasts its duration."""
+
+    def __init__(self, corun_slowdown: float = 0.0) -> None:
+        if corun_slowdown < 0:
+            raise ValueError(f"corun_slowdown must be >= 0, got {corun_slowdown}")
         self.ops: list[_Op] = []
         self.queues: dict[tuple, list[int]] = {}
+        self.corun_slowdown = float(corun_slowdown)
 
-    def add(self, label: tuple, resource: tuple, duration: float) -> int:
+    def add(self, label: tuple, resource: tuple, duration: float, share: tuple | None = None) -> int:
         if duration < 0:
             raise ValueError(f"op {label} has a negative duration {duration}")
-        self.ops.append(_Op(label, resource, float(duration)))
+        if share is not None and (len(share) != 2 or share[1] < 1):
+            raise ValueError(f"op {label}: share must be (host, devices >= 1), got {share}")
+        self.ops.append(_Op(label, resource, float(duration), share=share))
         self.queues.setdefault(resource, []).append(len(self.ops) - 1)
         return len(self.ops) - 1
 
@@ -104,23 +138,61 @@ class EventEngine:
                 dependents[d].append(i)
         head = {r: 0 for r in self.queues}
         busy = {r: False for r in self.queues}
-        heap: list[tuple[float, int]] = []
+        heap: list[tuple[float, int, int]] = []   # (end, op, version): stale versions are skipped
         done = 0
+        kappa = self.corun_slowdown
+        # processor sharing state (used only when kappa > 0)
+        running: dict = {}                 # host -> set of running shared ops
+        load: dict = {}                    # host -> devices of its running shared ops
+        left = [o.duration for o in ops]   # remaining work
+        rate = [1.0] * len(ops)
+        since = [0.0] * len(ops)           # time of the last re-timing
+        version = [0] * len(ops)
+
+        def shared(i: int) -> bool:
+            return kappa > 0 and ops[i].share is not None and ops[i].duration > 0
+
+        def retime(host, now: float) -> None:
+            for j in running[host]:
+                left[j] = max(0.0, left[j] - (now - since[j]) * rate[j])
+                since[j] = now
+            for j in running[host]:
+                rate[j] = 1.0 / (1.0 + kappa * (load[host] - ops[j].share[1]))
+                version[j] += 1
+                heapq.heappush(heap, (now + left[j] / rate[j], j, version[j]))
 
         def try_start(resource: tuple, now: float) -> None:
             q, k = self.queues[resource], head[resource]
             if busy[resource] or k >= len(q) or waiting[q[k]]:
                 return
-            op = ops[q[k]]
-            op.start, op.end = now, now + op.duration
+            i = q[k]
+            op = ops[i]
+            op.start = now
             busy[resource] = True
-            heapq.heappush(heap, (op.end, q[k]))
+            if shared(i):
+                host = op.share[0]
+                running.setdefault(host, set()).add(i)
+                load[host] = load.get(host, 0) + op.share[1]
+                since[i] = now
+                retime(host, now)
+            else:
+                op.end = now + op.duration
+                heapq.heappush(heap, (op.end, i, version[i]))
 
         for r in self.queues:
             try_start(r, 0.0)
         while heap:
-            now, i = heapq.heappop(heap)
+            now, i, ver = heapq.heappop(heap)
+            if ver != version[i]:
+                continue
             done += 1
+            ops[i].end = now
+            if shared(i):
+                host = ops[i].share[0]
+                running[host].discard(i)
+                load[host] -= ops[i].share[1]
+                left[i] = 0.0
+                retime(host, now)
             r = ops[i].resource
             busy[r] = False
             head[r] += 1
@@ -156,7 +228,7 @@ class StageResult:
     rate: float               # α(|g|) · max true rate in the group
     compute_per_mb: float     # t0, forward + backward of one micro-batch
     p2p_per_mb: float         # t0, this stage's sends per micro-batch (forward output + backward gradient)
-    busy: float               # t0 of compute and blocking sends
+    busy: float               # t0 of compute and blocking sends (work: without co-run interference)
     last_backward_end: float
     sync_start: float
     sync_end: float
@@ -208,7 +280,7 @@ def simulate(plan: Plan, problem: PlannerProblem, rates: Sequence[float] | Mappi
                          f"{problem.num_devices} and {problem.num_layers}")
     comm = problem.comm
     fwd_share = 1.0 / (1.0 + options.backward_ratio)
-    eng = EventEngine()
+    eng = EventEngine(options.corun_slowdown)
     # Per stage: compute time, p2p time of its outgoing boundary (half per direction).
     info = []
     for i, pipe in enumerate(plan.pipelines):
@@ -217,6 +289,10 @@ def simulate(plan: Plan, problem: PlannerProblem, rates: Sequence[float] | Mappi
             y = stage_rate(problem, st.devices, x)
             row.append((y, y * st.num_layers))
         info.append(row)
+
+    def host(st) -> tuple | None:
+        """(node, devices) of a stage, for co-run interference (a TP group never spans nodes)."""
+        return (plan.node_of(st.devices[0]), len(st.devices)) if options.corun_slowdown > 0 else None
 
     def boundary(pipe_idx: int, j: int) -> float:
         """p2p per micro-batch (fwd + bwd) between stage j and j+1."""
@@ -236,9 +312,10 @@ def simulate(plan: Plan, problem: PlannerProblem, rates: Sequence[float] | Mappi
             down = boundary(i, j) / 2 if j < S - 1 else 0.0   # forward output to j+1
             up = boundary(i, j - 1) / 2 if j > 0 else 0.0     # backward gradient to j-1
             live = peak = 0
+            share = host(pipe.stages[j])
             for kind, k in one_f_one_b(S, j, m):
                 dur = c * fwd_share if kind == "F" else c * (1 - fwd_share)
-                op = eng.add((kind, i, j, k), ("gpu", i, j), dur)
+                op = eng.add((kind, i, j, k), ("gpu", i, j), dur, share=share)
                 compute_ids[(kind, i, j, k)] = arrive[(kind, i, j, k)] = last_op[(i, j)] = op
                 send = down if kind == "F" else up
                 if send > 0 and blocking:
@@ -258,6 +335,14 @@ def simulate(plan: Plan, problem: PlannerProblem, rates: Sequence[float] | Mappi
                         s_op = eng.add(("send" + kind, i, j, k), ("link", i, j, kind), send)
                         eng.depend(s_op, compute_ids[(kind, i, j, k)])
                         arrive[(kind, i, j, k)] = s_op
+        for j in range(S):   # hand-off latency: a delay on a private resource, after any transfer
+            for kind, lat, ok in (("F", options.handoff[0], j < S - 1), ("B", options.handoff[1], j > 0)):
+                if not ok or lat <= 0:
+                    continue
+                for k in range(m):
+                    h_op = eng.add(("handoff" + kind, i, j, k), ("handoff", i, j, kind, k), lat)
+                    eng.depend(h_op, arrive[(kind, i, j, k)])
+                    arrive[(kind, i, j, k)] = h_op
         for j in range(S):
             for k in range(m):
                 if j > 0:
@@ -287,7 +372,7 @@ def simulate(plan: Plan, problem: PlannerProblem, rates: Sequence[float] | Mappi
             sync_ids[(i, j)] = s_op
             opt = (options.optimizer_per_block * st.num_layers * (problem.tp / st.tp)
                    * max(x[d] for d in st.devices))
-            t_op = eng.add(("step", i, j, -1), ("gpu", i, j), opt)
+            t_op = eng.add(("step", i, j, -1), ("gpu", i, j), opt, share=host(st))
             eng.depend(t_op, s_op)
             step_ids[(i, j)] = t_op
     eng.run()

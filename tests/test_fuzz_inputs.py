@@ -1,0 +1,141 @@
+"""Property-based fuzzing of every user-facing input: job and scenario files, rate arguments, and
+the coordinator's client calls. The only acceptable outcomes are success or the project's own
+clear error (ConfigError naming the field / MalleusError saying why); a refused call changes
+nothing. Any other exception is a traceback from deep inside, and fails."""
+from __future__ import annotations
+
+import copy
+import math
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from malleus_svc.config import ConfigError
+from malleus_svc.config.job import JobConfig
+from malleus_svc.config.scenario import Scenario
+from malleus_svc.control.coordinator import JobCoordinator, MalleusError
+from malleus_svc.service.commands import parse_rate_assignments
+
+REPO = Path(__file__).resolve().parent.parent
+BASE = yaml.safe_load((REPO / "examples/tiny_job.yaml").read_text())
+BASE["checkpoint"] = {"dir": "/tmp/x", "every": 2, "keep": 2}
+BASE["metrics"] = {"host": "127.0.0.1", "port": 0}
+BASE["rates"] = {1: 2.0}
+BASE["emulate"] = [{"device": 3, "factor": 3.0, "at_step": 4, "until_step": 8}]
+
+junk = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=8)
+
+
+def _paths(d, prefix=()):
+    """Every key path of a nested mapping/list (the places a mutation can hit)."""
+    out = [prefix] if prefix else []
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out += _paths(v, prefix + (k,))
+    elif isinstance(d, list):
+        for i, v in enumerate(d):
+            out += _paths(v, prefix + (i,))
+    return out
+
+
+PATHS = _paths(BASE)
+
+
+@st.composite
+def mutated_job(draw):
+    doc = copy.deepcopy(BASE)
+    for _ in range(draw(st.integers(1, 3))):
+        path = draw(st.sampled_from(PATHS))
+        parent = doc
+        try:
+            for k in path[:-1]:
+                parent = parent[k]
+            if draw(st.booleans()) and isinstance(parent, dict):
+                parent.pop(path[-1], None)                 # a missing field
+            else:
+                parent[path[-1]] = draw(junk)               # a wrong value
+        except (KeyError, IndexError, TypeError):           # an earlier mutation removed the parent
+            pass
+    if draw(st.booleans()):
+        doc[draw(st.text(min_size=1, max_size=8))] = draw(junk)   # an unknown key
+    return doc
+
+
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@FUZZ
+@given(mutated_job())
+def test_job_files_either_load_or_name_the_field(doc):
+    try:
+        job = JobConfig.from_dict(doc)
+    except ConfigError as e:
+        assert e.field and e.accepted, e
+        return
+    assert job.num_devices >= 1 and job.train.steps >= 1
+
+
+@FUZZ
+@given(mutated_job())
+def test_scenarios_either_load_and_plan_or_name_the_field(doc):
+    from malleus_svc.planner import InfeasibleError
+    scenario_doc = {k: v for k, v in doc.items() if k not in ("data", "train", "emulate", "ray", "metrics", "checkpoint")}
+    try:
+        problem = Scenario.from_dict(scenario_doc).problem()
+    except ConfigError as e:
+        assert e.field and e.accepted, e
+        return
+    except InfeasibleError as e:      # a valid file that no plan can satisfy: says why
+        assert str(e)
+        return
+    assert problem.num_devices >= 1
+
+
+@FUZZ
+@given(st.lists(st.text(max_size=10) | st.builds(lambda d, r: f"{d}={r}", st.integers(-5, 20),
+                                                   st.floats(allow_nan=True, allow_infinity=True)), max_size=4))
+def test_rate_arguments_either_parse_or_name_the_item(items):
+    try:
+        out = parse_rate_assignments(items)
+    except ConfigError as e:
+        assert e.value in items
+        return
+    assert all(d >= 0 and math.isfinite(r) and r >= 1.0 for d, r in out.items())
+
+
+@pytest.fixture(scope="module")
+def coordinator():
+    """The real coordinator object with a plan in force, without workers: client calls are
+    validated before anything touches a worker, and that is what is fuzzed here."""
+    from malleus_svc.runtime.trainer import make_plan
+    job = JobConfig.from_dict({k: v for k, v in BASE.items() if k not in ("checkpoint", "rates")})
+    c = JobCoordinator(job, static=False)
+    c.plan, c.state = make_plan(job), "training"
+    c._start_round = lambda: None         # no planner thread: requests stay queued, visible below
+    return c
+
+
+calls = st.sampled_from(["set_rates", "exclude", "include", "replan", "emulate"])
+
+
+@FUZZ
+@given(calls, junk, junk)
+def test_client_calls_are_validated_and_refused_calls_change_nothing(coordinator, method, a, b):
+    c = coordinator
+    before = (c.plan.plan_id, dict(c.external), set(c.excluded), len(c._pending), dict(c._manual_slowdown))
+    try:
+        getattr(c, method)(a) if method != "replan" else c.replan(a, bool(b))
+    except MalleusError as e:
+        assert str(e)
+        assert (c.plan.plan_id, dict(c.external), set(c.excluded), len(c._pending), dict(c._manual_slowdown)) == before
+    finally:   # a call that was valid is undone, so every example starts from the same state
+        c.external.clear(); c.excluded.clear(); c._pending.clear(); c._manual_slowdown.clear()
+    assert c.plan.plan_id == before[0]     # a request never changes the plan in force by itself
