@@ -194,7 +194,7 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
                     say(f"[{job.name}] {ev['kind']} at step {ev['step']}: {ev['text'].splitlines()[0]}")
             if st["events"]:
                 events_seen = max(events_seen, max(ev["time"] for ev in st["events"]))
-            if st["state"] in ("done", "failed", "stopped") and seen >= st["step"]:
+            if st["state"] in ("done", "failed", "stopped"):   # lines were read after the status: all are in
                 break
             time.sleep(poll_s)
         summ = ray.get(handle.summary.remote())

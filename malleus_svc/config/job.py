@@ -2,7 +2,8 @@
 
 Format (YAML or JSON); every scenario section (see scenario.py) plus:
 
-    data:    {source: synthetic, seq_len: 64, num_samples: 512, vocab: 256, mode: pack, seed: 0}
+    data:    {source: synthetic, seq_len: 64, num_samples: 512, vocab: 256, mode: pack, seed: 0,
+              assignment: fixed}   # or length-aware: sequences dealt by predicted time (control/assign.py)
              # python-stdlib also takes corpus_split (pack | documents) and max_files
     train:   {steps: 10, seed: 0, lr: 3.0e-4, weight_decay: 0.0, grad_clip: 1.0, betas: [0.9, 0.95]}
     emulate: [{device: 3, factor: 3.0, at_step: 2, until_step: 6}]   # demos/tests only, default none
@@ -32,6 +33,9 @@ DATA_SOURCES = ("synthetic", "python-stdlib")
 # How samples become a micro-batch (datasets.collate): "pack" concatenates variable-length samples
 # into one row (no padding), "pad" pads every sample to seq_len.
 DATA_MODES = ("pack", "pad")
+# How a global batch is dealt to pipelines and micro-batches: the plan's fixed split (contiguous
+# slices, micro_batch_size samples each) or length-aware (control/assign.py: balance time, not samples).
+ASSIGNMENTS = ("fixed", "length-aware")
 # How the python-stdlib corpus is cut into samples: fixed chunks ("pack") or one file per sample,
 # split at seq_len + 1 ("documents": variable lengths).
 CORPUS_SPLITS = ("pack", "documents")
@@ -47,6 +51,7 @@ class DataConfig:
     seed: int = 0
     corpus_split: str = "pack"        # python-stdlib only
     max_files: int | None = None      # python-stdlib only: use the first files (sorted), for speed
+    assignment: str = "fixed"         # fixed | length-aware (pack mode only)
 
     def spec(self) -> dict[str, Any]:
         """The dataset spec `runtime.datasets.build_dataset` reads."""
@@ -183,7 +188,10 @@ def _parse_data(s: Section, shape) -> DataConfig:
         seed=s.int("seed", 0, minimum=0),
         corpus_split=split,
         max_files=max_files,
+        assignment=s.choice("assignment", ASSIGNMENTS, "fixed"),
     )
+    if cfg.assignment == "length-aware" and cfg.mode != "pack":
+        raise s.error("assignment", cfg.assignment, "length-aware needs mode: pack (padded rows all cost the same)")
     s.done()
     return cfg
 

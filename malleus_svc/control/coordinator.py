@@ -133,6 +133,8 @@ class JobCoordinator:
         self.metrics_export = None              # JobMetrics once set up (metrics.py)
         self.plan_version = 0
         self._writer = None                     # CheckpointWriter when job.checkpoint.dir is set
+        self._length_cost = None                # lengths.LengthCost when data.assignment is length-aware
+        self._lookahead = None
         self.resumed_from: dict | None = None   # the checkpoint this run started from
         self.restarted = _was_restarted()
         from malleus_svc.runtime.straggler import EmulationSchedule
@@ -238,6 +240,8 @@ class JobCoordinator:
                 self.estimator.set_probe_baseline(dv, s)
             self.state = "ready"
             self._start_metrics(plan)
+            if job.data.assignment == "length-aware":
+                self._start_length_aware()
             self.history.append({"round": 0, "outcome": "initial", "time": time.time(), "step": 0,
                                  "reason": "initial plan", "requests": [], "old_plan_id": None,
                                  "new_plan_id": plan.plan_id, "new_plan": plan.to_dict(),
@@ -246,6 +250,23 @@ class JobCoordinator:
             self._event("start", f"plan {plan.plan_id}: {len(plan.pipelines)} pipelines, suspended "
                                  f"{list(plan.suspended)}, excluded {list(plan.excluded)}")
         return self.status()
+
+    def _start_length_aware(self) -> None:
+        """(lock held) Fit the per-layer time of a micro-batch from its sequence lengths on this
+        machine (lengths.run_sweep through the runtime's own blocks), for `assign`."""
+        from malleus_svc.lengths import run_sweep
+
+        from .assign import Lookahead
+        self._length_cost, report = run_sweep(self.job.shape, layers=min(2, self.job.shape.layers), repeats=9)
+        self._lookahead = Lookahead()
+        self._event("lengths", f"length cost fitted: {report['coeffs_per_layer']}, held-out error "
+                               f"{report.get('test_max_abs_error', float('nan')):.1%}")
+
+    def _assignment(self, ids: list[int], plan: Plan):
+        from .assign import assign
+        lengths = self.group.dataset.lengths
+        return assign(ids, [int(lengths[i]) for i in ids], plan, self._length_cost, self.effective_rates(),
+                      plan.micro_batch_size * self.job.data.seq_len)
 
     def _begin_at(self, step: int) -> None:
         """(lock held) Training starts at `step` (0, or a checkpoint's): warm-up counts from here."""
@@ -338,6 +359,8 @@ class JobCoordinator:
             self.group.shutdown()
         if self.metrics_export is not None:
             self.metrics_export.close()
+        if self._lookahead is not None:
+            self._lookahead.close()
         self.state = "stopped" if self.state != "failed" else self.state
 
     # ================================================================== the training loop
@@ -372,8 +395,13 @@ class JobCoordinator:
         probes = [group.workers[d].probe.remote() for d in suspended]
         if self._t_start is None:
             self._t_start = time.perf_counter()
+        assignment = None
+        if self._lookahead is not None:   # this batch's, prepared during the last step; the next one's now
+            assignment = self._lookahead.take((plan.plan_id, tuple(ids)), self._assignment, ids, plan)
+            nxt = self.sampler.peek(0, plan.global_batch)
+            self._lookahead.prepare((plan.plan_id, tuple(nxt)), self._assignment, nxt, plan)
         try:
-            rec = group.step(ids)
+            rec = group.step(ids, assignment)
         except WorkerGroupError as e:
             rec = self._recover(e, before)
             if rec is None:        # the batch is given back to the sampler and the step redone

@@ -33,7 +33,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from malleus_svc.plan import Plan
 
-from .data import split_for_plan
+from .data import check_assignment, split_for_plan
 from .worker import WORKER
 
 log = logging.getLogger(__name__)
@@ -333,13 +333,18 @@ class WorkerGroup:
         tokens = len(ids) * self.seq_len if self.data_mode == "pad" else loss
         return tokens, loss
 
-    def step(self, sample_ids: Sequence[int]) -> StepRecord:
-        """One iteration on the global batch `sample_ids` under the applied plan."""
+    def step(self, sample_ids: Sequence[int], assignment=None) -> StepRecord:
+        """One iteration on the global batch `sample_ids` under the applied plan: the plan's fixed
+        split, or `assignment` (per pipeline, per micro-batch, sample ids; checked exactly-once)."""
         if self.plan is None or self.dataset is None:
             raise WorkerGroupError("apply_plan and set_data must run before step")
         plan = self.plan
         t0 = time.perf_counter()
-        splits = split_for_plan(sample_ids, plan)
+        if assignment is None:
+            splits = split_for_plan(sample_ids, plan)
+        else:
+            check_assignment(sample_ids, assignment, plan)
+            splits = [[list(map(int, mb)) for mb in pipe] for pipe in assignment]
         tokens, loss_tokens = self.count_tokens(sample_ids)
         roles = plan.roles()
         devices = sorted(roles)

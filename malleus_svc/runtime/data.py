@@ -148,6 +148,19 @@ class GlobalSampler:
                 f"position={self.position}, epoch={self.epoch})")
 
 
+def check_assignment(indices: Sequence[int], assignment: Sequence[Sequence[Sequence[int]]], plan: Plan) -> None:
+    """A given assignment (per pipeline, per micro-batch, sample ids) must use every sample of the
+    global batch exactly once and give every pipeline at least one micro-batch."""
+    if len(assignment) != len(plan.pipelines):
+        raise DataError(f"assignment has {len(assignment)} pipelines, plan {plan.plan_id} has {len(plan.pipelines)}")
+    if any(not pipe or any(not mb for mb in pipe) for pipe in assignment):
+        raise DataError("assignment has a pipeline without micro-batches or an empty micro-batch")
+    used = sorted(int(i) for pipe in assignment for mb in pipe for i in mb)
+    if used != sorted(int(i) for i in indices):
+        raise DataError(f"assignment does not use the global batch's {len(indices)} samples exactly once "
+                        f"({len(used)} used)")
+
+
 def split_for_plan(indices: Sequence[int], plan: Plan) -> list[list[list[int]]]:
     """Per pipeline, per micro-batch, the sample indices of one global batch under `plan`.
 
