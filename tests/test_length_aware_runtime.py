@@ -78,3 +78,26 @@ def test_assign_deals_every_sequence_once_and_balances_time():
     assert predicted(out) < 0.8 * predicted(fixed), (predicted(out), predicted(fixed))
     tokens = [sum(lengths[i] for mb in pipe for i in mb) for pipe in out]
     assert tokens[1] < tokens[0]                                  # the straggling pipeline gets less
+
+
+def test_a_drift_of_the_sampled_lengths_asks_for_a_re_plan():
+    """The coordinator's length statistics: a stable distribution asks nothing; when the tail
+    doubles, a 'lengths' request is queued and the new distribution becomes the reference."""
+    import random
+
+    from malleus_svc.control.coordinator import JobCoordinator
+    from malleus_svc.runtime.trainer import make_plan
+
+    cfg = job("drift", "fixed")
+    c = JobCoordinator(cfg)
+    c.plan, c.state = make_plan(cfg), "training"
+    c._start_round = lambda: None          # keep requests queued (no planner thread): we inspect them
+    rng = random.Random(0)
+    for _ in range(20):
+        c._observe_lengths([int(rng.lognormvariate(3.0, 0.5)) + 1 for _ in range(16)])
+    assert not c._pending and c.last_drift is None
+    for _ in range(8):
+        c._observe_lengths([2 * int(rng.lognormvariate(3.0, 0.5)) + 1 for _ in range(16)])
+    kinds = [r.kind for r in c._pending]
+    assert kinds == ["lengths"], kinds
+    assert c.last_drift["drifted"] and ("p90" in c.last_drift["reason"] or "p99" in c.last_drift["reason"])

@@ -170,6 +170,9 @@ class JobCoordinator:
         self._factors: dict[int, float] = {}
         self._lengths: deque = deque(maxlen=length_window)
         self._last_length_stats: dict | None = None
+        # the sampled lengths' distribution: a shift of its high quantiles is a reason to re-plan
+        self.length_drift = _drift_detector()
+        self.last_drift: dict | None = None
         self._probe_baseline: dict[int, float] = {}
         self._thread: threading.Thread | None = None
         self._done = threading.Event()
@@ -545,6 +548,7 @@ class JobCoordinator:
             if stats is not None:
                 self._last_length_stats = stats
                 self._lengths.append(stats)
+                self._observe_lengths(batch_lengths)
             # seconds per planner objective unit, under the rates measured now (after calibration)
             if self.calibrated:
                 try:
@@ -553,6 +557,17 @@ class JobCoordinator:
                         self._unit_seconds.append(rec.iteration_seconds / obj)
                 except Exception:  # a plan the current problem cannot evaluate: skip the sample
                     pass
+
+    def _observe_lengths(self, lengths) -> None:
+        """(lock held) Feed the drift detector; a drift asks for a re-plan and becomes the new reference."""
+        rep = self.length_drift.observe(int(n) for n in lengths)
+        if rep.drifted:
+            self.last_drift = {"step": self.step, **rep.to_dict()}
+            # the next window of batches (all after the shift) is the new reference; rebasing on the
+            # recent window instead, half old and half new, would report the same shift again
+            self.length_drift = _drift_detector()
+            if not self.static:
+                self._submit("lengths", f"length distribution drifted: {rep.reason}")
 
     def effective_rates(self) -> dict[int, float]:
         """Measured rates with external ones (set_rates) taking precedence, device by device."""
@@ -903,6 +918,7 @@ class JobCoordinator:
                 "avg_tokens_per_second": self._tokens_total / elapsed if elapsed > 0 else None,
                 "healthy_tokens_per_second": self.healthy_tokens_per_second,
                 "length_stats": self._last_length_stats,
+                "length_drift": self.last_drift,
                 "history": len(self.history),
                 "migrations": sum(1 for h in self.history if h["outcome"] == "applied"),
                 "events": list(self.events)[-10:],
@@ -943,6 +959,11 @@ def describe_plan(plan: Plan | dict) -> str:
     extra = f" susp {list(d.get('suspended') or [])}" if d.get("suspended") else ""
     extra += f" excl {list(d.get('excluded') or [])}" if d.get("excluded") else ""
     return " ".join(pipes) + extra
+
+
+def _drift_detector():
+    from malleus_svc.lengths import DriftDetector
+    return DriftDetector(window=8, threshold=0.25, min_samples=64)
 
 
 def _is_number(v: Any) -> bool:
