@@ -24,17 +24,19 @@ directly or fitted on runs that are not the evaluated plans:
     fp32); a delay on no stream (`SimOptions.handoff`);
   * co-run interference κ (`SimOptions.corun_slowdown`): while the other device of the node
     computes (another stage or pipeline), compute runs 1 + κ times longer; fitted by 1-D least
-    squares (relative residuals) through the simulator on the three profiling runs in which both
+    squares (relative residuals) through the simulator on the profiling runs in which both
     devices compute at once.
 
 Profiling and fit, in this order:
   1. links, between two fresh processes before the workers start: the hand-off ping-pong, and
      the gradient all-reduce of a DP2 plan (the whole model's fp32 gradient in one buffer, as
      GradientSync sends it), whose lower quartile / 8 blocks is grad_sync_per_block;
-  2. single-stage runs at TP1 (device 1 suspended) and TP2 for m = 2, 4, 6: least squares on
+  2. single-stage runs at TP1 (device 1 suspended) and TP2 for m = 2, 6, 10: least squares on
      T = m·L·t_g + opt·L·(tp/g) + D gives t1, t2, the optimizer seconds per full-TP block and D,
      a per-iteration constant the simulator does not model (fit A: D = 0; fit B: D fitted);
-  3. κ from PP2 (blocks 3/5, m = 4), PP2 (5/3, m = 6) and DP2 (m = 2/2).
+  3. κ from five runs in which both devices compute at once: PP2 (blocks 3/5, m = 4 and 10;
+     5/3, m = 6) and DP2 (m = 2/2 and 6/6). Each run alone gives κ to about ±0.1 (the machine's
+     speed drifts by several percent from minute to minute), which moves a PP2 prediction by ±6%.
 
 Measuring: every plan (profiling and validation) is measured in each of `--rounds` interleaved
 rounds (apply the plan, one warm-up step, `--steps` timed steps; odd rounds in reverse order), so
@@ -68,6 +70,10 @@ from .planner import write_section
 LAYERS = 8       # the `small` preset
 DEVICES = 2
 TARGET = 0.15
+# Micro-batch counts of the single-stage profiling runs. They bracket the validation plans' m = 8,
+# so the compute fit interpolates: an independent error σ in each run's minimum becomes 1.5σ at
+# m = 8 when extrapolated from m = 2, 4, 6 (the slope's error times the lever arm), 0.7σ from 2, 6, 10.
+SINGLE_M = (2, 6, 10)
 
 
 # ----------------------------------------------------------------------------- plans
@@ -97,11 +103,13 @@ def profile_plans(mbs: int = 1) -> dict[str, tuple[str, Plan]]:
     """name -> (kind, plan); kind: 'single' (compute fit) or 'corun' (κ: both devices compute at once)."""
     out: dict[str, tuple[str, Plan]] = {}
     for g in (1, 2):
-        for m in (2, 4, 6):
+        for m in SINGLE_M:
             out[f"tp{g} 1-stage m={m}"] = ("single", single_stage(g, m, mbs))
     out["PP2 3/5 m=4"] = ("corun", pp2(3, 4, mbs))
     out["PP2 5/3 m=6"] = ("corun", pp2(5, 6, mbs))
+    out["PP2 3/5 m=10"] = ("corun", pp2(3, 10, mbs))
     out["DP2 m=2/2"] = ("corun", dp2(2, 2, mbs))
+    out["DP2 m=6/6"] = ("corun", dp2(6, 6, mbs))
     return out
 
 
@@ -487,7 +495,7 @@ def run(steps: int, rounds: int, mbs: int, seq_len: int, repeats: int = 100) -> 
                     "predicted_s": pred, "error": (pred - T) / T,
                     "predicted_with_constant_s": pred_d, "error_with_constant": (pred_d - T) / T,
                     "predicted_without_handoff_corun_s": bare, "error_without_handoff_corun": (bare - T) / T,
-                    "cpu_at_min_s": s.summary()["cpu_at_min_s"]})
+                    "cpu_at_min_s": s.summary()["cpu_at_min_s"], "times_s": list(s.times)})
     return coeffs, out
 
 
@@ -555,8 +563,8 @@ def table(coeffs: dict, rows: list[dict]) -> str:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="malleus bench calibrate", description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=4, help="timed steps per plan per round (one more warms up)")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all plans")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per plan per round (one more warms up)")
+    ap.add_argument("--rounds", type=int, default=6, help="interleaved rounds over all plans")
     ap.add_argument("--micro", type=int, default=1, help="samples per micro-batch")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--write", metavar="MD", help="update this markdown file's calibrate section")
