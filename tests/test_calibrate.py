@@ -10,7 +10,7 @@ import pytest
 from malleus_svc.bench import BENCHES
 from malleus_svc.bench.calibrate import (LAYERS, ComputeFit, Handoff, Samples, Terms, boundary_bytes, build_problem,
                                          calibrate_from, fit_compute, fit_corun, fit_handoff, fit_line, fit_monotone,
-                                         model_floats, one_way, pp2, profile_plans, sim_seconds, table,
+                                         measure_rounds, model_floats, one_way, pp2, profile_plans, sim_seconds, table,
                                          validation_plans)
 from malleus_svc.config.presets import PRESETS
 from malleus_svc.plan import Plan
@@ -178,6 +178,36 @@ def test_samples_and_table():
     md = table(coeffs, [row])
     assert "κ = 0.120" in md and "| p | 0.400 |" in md and "+5.0% | -10.0% |" in md and "| yes |" in md
     assert "fit B: optimizer and D within 3x the fit RMS" in md      # 8 ms < 3 · 5 ms; D negative
+
+
+def test_measure_rounds_interleaves_and_skips_the_warm_up():
+    """A stand-in WorkerGroup: every plan in every round (odd rounds backwards), one warm-up step
+    dropped per apply, the busiest device's compute CPU kept beside each time."""
+    class Rec:
+        def __init__(self, t):
+            self.iteration_seconds, self.devices = t, {0: {"compute_seconds": t / 2}, 1: {"compute_seconds": None}}
+
+    class Group:
+        def __init__(self):
+            self.log, self.t = [], 0.0
+
+        def apply_plan(self, plan, shape, seed, optim):
+            self.log.append(plan.pipelines[0].micro_batches)
+
+        def step(self, ids):
+            self.t += 1.0
+            return Rec(self.t)
+
+    class Sampler:
+        def next_index(self):
+            return 0
+
+    plans = {"a": pp2(4, 2), "b": pp2(4, 3)}
+    g = Group()
+    out = measure_rounds(g, plans, None, Sampler(), rounds=3, steps=2, optim=None)
+    assert g.log == [2, 3, 3, 2, 2, 3]
+    assert out["a"].times == [2.0, 3.0, 11.0, 12.0, 14.0, 15.0] and out["b"].times == [5.0, 6.0, 8.0, 9.0, 17.0, 18.0]
+    assert out["a"].cpu == [t / 2 for t in out["a"].times] and len(out["a"].loads) == 6
 
 
 def test_registered():

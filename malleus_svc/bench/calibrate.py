@@ -12,8 +12,9 @@ activation costs a fraction of a millisecond end to end. What made PP2 (and DP2)
 single-device runs predict is not the hand-off but the host: with both cores computing, every
 other thread on the machine (Ray's, the OS's, other jobs') is taken out of a worker's compute,
 while a single-device run leaves the second core to them. A replay of measured PP2 steps
-through the 1F1B graph with each op's measured wall time and zero hand-off reproduces the
-measured schedule to 0.5-2.5%; with each op's thread CPU time it is 11-20% short (quiet machine).
+(instrumented workers, quiet machine) through the 1F1B graph with each op's measured wall time
+and zero hand-off reproduces the measured schedule to 0.5-4%; with each op's thread CPU time it
+is 4-21% short.
 
 So the simulator has two physical terms besides compute and gradient reduction, each measured
 directly or fitted on runs that are not the evaluated plans:
@@ -42,8 +43,9 @@ Measuring: every plan (profiling and validation) is measured in each of `--round
 rounds (apply the plan, one warm-up step, `--steps` timed steps; odd rounds in reverse order), so
 the fit and the validation see the same machine; the estimate of a plan's iteration time is the
 minimum over all its timed steps (on a shared machine other processes only ever add time), the
-lower quartile and median are shown beside it, with the 1-minute load average over its steps and
-the busiest device's compute thread CPU time at the minimum step (wall − CPU: what was stolen).
+lower quartile and median are shown beside it, with the 1-minute load average over its steps (the
+bench's own two busy workers count about 2 of it) and the busiest device's compute thread CPU time
+at the minimum step (wall − CPU: waiting, and time other threads took).
 
 Validation (plans not used in the fit): uniform PP2, uneven-layers PP2, DP2 uneven data,
 TP2 vs split (TP1 with the other device suspended), each at m = 8 (DP: 5 + 3). Reported:
@@ -138,7 +140,8 @@ class Terms:
     """The simulator's terms besides compute, in seconds (converted to t0 units in build_problem)."""
     handoff: tuple[float, float] = (0.0, 0.0)   # s per micro-batch per boundary: (activation, gradient)
     corun: float = 0.0                           # κ, dimensionless
-    sync: float = 0.0                            # s per block, grad all-reduce at full TP
+    sync: float = 0.0                            # s per block: all-reduce of a whole block's gradient
+                                                 # (a holder in a TP group of g reduces its 1/g shard)
     p2p: float = 0.0                             # s per boundary per micro-batch on the sender (CommCosts): 0 here,
                                                  # the runtime's sender does not block (see the hand-off)
 
@@ -186,7 +189,7 @@ def fit_line(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, f
 
 
 def fit_monotone(f: Callable[[float], float], lo: float = 0.0, hi: float = 4.0, tol: float = 1e-5) -> float:
-    """argmin of a unimodal f on [lo, hi] by golden section (the κ fit: sum of squared errors)."""
+    """argmin of a unimodal f on [lo, hi] by golden section (the κ fit's sum of squared errors)."""
     g = (math.sqrt(5) - 1) / 2
     a, b = lo, hi
     c, d = b - g * (b - a), a + g * (b - a)
@@ -236,7 +239,8 @@ def sim_seconds(plan: Plan, fit: ComputeFit, mbs: int, seq_len: int, terms: Term
 
 def fit_corun(runs: Sequence[tuple[Plan, float]], fit: ComputeFit, mbs: int, seq_len: int, terms: Terms) -> float:
     """κ minimising Σ ((simulate(κ) + D − T) / T)² over the runs (relative: runs of different lengths
-    count alike). The simulated time grows monotonically with κ, so the objective is unimodal."""
+    count alike). Each simulated time grows monotonically and nearly linearly with κ, so the
+    objective is close to a parabola, which the golden-section search needs (unimodal)."""
     import dataclasses
 
     def sse(k: float) -> float:

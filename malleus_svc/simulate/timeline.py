@@ -138,19 +138,20 @@ class EventEngine:
                 dependents[d].append(i)
         head = {r: 0 for r in self.queues}
         busy = {r: False for r in self.queues}
-        heap: list[tuple[float, int, int]] = []   # (end, op, version): stale versions are skipped
+        heap: list[tuple] = []   # (end, op), or (end, op, version) when sharing: stale versions are skipped
         done = 0
         kappa = self.corun_slowdown
-        # processor sharing state (used only when kappa > 0)
-        running: dict = {}                 # host -> set of running shared ops
-        load: dict = {}                    # host -> devices of its running shared ops
-        left = [o.duration for o in ops]   # remaining work
-        rate = [1.0] * len(ops)
-        since = [0.0] * len(ops)           # time of the last re-timing
-        version = [0] * len(ops)
+        fluid = kappa > 0 and any(o.share is not None and o.duration > 0 for o in ops)
+        if fluid:   # processor sharing state
+            running: dict = {}                 # host -> running shared ops
+            load: dict = {}                    # host -> devices of its running shared ops
+            left = [o.duration for o in ops]   # remaining work
+            rate = [1.0] * len(ops)
+            since = [0.0] * len(ops)           # time of the last re-timing
+            version = [0] * len(ops)
 
         def shared(i: int) -> bool:
-            return kappa > 0 and ops[i].share is not None and ops[i].duration > 0
+            return fluid and ops[i].share is not None and ops[i].duration > 0
 
         def retime(host, now: float) -> None:
             for j in running[host]:
@@ -177,22 +178,24 @@ class EventEngine:
                 retime(host, now)
             else:
                 op.end = now + op.duration
-                heapq.heappush(heap, (op.end, i, version[i]))
+                heapq.heappush(heap, (op.end, i, version[i]) if fluid else (op.end, i))
 
         for r in self.queues:
             try_start(r, 0.0)
         while heap:
-            now, i, ver = heapq.heappop(heap)
-            if ver != version[i]:
-                continue
+            if fluid:
+                now, i, ver = heapq.heappop(heap)
+                if ver != version[i]:
+                    continue
+                ops[i].end = now
+                if shared(i):
+                    host = ops[i].share[0]
+                    running[host].discard(i)
+                    load[host] -= ops[i].share[1]
+                    retime(host, now)
+            else:
+                now, i = heapq.heappop(heap)
             done += 1
-            ops[i].end = now
-            if shared(i):
-                host = ops[i].share[0]
-                running[host].discard(i)
-                load[host] -= ops[i].share[1]
-                left[i] = 0.0
-                retime(host, now)
             r = ops[i].resource
             busy[r] = False
             head[r] += 1
