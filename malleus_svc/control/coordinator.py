@@ -455,8 +455,9 @@ class JobCoordinator:
         if rep.source != "replicas":
             ckpt = self._latest_checkpoint()
             if ckpt is None:
-                raise MalleusError(f"devices {rep.lost} were lost and hold layers no other device has, and there is "
-                                   "no checkpoint to restore them from (set checkpoint.dir and checkpoint.every)")
+                raise MalleusError(f"devices {rep.lost} were lost and the survivors cannot rebuild the model "
+                                   f"({self.group.last_recovery_error}); there is no checkpoint to restore it from "
+                                   "(set checkpoint.dir and checkpoint.every)")
             from malleus_svc.checkpoint import restore_group
             step = restore_group(self.group, ckpt, self.sampler)
             with self._lock:

@@ -142,6 +142,7 @@ class WorkerGroup:
         self._started = False
         self._data_args: tuple | None = None   # (spec, mode, seq_len): a replacement worker needs them too
         self._inflight: dict = {}              # train_step refs of the step in progress -> device
+        self.last_recovery_error: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "WorkerGroup":
@@ -407,7 +408,6 @@ class WorkerGroup:
                 except Exception:   # dead, or not answering even on its control thread
                     lost.add(d)
         survivors = [d for d in sorted(self.plan.roles()) if d not in lost]
-        completed = bool(results) and all(d in results for d in survivors)
         exports = dict(zip(survivors, self._get([self.workers[d].export_state.remote() for d in survivors],
                                                 "export_state", devices=survivors)))
         for d in sorted(lost):
@@ -423,18 +423,23 @@ class WorkerGroup:
         spec, mode, seq_len = self._data_args
         self._get([self.workers[d].set_data.remote(spec, mode, seq_len) for d in sorted(lost)], "set_data")
         self.apply_plan(self.plan, self.shape, seed=self.seed, optim=self.optim)
-        source = "none"
+        # A survivor whose step returned has applied its optimizer update; one whose step failed has
+        # not (every collective precedes the update, but a collective can complete on some ranks
+        # before a peer dies). Rebuild from the newest copies: if they cover the whole model, the
+        # step counts; if no survivor finished, they are the state before it and it is redone.
+        newest = max((st.step for ex in exports.values() for st in ex.values()), default=0)
+        current = [{n: st for n, st in ex.items() if st.step == newest} for ex in exports.values()]
+        source, self.last_recovery_error = "none", None
         try:
             from .engine import assemble_full
-            self.load_full_state(assemble_full(list(exports.values())))
+            self.load_full_state(assemble_full(current))
             source = "replicas"
-        except (ValueError, WorkerGroupError) as e:
-            # a slice (or whole layer) held only by lost devices, or survivors at different steps
-            log.warning("state cannot be rebuilt from the survivors: %s", str(e).splitlines()[0])
+        except (ValueError, WorkerGroupError) as e:   # a slice (or layer) whose newest copy was on a lost device
+            self.last_recovery_error = str(e).splitlines()[0]
+            log.warning("state cannot be rebuilt from the survivors: %s", self.last_recovery_error)
         record = None
-        if completed and source == "replicas":
-            record = self._record(self.plan, {d: results[d] for d in survivors}, inflight["sample_ids"],
-                                  time.perf_counter() - inflight["t0"])
+        if results and source == "replicas":
+            record = self._record(self.plan, results, inflight["sample_ids"], time.perf_counter() - inflight["t0"])
         return RecoveryReport(lost=sorted(lost), source=source, completed=record is not None, record=record,
                               seconds=time.perf_counter() - t0)
 
