@@ -282,9 +282,14 @@ class JobCoordinator:
         if not cfg.enabled:
             return None
         from malleus_svc.checkpoint import CheckpointWriter, load_latest
-        ckpt = load_latest(cfg.dir, self.job.shape)   # damaged ones are skipped; a wrong model raises
-        self._writer = CheckpointWriter(cfg.dir, keep_last=cfg.keep)
-        return ckpt
+        if self._writer is None:   # one writer per job: a second would race the first's write in flight
+            self._writer = CheckpointWriter(cfg.dir, keep_last=cfg.keep)
+        from malleus_svc.checkpoint import CheckpointError
+        try:
+            self._writer.wait()    # a recovery reads what the last save wrote, never half of it
+        except CheckpointError as e:   # that save failed: the previous checkpoint is the good one
+            self._event("error", f"the last checkpoint write failed: {e}")
+        return load_latest(cfg.dir, self.job.shape)   # damaged ones are skipped; a wrong model raises
 
     def _checkpoint(self) -> None:
         """At an iteration boundary: gather (synchronous), write (in the background). A failed
