@@ -25,7 +25,8 @@ def ray_cluster():
         return
     # Workers import malleus_svc from the working tree, also when it is not installed.
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    ray.init(num_cpus=RAY_TEST_CPUS, include_dashboard=False, log_to_driver=True,
+    # address="local": always a cluster of our own, even when another `ray start` runs on this machine
+    ray.init(address="local", num_cpus=RAY_TEST_CPUS, include_dashboard=False, log_to_driver=True,
              runtime_env={"env_vars": env}, configure_logging=False)
     try:
         yield ray.get_runtime_context().gcs_address

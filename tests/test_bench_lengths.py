@@ -2,6 +2,7 @@
 oblivious baselines on their shared cost model, and the analytic cost coefficients scale as they should."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -11,7 +12,7 @@ from malleus_svc.bench import BENCHES
 from malleus_svc.bench import lengths as bl
 from malleus_svc.config.presets import preset
 from malleus_svc.costmodel.analytic import DeviceSpec, block_seconds
-from malleus_svc.lengths import PipelineSpec, predicted_time
+from malleus_svc.lengths import PipelineSpec, StageSpec, predicted_time
 
 
 # ------------------------------------------------------------------ the quick bench, run once
@@ -204,3 +205,96 @@ def test_oblivious_baselines():
     for mbs, p in zip(plan, pipes):
         packed = cost.pipeline_time([[lengths[i] for i in mb] for mb in mbs], p.stages)
         assert predicted_time([lengths[i] for mb in mbs for i in mb], p, cost) <= packed * (1 + 1e-12)
+
+
+# ------------------------------------------------------------------ event-simulator scoring
+def _sim_setup(pp, layers, rates=None, dp=1):
+    """A 70B setup with hand-made pipelines (memory not checked: timing only)."""
+    setup = bl.Setup("t", "llama-70b", nodes=dp * pp, dp=dp, tp=8, pp=pp)
+    cost = bl.length_cost(preset(setup.model), [8])
+    rates = rates or [1.0] * pp
+    pipes = [PipelineSpec(tuple(StageSpec(n, r, 8) for n, r in zip(layers, rates)), bl.CONTEXT) for _ in range(dp)]
+    return setup, pipes, cost, bl.sim_setup(setup, pipes, cost)
+
+
+def test_single_stage_simulation_equals_the_formula():
+    """One stage: the 1F1B timeline is the sum of the micro-batches, exactly the formula; then the gradient
+    reduction (blocks held by both pipelines) and the optimizer step, as the simulator charges them."""
+    setup, pipes, cost, ss = _sim_setup(1, [80], dp=2)
+    lengths = [30000, 2000, 700, 5000, 12000, 32768, 100]
+    plan = [[[0, 1], [2, 3]], [[4, 6], [5]]]
+    it, ends = bl.simulate_plan(plan, lengths, ss)
+    formula = bl.pipeline_times(plan, lengths, pipes, cost)
+    assert ends == pytest.approx(formula, rel=1e-12)
+    sync = ss.problem.comm.grad_sync_per_block * 80 / 8          # every block held by both pipelines, TP 8
+    step = ss.options.optimizer_per_block * 80
+    assert sync > 0 and step > 0
+    assert it == pytest.approx(max(formula) + sync + step, rel=1e-12)
+    # A straggling single stage scales the same way.
+    setup, pipes, cost, ss = _sim_setup(1, [80], rates=[2.5])
+    it, ends = bl.simulate_plan([[[0, 1, 2], [3]]], lengths[:4], ss)
+    assert ends[0] == pytest.approx(bl.pipeline_times([[[0, 1, 2], [3]]], lengths[:4], pipes, cost)[0], rel=1e-12)
+
+
+def test_two_uneven_stages_by_hand():
+    """Stages of 30 and 50 layers, micro-batches of work a then b (per layer), no p2p, no step:
+    s0 F0[0,10a] F1[10a,10a+10b]; s1 F0 from 10a, B0 ends 60a; s1 F1 from 60a (10b <= 50a), B1 ends 60a+50b;
+    s0 B0 [60a, 80a]; s0 B1 ends max(60a+50b, 80a) + 20b. The formula charges the larger micro-batch's fill."""
+    from malleus_svc.planner.problem import CommCosts
+    from malleus_svc.simulate import SimOptions
+    setup, pipes, cost, ss = _sim_setup(2, [30, 50])
+    ss = dataclasses.replace(ss, problem=dataclasses.replace(ss.problem, comm=CommCosts()),
+                             options=SimOptions(optimizer_per_block=0.0))
+    lengths = [16000, 4000, 9000, 20000]
+    plan = [[[0, 1], [2, 3]]]
+    a, b = (ss.coeffs.micro_batch([lengths[i] for i in mb]) for mb in plan[0])
+    assert 10 * b <= 50 * a and b > a
+    want = max(60 * a + 50 * b, 80 * a) + 20 * b
+    it, ends = bl.simulate_plan(plan, lengths, ss)
+    assert it == pytest.approx(want, rel=1e-12) and ends == [pytest.approx(want, rel=1e-12)]
+    formula = bl.pipeline_times(plan, lengths, pipes, cost)[0]
+    assert formula == pytest.approx(50 * a + 50 * b + 30 * b, rel=1e-12)   # Σ max + fill of the larger
+    # With the analytic p2p back (two nodes: InfiniBand), every boundary crossing adds to the critical path.
+    _, _, _, ss_p2p = _sim_setup(2, [30, 50])
+    assert ss_p2p.problem.comm.p2p_inter_node > 0
+    assert bl.simulate_plan(plan, lengths, ss_p2p)[0] > it
+
+
+def test_empty_pipeline_is_simulated_as_one_empty_micro_batch():
+    setup, pipes, cost, ss = _sim_setup(2, [40, 40], dp=2)
+    it, ends = bl.simulate_plan([[[0]], []], [1000], ss)
+    assert ends[1] == 0.0 and ends[0] > 0 and it > ends[0]
+
+
+def test_quick_bench_simulates_every_plan(quick):
+    configs, text, md, png = quick
+    assert "The same plans replayed in the event simulator" in text and "Event simulator" in text
+    for c in configs:
+        for it in c.iterations:
+            assert set(it.sim_iter) == set(bl.METHODS) and all(len(v) == c.setup.dp for v in it.sim_times.values())
+            for m in bl.METHODS:
+                # the simulator can beat the formula's fill (it times the real order), never the bottleneck's work
+                assert it.iter_s(m, True) >= max(it.sim_times[m])
+                assert 0.7 < it.iter_s(m, True) / it.iter_s(m) < 1.5, (c.name, m)
+        # length-aware balances pipelines in the simulator too
+        mean = {m: sum(c.gaps(m, True)) / len(c.iterations) for m in bl.METHODS}
+        assert mean["aware"] < mean["sampler"] and mean["aware"] < mean["ffd"], (c.name, mean)
+
+
+def test_one_f_one_b_stalls_on_mixed_sizes_the_formula_does_not_see():
+    """Why sampler-order loses more in the simulator than in the formula: in 1F1B's steady state a stage
+    runs the forward of micro-batch k + S − s − 1 beside the backward of k, so long micro-batches between
+    short ones stall it; slowest first (how `pack` and FFD order them) the timeline meets the formula."""
+    from malleus_svc.planner.problem import CommCosts
+    from malleus_svc.simulate import SimOptions
+    setup, pipes, cost, ss = _sim_setup(4, [20, 20, 20, 20])
+    ss = dataclasses.replace(ss, problem=dataclasses.replace(ss.problem, comm=CommCosts()),
+                             options=SimOptions(optimizer_per_block=0.0))
+    lengths = [24000, 4000, 4000, 24000, 4000, 4000, 24000, 4000]
+    mixed = [[[i] for i in range(len(lengths))]]
+    slowest_first = [[[i] for i in sorted(range(len(lengths)), key=lambda i: -lengths[i])]]
+    f_mixed, f_sorted = (bl.pipeline_times(p, lengths, pipes, cost)[0] for p in (mixed, slowest_first))
+    assert f_mixed == pytest.approx(f_sorted, rel=1e-12)          # the formula does not see the order
+    s_mixed, s_sorted = (bl.simulate_plan(p, lengths, ss)[0] for p in (mixed, slowest_first))
+    assert s_sorted == pytest.approx(f_sorted, rel=1e-9)
+    assert s_mixed > 1.1 * s_sorted

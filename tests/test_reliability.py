@@ -82,10 +82,20 @@ def check_history(lines: list[dict], reference: list[dict], rtol: float) -> None
 
 
 def test_coordinator_killed_mid_iteration_resumes_from_its_checkpoint(reference, tmp_path):
-    rc, lines = run(job("rel-kill", tmp_path / "ckpt", every=3), tmp_path / "m.jsonl", fault=kill_at_step(7),
-                    static=True)
+    """An operator's health signal (set_rates) given before the crash is still in force after it:
+    checkpoints carry external rates and exclusions, like the model."""
+    def fault(h):
+        import ray
+        while ray.get(h.status.remote())["step"] < 2:
+            time.sleep(0.01)
+        ray.get(h.set_rates.remote({1: 1.5}))
+        kill_at_step(7)(h)
+
+    rc, lines = run(job("rel-kill", tmp_path / "ckpt", every=3), tmp_path / "m.jsonl", fault=fault, static=True)
     assert rc == 0
     check_history(lines, reference, rtol=1e-6)     # the same plan after the restart: the same arithmetic
+    resumed = [x for x in lines if x["step"] >= 6]
+    assert all(x["rates"].get("1") == 1.5 for x in resumed), [x["rates"] for x in resumed]
     assert len(list((tmp_path / "ckpt").glob("step-*"))) == 2    # keep: 2, the final state included
 
 

@@ -76,6 +76,35 @@ def test_uneven_stages_by_hand():
     assert sim.iteration_t0 == 15
 
 
+def test_per_micro_batch_work_by_hand():
+    # Uneven stages (c = 3, 6) as above, micro-batch 0 at work 1/3 and micro-batch 1 at work 2:
+    # s0 F0[0,1/3] F1[1/3,2.33]; s1 F0[1/3,1] B0[1,2.33]; s0 B0[2.33,3]; s1 F1[2.33,6.33] B1[6.33,14.33];
+    # s0 B1[14.33,18.33]. Work 1 everywhere is the default (test_uneven_stages_by_hand: 15).
+    sim = simulate(chain([((0,), 3), ((1,), 6)], 2), problem(layers=9), options=NO_OPT, work=[[1 / 3, 2.0]])
+    t = times(sim)
+    assert t[("B", 1, 0)] == pytest.approx((1, 1 + 4 / 3)) and t[("B", 0, 0)] == pytest.approx((7 / 3, 3))
+    assert t[("F", 1, 1)] == pytest.approx((7 / 3, 19 / 3)) and t[("B", 0, 1)] == pytest.approx((43 / 3, 55 / 3))
+    assert sim.iteration_t0 == pytest.approx(55 / 3)
+    same = simulate(chain([((0,), 3), ((1,), 6)], 2), problem(layers=9), options=NO_OPT, work=[[1.0, 1.0]])
+    assert same.iteration_t0 == 15
+    with pytest.raises(ValueError, match="work"):
+        simulate(chain([((0,), 3), ((1,), 6)], 2), problem(layers=9), work=[[1.0]])
+    with pytest.raises(ValueError, match="volume"):
+        simulate(chain([((0,), 3), ((1,), 6)], 2), problem(layers=9), volume=[[1.0, -1.0]])
+
+
+def test_per_micro_batch_volume_scales_p2p_by_hand():
+    # One micro-batch, c = 3 per stage, inter-node p2p 0.5 per micro-batch (0.25 per direction) at volume 2:
+    # s0 F[0,1] sF[1,1.5]; s1 F[1.5,2.5] B[2.5,4.5] sB[4.5,5]; s0 B[5,7]. At volume 1: 6.5.
+    p = problem(num_devices=2, gpn=1, layers=6, comm=CommCosts(p2p_inter_node=0.5))
+    plan = chain([((0,), 3), ((1,), 3)], 1, num_devices=2, gpn=1)
+    assert simulate(plan, p, options=NO_OPT, volume=[[2.0]]).iteration_t0 == pytest.approx(7.0)
+    assert simulate(plan, p, options=NO_OPT).iteration_t0 == pytest.approx(6.5)
+    # Overlapped links: the transfer is off the compute streams, 0.5 each way: s1 F[1.5,2.5] ... s0 B[5,7].
+    over = SimOptions(optimizer_per_block=0.0, p2p="overlapped")
+    assert simulate(plan, p, options=over, volume=[[2.0]]).iteration_t0 == pytest.approx(7.0)
+
+
 def test_straggler_and_tp_alpha_scale_a_stage():
     # Stage 1 is a group of 1 at tp=2 (alpha 2) with a device at rate 1.5: c = 1 block · 2 · 1.5 = 3;
     # stage 0 (full group, healthy) c = 1. F0: s0 [0, 1/3], s1 [1/3, 4/3]; B0: s1 [4/3, 10/3], s0 [10/3, 4].

@@ -18,8 +18,12 @@ many global batches from a token-budget sampler and plans each of them twice:
   repack     ablation (hydraulis §8.4 (a)→(b)): the sampler-order assignment, each pipeline's
              sequences re-packed by `lengths.pack`: what packing alone buys, without dispatch.
 
-Both are scored by the same formula, `LengthCost.pipeline_time` (the cost model's own 1F1B
-forward-flow time, per pipeline; the iteration is the slowest pipeline). Reported: mean
+Every plan is scored twice: by the formula `LengthCost.pipeline_time` (the cost model's own 1F1B
+forward-flow time, per pipeline; the iteration is the slowest pipeline), and by the event simulator
+(`simulate_plan`: `simulate.simulate`'s op-by-op 1F1B timeline, each micro-batch's compute its
+LengthCost time × the stage's layers and rate, its p2p hand-offs the analytic activation bytes of
+its tokens over NVLink or InfiniBand, then the gradient reduction of blocks several pipelines hold
+and the optimizer step, as `malleus simulate` models them). Reported for both: mean
 iteration time of each, the speedup of aware over oblivious, the slowest-to-fastest pipeline gap
 (max − min)/max per iteration, and aware's planning time against the iteration time. Every plan
 is checked: each sequence of the global batch lands in exactly one micro-batch of one pipeline,
@@ -94,9 +98,9 @@ k = 2 is hydraulis's scale (100K–200K tokens per iteration on 64 GPUs; 131K fo
 gives every PP4 pipeline twice its depth in full micro-batches, where fill matters less. The same
 batches are drawn for the healthy and the straggler run of a configuration.
 
-Not covered: this is the cost model scoring its own plans (no event simulation, no p2p, no
-gradient sync or optimizer step, which are the same for both methods); the measured-runtime part of
-issue #6 (CPU workers running the packed micro-batches) is separate.
+Not covered: the simulator replays the cost model's per-micro-batch times (it checks the 1F1B
+order, p2p and the reduction the formula leaves out, not the cost model itself); the
+measured-runtime part of issue #6 (CPU workers running the packed micro-batches) is separate.
 """
 from __future__ import annotations
 
@@ -116,9 +120,9 @@ from typing import Sequence
 import numpy as np
 
 from ..config.presets import ModelShape, preset
-from ..costmodel.analytic import MB, DeviceSpec, _allreduce_seconds
+from ..costmodel.analytic import MB, DeviceSpec, _allreduce_seconds, block_seconds, comm_costs
 from ..lengths import (Coeffs, LengthCost, PipelineSpec, StageSpec, analytic_bytes_per_token_per_layer, dispatch,
-                       max_tokens_per_stage, pack, predicted_time)
+                       first_fit_decreasing, max_tokens_per_stage, pack, predicted_time)
 
 CONTEXT = 32768                      # seq_len cap and the micro-batch capacity of both methods
 BUDGETS = (2, 8)                     # token budget = D × this × CONTEXT (full micro-batches per pipeline)
@@ -254,6 +258,69 @@ def pipelines_for(setup: Setup, straggler: bool, rate: float = STRAGGLER_RATE) -
     return pipes
 
 
+# ----------------------------------------------------------------------------- event-simulator scoring
+@dataclass(frozen=True)
+class SimSetup:
+    """What `simulate.simulate` needs for one configuration, in seconds (t0 = 1 s): pipeline i's
+    stage j is the TP group of devices (i·pp + j)·tp onward, so TP8 stages sit one per node and
+    narrower ones share nodes, as a Megatron rank order would place them."""
+
+    problem: object          # planner.PlannerProblem
+    stages: tuple            # per pipeline, its plan.Stage tuple
+    options: object          # simulate.SimOptions
+    coeffs: Coeffs           # per-layer micro-batch time at the setup's TP degree
+
+
+def sim_setup(setup: Setup, pipes: Sequence[PipelineSpec], cost: LengthCost) -> SimSetup:
+    """The simulator's view of `pipes`: p2p and the gradient reduction from the same analytic model
+    the scenarios use (`costmodel.analytic.comm_costs` for a CONTEXT-token micro-batch, converted to
+    seconds), the optimizer step at the simulator's default 0.05 t0 per full-TP block (t0 of the
+    preset's sequence length, as in `malleus simulate`)."""
+    from ..plan import Stage
+    from ..planner.problem import CommCosts, MemoryProfile, PlannerProblem
+    from ..simulate import SimOptions
+
+    shape = preset(setup.model)
+    ctx = dataclasses.replace(shape, seq_len=CONTEXT)
+    t_ctx = block_seconds(ctx, setup.tp, 1, DEVICE)
+    cc = comm_costs(ctx, setup.tp, setup.dp, 1, DEVICE)            # t0 units of t_ctx
+    rates, stages = [1.0] * setup.devices, []
+    for i, p in enumerate(pipes):
+        row, start = [], 0
+        for j, st in enumerate(p.stages):
+            first = (i * setup.pp + j) * setup.tp
+            row.append(Stage(tuple(range(first, first + setup.tp)), (start, start + st.layers)))
+            rates[first] = st.rate            # one slow device slows its whole TP group (max over the group)
+            start += st.layers
+        stages.append(tuple(row))
+    problem = PlannerProblem(
+        num_nodes=setup.nodes, gpus_per_node=8, num_layers=shape.layers, dp=setup.dp, tp=setup.tp, pp=setup.pp,
+        num_micro_batches=setup.dp * setup.pp, micro_batch_size=1, rates=tuple(rates),
+        tp_alpha=(1.0,) * (int(math.log2(setup.tp)) + 1),           # every stage runs at the full TP degree
+        memory=MemoryProfile((0.0,), 0.0, 0.0, 0.0, GPU_MEMORY_MB),  # timing only: memory is checked above
+        comm=CommCosts(cc.p2p_intra_node * t_ctx, cc.p2p_inter_node * t_ctx, cc.grad_sync_per_block * t_ctx),
+        t0_seconds=1.0)
+    options = SimOptions(optimizer_per_block=0.05 * block_seconds(shape, setup.tp, 1, DEVICE))
+    return SimSetup(problem, tuple(stages), options, cost.at(setup.tp))
+
+
+def simulate_plan(plan: Plan, lengths: Sequence[int], ss: SimSetup) -> tuple[float, list[float]]:
+    """(iteration seconds, per-pipeline compute end) of one assignment in the event simulator's 1F1B
+    timeline: micro-batch k's compute is its LengthCost time per layer (× each stage's layers and
+    rate, done by the simulator), its p2p the boundary's time × its tokens / CONTEXT. A pipeline
+    given no sequence runs one empty micro-batch (work 0): it still takes part in the reduction."""
+    from ..plan import Pipeline, Plan as SimPlan
+    from ..simulate import simulate
+
+    mbs = [[[lengths[i] for i in mb] for mb in p] or [[]] for p in plan]
+    sp = SimPlan(ss.problem.num_devices, ss.problem.num_layers, 1,
+                 tuple(Pipeline(st, len(m)) for st, m in zip(ss.stages, mbs)))
+    res = simulate(sp, ss.problem, options=ss.options,
+                   work=[[ss.coeffs.micro_batch(mb) for mb in m] for m in mbs],
+                   volume=[[sum(mb) / CONTEXT for mb in m] for m in mbs])
+    return res.iteration_seconds, [p.compute_end for p in res.pipelines]
+
+
 def describe_pipeline(p: PipelineSpec) -> str:
     return "/".join(f"{s.layers}" + (f"@{s.rate:g}x" if s.rate != 1 else "") for s in p.stages)
 
@@ -312,21 +379,6 @@ def next_fit(lengths: Sequence[int], cap: int) -> list[list[int]]:
             room = cap
         bins[-1].append(i)
         room -= x
-    return bins
-
-
-def first_fit_decreasing(lengths: Sequence[int], cap: int) -> list[list[int]]:
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        for b, r in enumerate(room):
-            if lengths[i] <= r:
-                bins[b].append(i)
-                room[b] -= lengths[i]
-                break
-        else:
-            bins.append([i])
-            room.append(cap - lengths[i])
     return bins
 
 
@@ -449,12 +501,16 @@ class Iteration:
     objective: float
     greedy_objective: float
     lb_oblivious: float                       # max_j stage-1 estimate of the sampler plan's assignment
+    sim_iter: dict[str, float] = field(default_factory=dict)          # method -> simulated iteration seconds
+    sim_times: dict[str, list[float]] = field(default_factory=dict)   # method -> per-pipeline compute end
 
-    def iter_s(self, m: str) -> float:
-        return max(self.times[m])
+    def iter_s(self, m: str, sim: bool = False) -> float:
+        """Iteration seconds: the formula's slowest pipeline, or (sim) the simulated iteration,
+        gradient reduction and optimizer step included."""
+        return self.sim_iter[m] if sim else max(self.times[m])
 
-    def gap(self, m: str) -> float:
-        return gap(self.times[m])
+    def gap(self, m: str, sim: bool = False) -> float:
+        return gap(self.sim_times[m] if sim else self.times[m])
 
 
 @dataclass
@@ -474,21 +530,21 @@ class Config:
     def tokens(self) -> int:
         return self.setup.tokens_per_iteration(self.budget)
 
-    def mean_iter(self, m: str) -> float:
-        return statistics.mean(it.iter_s(m) for it in self.iterations)
+    def mean_iter(self, m: str, sim: bool = False) -> float:
+        return statistics.mean(it.iter_s(m, sim) for it in self.iterations)
 
-    def speedup(self, base: str) -> float:
+    def speedup(self, base: str, sim: bool = False) -> float:
         """Throughput ratio at a fixed token budget: mean iteration time of `base` over aware's."""
-        return self.mean_iter(base) / self.mean_iter("aware")
+        return self.mean_iter(base, sim) / self.mean_iter("aware", sim)
 
-    def per_iter_speedups(self, base: str) -> list[float]:
-        return [it.iter_s(base) / it.iter_s("aware") for it in self.iterations]
+    def per_iter_speedups(self, base: str, sim: bool = False) -> list[float]:
+        return [it.iter_s(base, sim) / it.iter_s("aware", sim) for it in self.iterations]
 
-    def gaps(self, m: str) -> list[float]:
-        return [it.gap(m) for it in self.iterations]
+    def gaps(self, m: str, sim: bool = False) -> list[float]:
+        return [it.gap(m, sim) for it in self.iterations]
 
-    def planning_ratio(self) -> float:
-        return statistics.mean(it.planning_s for it in self.iterations) / self.mean_iter("aware")
+    def planning_ratio(self, sim: bool = False) -> float:
+        return statistics.mean(it.planning_s for it in self.iterations) / self.mean_iter("aware", sim)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "setup": self.setup.name, "dist": self.dist, "straggler": self.straggler,
@@ -507,6 +563,7 @@ def run_config(setup: Setup, dist: str, straggler: bool, iterations: int, *, bud
     shape = preset(setup.model)
     cost = length_cost(shape, [setup.tp])
     pipes = pipelines_for(setup, straggler, rate)
+    ss = sim_setup(setup, pipes, cost)
     cache = lengths_cache if lengths_cache is not None else {}
     if dist not in cache:
         cache[dist] = dataset_lengths(dist)
@@ -526,13 +583,15 @@ def run_config(setup: Setup, dist: str, straggler: bool, iterations: int, *, bud
             check_exactly_once(plan, lengths, pipes, f"{cfg.name} iteration {it} {m}")
         lb_obl = max(predicted_time([lengths[i] for mb in mbs for i in mb], p, cost)
                      for mbs, p in zip(plans["sampler"], pipes))
+        sims = {m: simulate_plan(p, lengths, ss) for m, p in plans.items()}
         cfg.iterations.append(Iteration(
             sequences=len(lengths), longest=max(lengths),
             times={m: pipeline_times(p, lengths, pipes, cost) for m, p in plans.items()},
             micro_batches={m: [len(mbs) for mbs in p] for m, p in plans.items()},
             planning_s=aw.planning_s, dispatch_s=aw.dispatch_s, pack_s_max=max(aw.pack_s, default=0.0),
             ilp_status=aw.ilp_status, method=aw.method, objective=aw.objective,
-            greedy_objective=aw.greedy_objective, lb_oblivious=lb_obl))
+            greedy_objective=aw.greedy_objective, lb_oblivious=lb_obl,
+            sim_iter={m: v[0] for m, v in sims.items()}, sim_times={m: v[1] for m, v in sims.items()}))
     return cfg
 
 
@@ -583,6 +642,26 @@ def results_table(configs: Sequence[Config]) -> str:
     return "\n".join(out)
 
 
+def sim_table(configs: Sequence[Config]) -> str:
+    """The same configurations, every plan replayed in the event simulator (`simulate_plan`)."""
+    names = " · ".join(LABELS[m] for m in METHODS)
+    head = (f"| configuration | simulated iteration s: {names} | aware speedup vs sampler-order (min–max) "
+            f"| vs FFD (min–max) | vs sampler-order + pack | gap mean (p90): {names} "
+            "| simulated / formula: sampler-order · FFD · aware | planning / simulated iteration |")
+    out = [head, "|" + "---|" * (head.count("|") - 1)]
+    for c in configs:
+        sp, sf = c.per_iter_speedups("sampler", True), c.per_iter_speedups("ffd", True)
+        gaps = " · ".join(f"{statistics.mean(c.gaps(m, True)):.3f} ({_q(c.gaps(m, True), 0.9):.3f})"
+                          for m in METHODS)
+        agree = " · ".join(f"{c.mean_iter(m, True) / c.mean_iter(m):.3f}" for m in ("sampler", "ffd", "aware"))
+        out.append(
+            f"| {c.name} | " + " · ".join(f"{c.mean_iter(m, True):.2f}" for m in METHODS)
+            + f" | {c.speedup('sampler', True):.3f}× ({min(sp):.2f}–{max(sp):.2f}) | {c.speedup('ffd', True):.3f}× "
+              f"({min(sf):.2f}–{max(sf):.2f}) | {c.speedup('repack', True):.3f}× | {gaps} | {agree} | "
+              f"{c.planning_ratio(True):.3f} |")
+    return "\n".join(out)
+
+
 def summary(configs: Sequence[Config]) -> tuple[str, dict]:
     sp = [c.speedup("sampler") for c in configs]
     sf = [c.speedup("ffd") for c in configs]
@@ -596,6 +675,15 @@ def summary(configs: Sequence[Config]) -> tuple[str, dict]:
     n = sum(len(c.iterations) for c in configs)
     st = Counter(it.ilp_status for c in configs for it in c.iterations)
     stage1_ok = sum(1 for c in configs for it in c.iterations if it.objective <= it.lb_oblivious * (1 + 1e-3) + 1e-12)
+    # the same, every plan replayed in the event simulator
+    ssp = [c.speedup("sampler", True) for c in configs]
+    ssf = [c.speedup("ffd", True) for c in configs]
+    sbest = [min(c.mean_iter("sampler", True), c.mean_iter("ffd", True)) / c.mean_iter("aware", True) for c in configs]
+    sg = {m: statistics.mean(x for c in configs for x in c.gaps(m, True)) for m in METHODS}
+    agree = {m: [it.iter_s(m, True) / it.iter_s(m) for c in configs for it in c.iterations] for m in METHODS}
+    sslower = sum(1 for c in configs for it in c.iterations
+                  if it.iter_s("aware", True) > min(it.iter_s("sampler", True), it.iter_s("ffd", True)) * (1 + 1e-9))
+    sratio = max(c.planning_ratio(True) for c in configs)
     lines = [
         f"- Speedup of length-aware over the oblivious baselines (ratio of mean iteration times at a fixed token "
         f"budget): {min(sp):.2f}–{max(sp):.2f}× over sampler-order packing, {min(sf):.2f}–{max(sf):.2f}× over FFD, "
@@ -617,10 +705,26 @@ def summary(configs: Sequence[Config]) -> tuple[str, dict]:
         + f"; its stage-1 objective was at most the oblivious assignment's own stage-1 estimate in {stage1_ok} of {n} "
           f"(guaranteed only when the ILP proves optimality; on a time limit the greedy incumbent bounds it).",
         "- Exactly-once held for every plan (checked every iteration; a violation stops the bench).",
+        f"- Event simulator (every plan replayed as a 1F1B timeline: per-micro-batch compute from its lengths, p2p "
+        f"with its tokens' activation bytes, then the gradient reduction and the optimizer step): "
+        f"{min(ssp):.2f}–{max(ssp):.2f}× over sampler-order, {min(ssf):.2f}–{max(ssf):.2f}× over FFD, "
+        f"{min(sbest):.2f}–{max(sbest):.2f}× over the better of the two; mean gaps sampler-order "
+        f"{sg['sampler']:.3f}, "
+        f"FFD {sg['ffd']:.3f}, sampler-order + pack {sg['repack']:.3f}, aware {sg['aware']:.3f}; aware slower than "
+        f"the better oblivious plan in {sslower} of {n} iterations; planning at most {100 * sratio:.1f}% of the "
+        f"simulated iteration per configuration. Simulated / formula iteration time per iteration: "
+        + ", ".join(f"{LABELS[m]} {min(v):.3f}–{max(v):.3f}" for m, v in agree.items())
+        + " (the simulator adds the p2p, the reduction and the step, and times the real 1F1B order: in the steady "
+          "state stage s runs the forward of micro-batch k + S − s − 1 beside the backward of k, so micro-batches of "
+          "mixed sizes in sampler order stall it, which the formula's flow-shop sum does not see; FFD's and aware's "
+          "slowest-first orders do not).",
     ]
     return "\n".join(lines), {"speedup_sampler": sp, "speedup_ffd": sf, "speedup_best": best, "gaps": g,
                               "speedup_packing_only": packing, "speedup_dispatch": disp,
-                              "planning_ratio": ratio, "aware_slower": slower, "iterations": n}
+                              "planning_ratio": ratio, "aware_slower": slower, "iterations": n,
+                              "sim_speedup_sampler": ssp, "sim_speedup_ffd": ssf, "sim_speedup_best": sbest,
+                              "sim_gaps": sg, "sim_aware_slower": sslower, "sim_planning_ratio": sratio,
+                              "sim_over_formula": {m: (min(v), max(v)) for m, v in agree.items()}}
 
 
 # ----------------------------------------------------------------------------- plot
@@ -645,14 +749,18 @@ def plot(configs: Sequence[Config], path: Path) -> Path:
         for k, m in enumerate(("sampler", "ffd", "repack")):
             ax1.bar(x + (k - 1) * w, [c.speedup(m) for c in group], w, color=colors[m], alpha=0.8,
                     label=f"aware vs {LABELS[m]}")
+        for k, m in enumerate(("sampler", "ffd", "repack")):
+            ax1.plot(x + (k - 1) * w, [c.speedup(m, True) for c in group], "kx", ms=6,
+                     label="event simulator" if k == 0 else None)
         ax1.axhspan(*HYDRAULIS_SPEEDUP, color="grey", alpha=0.15, label="hydraulis end to end (1.32–2.66×)")
         ax1.axhline(1.0, color="black", lw=0.8)
         ax1.set_xticks(x, labels, fontsize=6.5)
-        ax1.set_ylim(0.9, max(2.0, max(c.speedup(m) for c in group for m in ("sampler", "ffd")) * 1.1))
+        ax1.set_ylim(0.9, max(2.0, max(c.speedup(m, sim) for c in group for m in ("sampler", "ffd")
+                                        for sim in (False, True)) * 1.1))
         ax1.set(ylabel="mean iteration time ratio",
                 title=f"b{b} ({b} full 32K micro-batches per pipeline): speedup of length-aware "
-                      "(cost model's 1F1B time)")
-        ax1.legend(fontsize=7, ncol=4, loc="upper left")
+                      "(bars: cost model's 1F1B time; ×: event simulator)")
+        ax1.legend(fontsize=7, ncol=5, loc="upper left")
         w = 0.2
         for k, m in enumerate(METHODS):
             bp = ax2.boxplot([c.gaps(m) for c in group], positions=x + (k - 1.5) * w, widths=w * 0.9,
@@ -662,12 +770,14 @@ def plot(configs: Sequence[Config], path: Path) -> Path:
             for med in bp["medians"]:
                 med.set(color="black")
             ax2.plot([], [], color=colors[m], lw=6, alpha=0.6, label=LABELS[m])
+            ax2.plot(x + (k - 1.5) * w, [statistics.mean(c.gaps(m, True)) for c in group], "kx", ms=5,
+                     label="event simulator (mean)" if k == 0 else None)
         ax2.axhspan(*HYDRAULIS_GAP_FIXED, color="tab:red", alpha=0.08, label="hydraulis: fixed packing")
         ax2.axhspan(*HYDRAULIS_GAP_OURS, color="tab:green", alpha=0.12, label="hydraulis: theirs")
         ax2.set_xticks(x, labels, fontsize=6.5)
         ax2.set_ylim(0, 0.8)
         ax2.set(ylabel="(max − min) / max", title=f"b{b}: slowest-to-fastest pipeline gap per iteration "
-                                                  "(quartiles, whiskers 1.5 IQR)")
+                                                  "(cost model: quartiles, whiskers 1.5 IQR; ×: simulator mean)")
         ax2.legend(fontsize=7, ncol=6, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -683,8 +793,9 @@ Length-oblivious packing (next-fit to 32K in sampler order, contiguous slices pe
 dealt round-robin) against the length-aware planner (`lengths.dispatch` + `lengths.pack`; ablation:
 the sampler-order assignment re-packed by `lengths.pack` alone) on token-budget global batches,
 with per-layer costs a·Σl² + b·Σl + c from the analytic FLOP model of an A100/A800-class device.
-Every plan is scored by the cost model's own 1F1B pipeline formula, not by the event simulator,
-and the measured-runtime part of issue #6 is not in this section. Derivations and assumptions:
+Every plan is scored by the cost model's own 1F1B pipeline formula and replayed in the event
+simulator (p2p, gradient reduction and optimizer step included); the measured-runtime part of
+issue #6 is not in this section. Derivations and assumptions:
 `malleus_svc/bench/lengths.py`. Plot: `benchmarks/plots/lengths.png`."""
 
 
@@ -778,7 +889,13 @@ def execute(args: argparse.Namespace) -> tuple[list[Config], str]:
         f"incumbent, 20 restarts), packing MILP {args.pack_time_limit:g} s per V and {args.pack_total:g} s per "
         f"pipeline, V <= Σl/UtilLen. Gap: (slowest − fastest)/slowest pipeline time per iteration.",
         setups_table(setups, args.budgets),
+        "Scored by the cost model's 1F1B formula (`LengthCost.pipeline_time`):",
         results_table(configs),
+        "The same plans replayed in the event simulator (`simulate.simulate` with per-micro-batch work and "
+        "p2p volume; p2p at the analytic activation bytes over NVLink or InfiniBand, gradient reduction of "
+        "blocks held by several pipelines over InfiniBand, optimizer step 0.05 t0 per block; gap over each "
+        "pipeline's last backward):",
+        sim_table(configs),
         text,
     ])
     print(md)

@@ -60,6 +60,7 @@ class Scenario:
     excluded: frozenset[int] = frozenset()
     tp_weight: tuple[float, ...] | None = None
     planner: Mapping[str, Any] = field(default_factory=dict)
+    device: analytic.DeviceSpec = field(default_factory=analytic.DeviceSpec)   # what the defaults were computed for
 
     @property
     def num_devices(self) -> int:
@@ -73,20 +74,38 @@ class Scenario:
         r = self.rates if rates is None else rates
         return tuple(float(r.get(d, 1.0)) for d in range(self.num_devices))
 
-    def problem(self, rates: Mapping[int, float] | None = None, excluded=None,
+    def problem(self, rates: Mapping[int, float] | None = None, excluded=None, lengths=None,
                 **overrides: Any) -> PlannerProblem:
-        """The planner's input under these (or other) rates and exclusions."""
+        """The planner's input under these (or other) rates and exclusions; with `lengths` (a
+        `lengths.expected.LengthProfile`, see `length_profile`), its per-micro-batch time,
+        communication and memory terms follow that length distribution instead of fixed-length
+        micro-batches (`LengthProfile.apply`)."""
         if rates is not None:
             rates = validate_rates(rates, self.num_devices)
         kw = dict(self.planner)
         kw.update(overrides)
-        return PlannerProblem(
+        problem = PlannerProblem(
             num_nodes=self.nodes, gpus_per_node=self.gpus_per_node, num_layers=self.num_layers,
             dp=self.dp, tp=self.tp, pp=self.pp, num_micro_batches=self.num_micro_batches,
             micro_batch_size=self.micro_batch, rates=self.rate_vector(rates), tp_alpha=self.tp_alpha,
             memory=self.memory, excluded=frozenset(self.excluded if excluded is None else excluded),
             comm=self.comm, t0_seconds=self.t0_seconds, tp_weight=self.tp_weight,
             state_sizes=self.state_sizes, **kw)
+        return problem if lengths is None else lengths.apply(problem)
+
+    def length_profile(self, observed, cost=None, *, seq_len: int | None = None, quantile: float = 1.0):
+        """`lengths.expected.expected_micro_batch` of the observed lengths (a `LengthHistogram` or a
+        list) for this scenario's batch: micro-batches of `micro` samples of `seq_len` tokens
+        (default: the model's), `global` samples per iteration. `cost` (a `LengthCost`) defaults to
+        the analytic block time the scenario's own t0 comes from. None when nothing was observed."""
+        from ..lengths.expected import analytic_cost, expected_micro_batch
+        if self.shape is None and (cost is None or seq_len is None):
+            raise ConfigError("model", self.num_layers, "a model shape, or both a length cost and seq_len, to "
+                                                        "price variable-length micro-batches")
+        cost = cost or analytic_cost(self.shape, self.tp, self.device)
+        return expected_micro_batch(observed, cost, micro_batch_size=self.micro_batch,
+                                    seq_len=seq_len or self.shape.seq_len, global_batch=self.global_batch,
+                                    tp=self.tp, quantile=quantile)
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -171,7 +190,7 @@ class Scenario:
         return cls(name=name, nodes=nodes, gpus_per_node=gpn, gpu_memory_mb=mem_mb, num_layers=num_layers,
                    shape=shape, dp=dp, tp=tp, pp=pp, global_batch=gb, micro_batch=mb, memory=memory,
                    tp_alpha=tp_alpha, t0_seconds=t0, comm=comm, state_sizes=sizes, rates=rates,
-                   excluded=frozenset(excluded), tp_weight=tp_weight, planner=planner)
+                   excluded=frozenset(excluded), tp_weight=tp_weight, planner=planner, device=dev)
 
 
 def _parse_model(root: Section, source: str | None) -> tuple[ModelShape | None, int]:

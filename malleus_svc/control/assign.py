@@ -45,6 +45,13 @@ def assign(ids: Sequence[int], lengths: Sequence[int], plan: Plan, cost: LengthC
     return out
 
 
+def planning_time_limit(iteration_seconds: float | None) -> float:
+    """The MILPs' time limit when the next step's assignment is planned while this one trains: it
+    must take well under an iteration (and takes CPU from the workers meanwhile). `assign` runs up
+    to 1 + 4 x pipelines limits in the worst case; under the limit the greedy incumbents stand."""
+    return 0.5 if iteration_seconds is None else min(0.5, max(0.02, 0.05 * iteration_seconds))
+
+
 class Lookahead:
     """The next step's assignment, computed while this one trains; thrown away if its inputs changed."""
 

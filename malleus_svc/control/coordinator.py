@@ -96,7 +96,8 @@ class Round:
     started: float
     step: int
     rates: dict[int, float] = field(default_factory=dict)
-    excluded: frozenset = frozenset()
+    excluded: frozenset = frozenset()     # wanted exclusions and gone devices, as the round plans them
+    gone: frozenset = frozenset()
     decision: dict | None = None
     new_plan: Plan | None = None
 
@@ -110,7 +111,8 @@ class JobCoordinator:
                  emulate_schedule: Iterable | None = None, bucket_bytes: int = 64 << 20,
                  driver_job_id: str | None = None, submission_id: str | None = None, length_window: int = 50,
                  plan_delay_s: float = 0.0, grace: float = 0.1, migrate_delay_s: float = 0.0,
-                 collective_timeout_s: float = 120.0):
+                 collective_timeout_s: float = 120.0, replace_timeout_s: float = 60.0,
+                 rejoin_check_s: float = 5.0, cpus_per_worker: float | None = None):
         self.job = job
         self.static = bool(static)
         self.steps_total = int(steps if steps is not None else job.train.steps)
@@ -127,6 +129,10 @@ class JobCoordinator:
         self._rng = random.Random(jitter_seed)
         self.bucket_bytes = int(bucket_bytes)
         self.collective_timeout_s = float(collective_timeout_s)   # a collective slower than this is a failure
+        self.replace_timeout_s = float(replace_timeout_s)   # a lost device with no new worker by then is gone
+        self.cpus_per_worker = cpus_per_worker   # CPU workers: None = WorkerGroup's rule (fit the cluster)
+        self.rejoin_check_s = float(rejoin_check_s)   # while devices are gone, how often to look for them
+        self._next_rejoin_check = 0.0
         self.failures: list[dict] = []
         self.driver_job_id = driver_job_id
         self.submission_id = submission_id      # the Ray Jobs submission id, when submitted as a Ray job
@@ -144,6 +150,7 @@ class JobCoordinator:
         self.estimator = RateEstimator(window=window, common_mode_quantile=0.25)
         self._initial_plan = plan
         self._lock = threading.RLock()
+        self._setup_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._round_ids = itertools.count(1)
         self.state = "created"
@@ -173,6 +180,8 @@ class JobCoordinator:
         # the sampled lengths' distribution: a shift of its high quantiles is a reason to re-plan
         self.length_drift = _drift_detector()
         self.last_drift: dict | None = None
+        self._drift_lengths = None                 # the batch that showed a drift (until the new window fills)
+        self._profile, self._profile_key = None, None
         self._probe_baseline: dict[int, float] = {}
         self._thread: threading.Thread | None = None
         self._done = threading.Event()
@@ -192,84 +201,105 @@ class JobCoordinator:
 
     # ================================================================== lifecycle
     def setup(self) -> dict:
-        """Start workers, load data, apply the first plan, take probe baselines. Idempotent."""
-        with self._lock:
-            if self.group is not None:
-                return self.status()
-            self.state = "starting"
-        from malleus_svc.runtime.cluster import WorkerGroup
-        from malleus_svc.runtime.data import GlobalSampler
-        from malleus_svc.runtime.trainer import check_plan_for_job, make_plan, optim_config
+        """Start workers, load data, apply the first plan, take probe baselines. Idempotent, also
+        when called concurrently (a coordinator that Ray restarted resumes by itself, and its driver
+        may call `start` meanwhile)."""
+        with self._setup_lock:
+            with self._lock:
+                if self.group is not None:
+                    return self.status()
+                self.state = "starting"
+            from malleus_svc.runtime.cluster import WorkerGroup
+            from malleus_svc.runtime.data import GlobalSampler
+            from malleus_svc.runtime.trainer import check_plan_for_job, make_plan, optim_config
 
-        job = self.job
-        ckpt = self._latest_checkpoint()
-        plan = None
-        if ckpt is not None and (self.restarted or self._initial_plan is None):
-            try:  # resume under the plan in force when it was written, if it fits (any plan would do)
-                plan = check_plan_for_job(ckpt.manifest.plan_obj(), job, f"{ckpt.path.name} plan")
-            except Exception as e:
-                log.warning("checkpoint plan does not fit the job (%s); planning afresh", e)
-        if plan is None:
-            plan = check_plan_for_job(self._initial_plan, job) if self._initial_plan else make_plan(job)
-        group = WorkerGroup(job.num_devices, job.scenario.gpus_per_node, name=f"malleus-{job.name}",
-                            timeout_s=self.collective_timeout_s)
-        group.start()
-        try:
-            d = job.data
-            n = group.set_data(d.spec(), d.mode, d.seq_len)
-            sampler = GlobalSampler(n, plan.global_batch, seed=job.train.seed)
-            group.apply_plan(plan, job.shape, seed=job.train.seed, optim=optim_config(job))
-            start_step = 0
-            if ckpt is not None:  # parameters, Adam state and the data position, under this plan
-                from malleus_svc.checkpoint import restore_group
-                start_step = restore_group(group, ckpt, sampler)
-            self._probe_all(group, range(job.num_devices), rounds=1)   # warm-up round, discarded
-            baselines = self._probe_all(group, range(job.num_devices), rounds=5)
-        except BaseException:
-            group.shutdown()
-            raise
-        with self._lock:
-            self.group, self.sampler, self.plan = group, sampler, plan
-            self._begin_at(start_step)
-            if ckpt is not None:
-                self.records = [r for r in ckpt.manifest.extra.get("records", []) if r["step"] < start_step]
-                self.resumed_from = {"path": str(ckpt.path), "step": start_step,
-                                     "skipped": [f"{p.name}: {why}" for p, why in ckpt.skipped]}
-                self._event("resumed", f"from {ckpt.path.name} at step {start_step}"
-                            + (f" (skipped damaged: {self.resumed_from['skipped']})" if ckpt.skipped else ""))
-            self.basis = {dv: float(r) for dv, r in job.scenario.rates.items()}
-            self._probe_baseline = baselines
-            for dv, s in baselines.items():
-                self.estimator.set_probe_baseline(dv, s)
-            self.state = "ready"
-            self._start_metrics(plan)
-            if job.data.assignment == "length-aware":
-                self._start_length_aware()
-            self.history.append({"round": 0, "outcome": "initial", "time": time.time(), "step": 0,
-                                 "reason": "initial plan", "requests": [], "old_plan_id": None,
-                                 "new_plan_id": plan.plan_id, "new_plan": plan.to_dict(),
-                                 "rates": {str(d): r for d, r in sorted(self.basis.items())},
-                                 "excluded": sorted(plan.excluded)})
-            self._event("start", f"plan {plan.plan_id}: {len(plan.pipelines)} pipelines, suspended "
-                                 f"{list(plan.suspended)}, excluded {list(plan.excluded)}")
-        return self.status()
+            job = self.job
+            ckpt = self._latest_checkpoint()
+            plan = None
+            if ckpt is not None and (self.restarted or self._initial_plan is None):
+                try:  # resume under the plan in force when it was written, if it fits (any plan would do)
+                    plan = check_plan_for_job(ckpt.manifest.plan_obj(), job, f"{ckpt.path.name} plan")
+                except Exception as e:
+                    log.warning("checkpoint plan does not fit the job (%s); planning afresh", e)
+            if plan is None:
+                plan = check_plan_for_job(self._initial_plan, job) if self._initial_plan else make_plan(job)
+            group = WorkerGroup(job.num_devices, job.scenario.gpus_per_node, name=f"malleus-{job.name}",
+                                timeout_s=self.collective_timeout_s, replace_timeout_s=self.replace_timeout_s,
+                                cpus_per_worker=self.cpus_per_worker)
+            group.start()
+            try:
+                if group.gone & set(plan.roles()):   # started without nodes that could not be placed (yet)
+                    self._event("membership", f"starting without devices {sorted(group.gone)}: their nodes could not "
+                                              "be placed; they join when Ray can place them")
+                    plan = self._plan_without(frozenset(group.gone))
+                d = job.data
+                n = group.set_data(d.spec(), d.mode, d.seq_len)
+                sampler = GlobalSampler(n, plan.global_batch, seed=job.train.seed)
+                group.apply_plan(plan, job.shape, seed=job.train.seed, optim=optim_config(job))
+                start_step = 0
+                if ckpt is not None:  # parameters, Adam state and the data position, under this plan
+                    from malleus_svc.checkpoint import restore_group
+                    start_step = restore_group(group, ckpt, sampler)
+                self._probe_all(group, group.live, rounds=1)   # warm-up round, discarded
+                baselines = self._probe_all(group, group.live, rounds=5)
+            except BaseException:
+                group.shutdown()
+                raise
+            with self._lock:
+                self.group, self.sampler, self.plan = group, sampler, plan
+                self._begin_at(start_step)
+                if ckpt is not None:
+                    extra = ckpt.manifest.extra
+                    self.records = [r for r in extra.get("records", []) if r["step"] < start_step]
+                    # an operator's health signals and exclusions outlive a restart, like the model does
+                    self.external.update({int(d): float(r) for d, r in extra.get("external_rates", {}).items()})
+                    self.excluded |= {int(d) for d in extra.get("excluded", [])}
+                    self.resumed_from = {"path": str(ckpt.path), "step": start_step,
+                                         "skipped": [f"{p.name}: {why}" for p, why in ckpt.skipped]}
+                    self._event("resumed", f"from {ckpt.path.name} at step {start_step}"
+                                + (f" (skipped damaged: {self.resumed_from['skipped']})" if ckpt.skipped else ""))
+                self.basis = {dv: float(r) for dv, r in job.scenario.rates.items()}
+                self._probe_baseline = baselines
+                for dv, s in baselines.items():
+                    self.estimator.set_probe_baseline(dv, s)
+                self.state = "ready"
+                self._start_metrics(plan)
+                if job.data.assignment == "length-aware":
+                    self._start_length_aware()
+                self.history.append({"round": 0, "outcome": "initial", "time": time.time(), "step": 0,
+                                     "reason": "initial plan", "requests": [], "old_plan_id": None,
+                                     "new_plan_id": plan.plan_id, "new_plan": plan.to_dict(),
+                                     "rates": {str(d): r for d, r in sorted(self.basis.items())},
+                                     "excluded": sorted(plan.excluded)})
+                self._event("start", f"plan {plan.plan_id}: {len(plan.pipelines)} pipelines, suspended "
+                                     f"{list(plan.suspended)}, excluded {list(plan.excluded)}")
+            return self.status()
 
     def _start_length_aware(self) -> None:
         """(lock held) Fit the per-layer time of a micro-batch from its sequence lengths on this
-        machine (lengths.run_sweep through the runtime's own blocks), for `assign`."""
-        from malleus_svc.lengths import run_sweep
+        machine (lengths.sweep through the runtime's own blocks, on real TP groups for TP > 1), for
+        `assign`. Every TP degree up to the job's: a re-plan may split TP groups into smaller ones."""
+        from malleus_svc.lengths.sweep import run_sweeps
+        from malleus_svc.runtime.model import tp_divisibility_error
 
         from .assign import Lookahead
-        self._length_cost, report = run_sweep(self.job.shape, layers=min(2, self.job.shape.layers), repeats=9)
+        shape = self.job.shape
+        tps = [t for t in (1, 2, 4, 8) if t <= self.job.scenario.tp and tp_divisibility_error(shape, t) is None]
+        self._length_cost, reports = run_sweeps(shape, tps=tps, layers=min(2, shape.layers),
+                                                repeats=21 if len(tps) > 1 else 9)
         self._lookahead = Lookahead()
-        self._event("lengths", f"length cost fitted: {report['coeffs_per_layer']}, held-out error "
-                               f"{report.get('test_max_abs_error', float('nan')):.1%}")
+        self._event("lengths", "length cost fitted, held-out error " + ", ".join(
+            f"TP{t} {r.get('test_max_abs_error', float('nan')):.1%}" for t, r in sorted(reports.items())))
 
     def _assignment(self, ids: list[int], plan: Plan):
-        from .assign import assign
+        from .assign import assign, planning_time_limit
         lengths = self.group.dataset.lengths
-        return assign(ids, [int(lengths[i]) for i in ids], plan, self._length_cost, self.effective_rates(),
-                      plan.micro_batch_size * self.job.data.seq_len)
+        with self._lock:
+            last = self.records[-1]["iteration_seconds"] if self.records else None
+        limit = planning_time_limit(last)   # planned while a step trains: well under an iteration
+        # a sample of l tokens trains l - 1 (inputs and shifted targets): the budget counts those
+        return assign(ids, [int(lengths[i]) - 1 for i in ids], plan, self._length_cost, self.effective_rates(),
+                      plan.micro_batch_size * self.job.data.seq_len, time_limit_s=limit)
 
     def _begin_at(self, step: int) -> None:
         """(lock held) Training starts at `step` (0, or a checkpoint's): warm-up counts from here."""
@@ -298,10 +328,13 @@ class JobCoordinator:
         try:
             with self._lock:   # the last metrics lines travel along: a driver that had not read them yet still can
                 recent = list(self.records[-RECORDS_KEPT:])
-            save_group(self._writer, self.group, self.sampler, self.step,
-                       extra={"plan_version": self.plan_version, "records": recent})
+                extra = {"plan_version": self.plan_version, "records": recent, "excluded": sorted(self.excluded),
+                         "external_rates": {str(d): r for d, r in sorted(self.external.items())}}
+            save_group(self._writer, self.group, self.sampler, self.step, extra=extra)
         except CheckpointError as e:
             self._event("error", f"checkpoint at step {self.step} failed: {e}")
+        except WorkerGroupError as e:   # a worker lost while gathering: the next step fails and recovers
+            self._event("error", f"checkpoint at step {self.step} skipped: {str(e).splitlines()[0]}")
 
     def _start_metrics(self, plan: Plan) -> None:
         """Serve the job's Prometheus metrics (metrics.py); a port that cannot be bound fails the job
@@ -334,6 +367,8 @@ class JobCoordinator:
         self.setup()
         with self._lock:
             if self._thread is not None:
+                if self.restarted:   # resuming by itself already: the driver's start joins it
+                    return self.status()
                 raise MalleusError(f"job {self.job.name!r} is already {self.state}")
             if steps is not None:
                 if int(steps) < 1:
@@ -393,6 +428,7 @@ class JobCoordinator:
 
     def _iteration(self) -> None:
         import ray
+        self._maybe_rejoin()
         self._apply_ready()
         step = self.step
         self._emulate(step)
@@ -455,7 +491,10 @@ class JobCoordinator:
         completed everywhere, else None (the step is redone on the same global batch)."""
         t0 = time.perf_counter()
         self._event("failure", f"step {self.step} failed: {str(error).splitlines()[0]}")
-        rep = self.group.recover()
+        old = self.plan
+        rep = self.group.recover(plan_for=self._plan_without)
+        if rep.plan_id != old.plan_id:   # devices gone for good: the group runs a plan without them now
+            self._membership_changed(old, f"devices {rep.gone} gone (no worker could start in their bundles)")
         how = "from the survivors' replicas"
         if rep.source != "replicas":
             ckpt = self._latest_checkpoint()
@@ -475,11 +514,61 @@ class JobCoordinator:
             for d in rep.lost:
                 self.estimator.forget(d)
             self._measure_from = max(self._measure_from, self.step + self.skip_after_migration)
-            self.failures.append({"step": self.step, "lost": rep.lost, "source": rep.source, "completed": rep.completed,
+            self.failures.append({"step": self.step, "lost": rep.lost, "gone": rep.gone, "source": rep.source,
+                                  "completed": rep.completed, "plan_id": rep.plan_id,
                                   "seconds": time.perf_counter() - t0})
-            self._event("recovered", f"replaced devices {rep.lost}; state restored {how} in "
+            replaced = [d for d in rep.lost if d not in rep.gone]
+            self._event("recovered", f"replaced devices {replaced}, gone {rep.gone}; state restored {how} in "
                                      f"{time.perf_counter() - t0:.1f} s" + ("" if rep.completed else "; step redone"))
         return rep.record
+
+    def _plan_without(self, gone: frozenset) -> Plan:
+        """The plan over the devices that are still there (the group asks when some are gone or back)."""
+        from malleus_svc.planner import plan as solve
+        problem = self._problem(self.effective_rates(), self.excluded | set(gone))
+        return solve(problem, previous=self.plan).plan
+
+    def _membership_changed(self, old: Plan, detail: str) -> None:
+        """The group now runs another plan because devices left or came back (not a round's migration:
+        the state was rebuilt with the world). Book it like a re-plan."""
+        new = self.group.plan
+        with self._lock:
+            self.plan = new
+            self.plan_version += 1
+            if self.metrics_export is not None:
+                self.metrics_export.on_plan(new, self.plan_version)
+                self.metrics_export.on_round(["membership"], "applied", None)
+            self.basis = self.effective_rates()
+            self.last_migration_step = self.step
+            self._measure_from = max(self._measure_from, self.step + self.skip_after_migration)
+            for d in set(old.roles()) ^ set(new.roles()):
+                self.estimator.forget(d)
+            self.history.append({"round": None, "outcome": "membership", "time": time.time(), "step": self.step,
+                                 "reason": f"membership: {detail}", "requests": [], "old_plan_id": old.plan_id,
+                                 "new_plan_id": new.plan_id, "new_plan": new.to_dict(),
+                                 "rates": {str(d): r for d, r in sorted(self.basis.items())},
+                                 "excluded": sorted(new.excluded), "gone": sorted(self.group.gone)})
+            self._event("membership", f"{detail}: {old.plan_id} -> {new.plan_id} ({describe_plan(new)})")
+
+    def _maybe_rejoin(self) -> None:
+        """At an iteration boundary, every few seconds while devices are gone: bring back those whose
+        node has returned (Ray placed their placement group again) and plan with them."""
+        if not self.group.gone or time.monotonic() < self._next_rejoin_check:
+            return
+        self._next_rejoin_check = time.monotonic() + self.rejoin_check_s
+        ready = self.group.rejoinable()
+        if not ready:
+            return
+        old, t0 = self.plan, time.perf_counter()
+        back = self.group.rejoin(ready, self._plan_without)
+        if not back:
+            return
+        baselines = self._probe_all(self.group, back, rounds=5)   # fresh processes: their own probe baselines
+        with self._lock:
+            for d in back:
+                self._factors.pop(d, None)          # emulation (tests) re-applies to the fresh worker
+                self.estimator.set_probe_baseline(d, baselines[d])
+        self._membership_changed(old, f"devices {back} rejoined in {time.perf_counter() - t0:.1f} s")
 
     def _grace_wait(self, iteration_seconds: float) -> None:
         """A plan being made when an iteration ends may take effect at this boundary if it is ready
@@ -572,6 +661,8 @@ class JobCoordinator:
             # the next window of batches (all after the shift) is the new reference; rebasing on the
             # recent window instead, half old and half new, would report the same shift again
             self.length_drift = _drift_detector()
+            from malleus_svc.lengths import LengthHistogram
+            self._drift_lengths = LengthHistogram.of(int(n) for n in lengths)
             if not self.static:
                 self._submit("lengths", f"length distribution drifted: {rep.reason}")
 
@@ -584,7 +675,28 @@ class JobCoordinator:
 
     def _problem(self, rates: Mapping[int, float], excluded: set[int]):
         snapped = {d: (r if r >= self.policy.threshold else 1.0) for d, r in rates.items() if d not in excluded}
-        return self.job.scenario.problem(rates=snapped, excluded=frozenset(excluded))
+        return self.job.scenario.problem(rates=snapped, excluded=frozenset(excluded), lengths=self._length_profile())
+
+    def _length_profile(self):
+        """The planner's view of the sampled lengths (lengths/expected.py): what a packed micro-batch
+        costs and holds against the fixed-length one it assumes. None before any batch, and under
+        padding (every micro-batch is then the fixed-length one). Recomputed as batches arrive."""
+        if self.job.data.mode == "pad":
+            return None
+        with self._lock:
+            hist = self.length_drift.lifetime if self.length_drift.lifetime.count else self._drift_lengths
+            if hist is None or not hist.count:
+                return None
+            key = (id(hist), hist.count)
+            if key != self._profile_key:
+                try:
+                    self._profile = self.job.scenario.length_profile(hist, self._length_cost,
+                                                                     seq_len=self.job.data.seq_len)
+                except Exception as e:   # never let the length view stop planning: plan at fixed length
+                    log.warning("length profile unavailable (%s); planning with fixed-length micro-batches", e)
+                    self._profile = None
+                self._profile_key = key
+            return self._profile
 
     # ------------------------------------------------------------------ decide
     def _decide(self) -> None:
@@ -610,8 +722,9 @@ class JobCoordinator:
 
     def _start_round(self) -> None:
         reqs, self._pending = self._pending, []
+        gone = frozenset(self._gone())
         rnd = Round(next(self._round_ids), reqs, time.perf_counter(), self.step,
-                    rates=self.effective_rates(), excluded=frozenset(self.excluded))
+                    rates=self.effective_rates(), excluded=frozenset(self.excluded) | gone, gone=gone)
         self._round = rnd
         threading.Thread(target=self._plan_round, args=(rnd, self.plan), name=f"malleus-plan-{rnd.id}",
                          daemon=True).start()
@@ -700,7 +813,7 @@ class JobCoordinator:
                                 "planning_seconds": time.perf_counter() - t0}
                 # an infeasible exclusion is undone: the plan in force keeps running
                 if set(rnd.excluded) != set(self.plan.excluded):
-                    self.excluded = set(self.plan.excluded)
+                    self.excluded = set(self.plan.excluded) - set(rnd.gone)
                 self._record(rnd, None, "failed")
                 self._finish_round()
 
@@ -709,6 +822,12 @@ class JobCoordinator:
         with self._lock:
             rnd, self._ready = self._ready, None
         if rnd is None:
+            return
+        if rnd.gone != frozenset(self.group.gone):   # planned before devices left or came back: void
+            with self._lock:
+                self._record(rnd, None, "superseded")
+                self._finish_round()
+                self._submit("membership", f"re-plan round {rnd.id} again: devices gone now {sorted(self.group.gone)}")
             return
         old, new = self.plan, rnd.new_plan
         with self._lock:
@@ -846,7 +965,7 @@ class JobCoordinator:
             already = [d for d in devs if d in self.excluded]
             if already:
                 raise MalleusError(f"devices {already} are already excluded (excluded now: {sorted(self.excluded)})")
-            if len(self.excluded | set(devs)) >= self.job.num_devices:
+            if len(self.excluded | set(devs) | self._gone()) >= self.job.num_devices:
                 raise MalleusError(f"excluding {devs} would leave no device for job {self.job.name!r}")
             if self.static:
                 raise MalleusError(f"job {self.job.name!r} runs a fixed plan (--static): membership cannot change")
@@ -858,6 +977,10 @@ class JobCoordinator:
         devs = self._check_devices(devices, "include")
         with self._lock:
             self._check_running()
+            gone = sorted(set(devs) & self._gone())
+            if gone:
+                raise MalleusError(f"devices {gone} are gone (their node left the cluster); they rejoin by "
+                                   "themselves when Ray can place them again")
             missing = [d for d in devs if d not in self.excluded]
             if missing:
                 raise MalleusError(f"devices {missing} are not excluded (excluded now: {sorted(self.excluded)})")
@@ -866,6 +989,9 @@ class JobCoordinator:
             self.excluded -= set(devs)
             req = self._submit("membership", f"include {devs}")
             return {"excluded": sorted(self.excluded), "request": req.id}
+
+    def _gone(self) -> set[int]:
+        return set(self.group.gone) if self.group is not None else set()
 
     def _check_running(self) -> None:
         if self.plan is None:
@@ -897,7 +1023,8 @@ class JobCoordinator:
     def job_info(self) -> dict:
         import ray
         return {"job": self.job.name, "ray_job_id": self.driver_job_id, "submission_id": self.submission_id,
-                "actor_job_id": ray.get_runtime_context().get_job_id(), "state": self.state}
+                "actor_job_id": ray.get_runtime_context().get_job_id(),
+                "node_id": ray.get_runtime_context().get_node_id(), "state": self.state}
 
     def status(self) -> dict:
         with self._lock:
@@ -910,7 +1037,7 @@ class JobCoordinator:
                 "resumed_from": self.resumed_from, "restarted": self.restarted, "failures": list(self.failures),
                 "plan_id": plan.plan_id if plan else None, "plan_version": self.plan_version,
                 "plan": _plan_summary(plan) if plan else None,
-                "excluded": sorted(self.excluded),
+                "excluded": sorted(self.excluded), "gone": sorted(self._gone()),
                 "rates": {str(d): r for d, r in sorted(self.effective_rates().items())},
                 "external_rates": {str(d): r for d, r in sorted(self.external.items())},
                 "calibrated": self.calibrated,
@@ -932,7 +1059,8 @@ class JobCoordinator:
                 "workers": None if self.group is None else {
                     "devices": self.group.num_devices, "cpus_per_worker": self.group.cpus_per_worker,
                     "use_gpu": self.group.use_gpu, "host_cores": os.cpu_count(),
-                    "pids": {str(i["device"]): i["pid"] for i in self.group.infos}},
+                    "pids": {str(i["device"]): i["pid"] for i in self.group.infos},
+                    "nodes": {str(i["device"]): i["node_id"] for i in self.group.infos}},
             }
 
     def summary(self) -> dict:

@@ -7,13 +7,16 @@
 * `dispatch`: stage 1, sequences of a global batch to pipelines (greedy + exact MILP on HiGHS).
 * `packing`: stage 2, one pipeline's sequences into micro-batches (LPT + per-V MILP).
 * `stats`: `LengthHistogram` (streaming, log buckets, mergeable) and `DriftDetector`.
+* `expected`: `expected_micro_batch`, the planner's per-micro-batch time, communication and
+  memory under an observed length distribution (`LengthProfile.apply`, `Scenario.problem(lengths=)`).
 
 `sweep` imports torch and the MILPs import Pyomo, both lazily: the rest is numpy only.
 """
 from .cost import (Coeffs, LengthCost, LengthError, PipelineSpec, StageSpec, analytic_bytes_per_token_per_layer,
                    max_tokens_per_stage)
 from .dispatch import Dispatch, dispatch, greedy_dispatch, predicted_time
-from .packing import Packing, pack, v_bounds
+from .expected import LengthProfile, expected_micro_batch
+from .packing import Packing, first_fit_decreasing, pack, v_bounds
 from .stats import DriftDetector, DriftReport, LengthHistogram
 
 
@@ -24,5 +27,6 @@ def run_sweep(*args, **kwargs):
 
 
 __all__ = ["Coeffs", "Dispatch", "DriftDetector", "DriftReport", "LengthCost", "LengthError", "LengthHistogram",
-           "Packing", "PipelineSpec", "StageSpec", "analytic_bytes_per_token_per_layer", "dispatch",
-           "greedy_dispatch", "max_tokens_per_stage", "pack", "predicted_time", "run_sweep", "v_bounds"]
+           "LengthProfile", "Packing", "PipelineSpec", "StageSpec", "analytic_bytes_per_token_per_layer", "dispatch",
+           "expected_micro_batch", "first_fit_decreasing", "greedy_dispatch", "max_tokens_per_stage", "pack",
+           "predicted_time", "run_sweep", "v_bounds"]

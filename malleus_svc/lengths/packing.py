@@ -62,6 +62,26 @@ class Packing:
                 "proven_optimal": self.proven_optimal, "method": self.method, "solve_seconds": self.solve_seconds}
 
 
+def first_fit_decreasing(lengths: Sequence[float], capacity: float) -> list[list[int]]:
+    """Fixed-length packing (hydraulis App. A.2): longest first, each into the first micro-batch with
+    room, up to `capacity` tokens; indices into `lengths`. Blind to time: the oblivious baseline of
+    `bench lengths`, and the "packed to the token budget" micro-batches `expected` averages over."""
+    bins: list[list[int]] = []
+    room: list[float] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b, r in enumerate(room):
+            if lengths[i] <= r:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            if lengths[i] > capacity:
+                raise LengthError(f"lengths[{i}]", lengths[i], f"at most the capacity ({capacity} tokens)")
+            bins.append([i])
+            room.append(capacity - lengths[i])
+    return bins
+
+
 def v_bounds(total_tokens: float, capacity: float, count: int, min_tokens: float | None = None) -> tuple[int, int]:
     """Range of micro-batch counts worth trying (§5.2 App. C): memory bounds V from below
     (⌈Σl / capacity⌉), one sequence per micro-batch from above, and, when given, `min_tokens` (the

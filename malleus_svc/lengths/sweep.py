@@ -19,19 +19,41 @@ kernel's time steps irregularly with length (blocking and cache effects: single 
 sequences came out 13-22% slower than any a·l² + b·l fit to the rest), which is a property of
 that kernel, not of the model; the tiny preset itself trains on sequences of at most 65.
 
-This fits TP degree 1 only (a CPU process alone). Other TP degrees need the same sweep run on a
-real TP group; `LengthCost.merged` combines the fits.
+TP degrees. `run_sweep(tp=t)` with t > 1 runs the same sweep on a real TP group: t fresh
+processes in a gloo group, each holding its shard of the runtime's own Megatron-sharded blocks
+(`runtime.tensor_parallel`), fed the same replicated inputs; ranks start every mix together (a
+barrier outside the timed region). Each rank measures two parts: compute, its thread CPU time
+(gloo reduces on its own threads, so collectives are not in it), and communication, its wall
+time inside TP collectives. The group computes as slowly as its slowest rank (max over ranks),
+and its collectives cost what the least-waiting rank saw (min over ranks: the others' extra wait
+is a peer's lateness, already in the max, or a time slice the OS gave another process). On 2
+shared cores the collectives of the tiny model are half its TP-2 time and, per mix, far noisier
+than compute (one all-reduce of a few KB takes 0.8-2 ms, set by when the OS wakes both ranks),
+so compute gets the full a, b, d, c fit and communication a separate two-coefficient fit over all
+mixes (b_comm·Σl + c_comm: every block all-reduces each token's hidden state a fixed number of
+times), added to b and c. Fitting the noisy totals with four coefficients gave held-out errors of
+17-27% at load 7-12; this split gave 9-15% with 21 repeats. `run_sweeps` fits several degrees
+and merges them (`LengthCost.merged`). A TP-2 sweep takes 20-60 s with 21 repeats here.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import pickle
 import random
+import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Sequence
 
-from .cost import LengthCost, LengthError
+import numpy as np
+
+from .cost import LengthCost, LengthError, nnls
 
 Mix = Sequence[int]
 
@@ -64,58 +86,98 @@ def heldout_mixes(count: int = 10, seed: int = 1, max_tokens: int = MAX_TOKENS, 
     return out
 
 
-def _make_blocks(shape, layers: int, seed: int):
+def _make_blocks(shape, layers: int, seed: int, tp=None):
     from ..runtime.model import StageModel
+    from ..runtime.tensor_parallel import SINGLE
     if layers > shape.layers:
         shape = dataclasses.replace(shape, layers=layers)
-    model = StageModel(shape, (0, layers), has_embedding=False, has_head=False)
+    model = StageModel(shape, (0, layers), has_embedding=False, has_head=False, tp=tp or SINGLE)
     model.init_from_seed(seed)
     return model, shape
 
 
 def time_micro_batches(mixes: Sequence[Mix], shape="tiny", layers: int = 2, repeats: int = 21, warmup: int = 1,
                        seed: int = 0, threads: int = 1, stat: str = "lower_half", clock: str = "thread",
-                       normalise_rounds: bool = True) -> list[float]:
+                       normalise_rounds: bool = True, tp: int = 1) -> list[float]:
     """Seconds of forward + backward of each packed mix through `layers` runtime blocks: the
     `stat` ("median", "min" or "lower_half": the median of the faster half) of `repeats` rounds,
     each round first divided by how slow the machine was during it (`_normalise_rounds`).
 
     `clock="thread"` reads this thread's CPU time: with one torch thread the forward and the CPU
     backward both run on it, and time the OS gave to other processes is not counted (on a shared
-    2-core machine that is most of the noise). `clock="wall"` reads the wall clock."""
-    import torch
+    2-core machine that is most of the noise). `clock="wall"` reads the wall clock. `tp` > 1 times
+    the blocks sharded over a TP group of that many processes (module docstring)."""
+    return [a + b for a, b in zip(*_timed_parts(mixes, shape, layers, repeats, warmup, seed, threads, stat, clock,
+                                                 normalise_rounds, tp))]
 
+
+def _timed_parts(mixes, shape, layers, repeats, warmup, seed, threads, stat, clock, normalise_rounds, tp
+                 ) -> tuple[list[float], list[float]]:
+    """(compute, TP communication) seconds of each mix, each part normalised and summarised on its own."""
     from ..config.presets import ModelShape, preset
+    from ..runtime.model import tp_divisibility_error
     shape = preset(shape) if not isinstance(shape, ModelShape) else shape
     if repeats < 1:
         raise LengthError("repeats", repeats, "an integer >= 1")
     if clock not in ("thread", "wall"):
         raise LengthError("clock", clock, "'thread' (this thread's CPU time) or 'wall'")
-    now = time.thread_time if clock == "thread" else time.perf_counter
     if stat not in _STATS:
         raise LengthError("stat", stat, f"one of {sorted(_STATS)}")
-    model, shape = _make_blocks(shape, layers, seed)
-    gen = torch.Generator().manual_seed(seed)
-    inputs = []
+    if not (isinstance(tp, int) and tp >= 1) or tp_divisibility_error(shape, tp):
+        raise LengthError("tp", tp, tp_divisibility_error(shape, tp) if isinstance(tp, int) and tp >= 1
+                          else "an integer >= 1")
     for mix in mixes:
         if not mix or min(mix) < 1:
             raise LengthError("mix", list(mix), "a non-empty list of positive lengths")
-        t = sum(mix)
+    args = ([tuple(m) for m in mixes], shape, layers, repeats, warmup, seed, threads, clock)
+    parts = _rank_times(*args) if tp == 1 else _group_times(tp, args)
+    out = []
+    for times in parts:
+        if normalise_rounds and any(x > 0 for t in times for x in t):
+            times = _normalise_rounds(times)
+        out.append([_STATS[stat](t) for t in times])
+    return out[0], out[1]
+
+
+def _rank_times(mixes, shape, layers, repeats, warmup, seed, threads, clock, tp=None):
+    """Per mix, per round: (compute, communication) seconds of this process, or with a TP group
+    (`tp`, a `TensorParallel`) the group's (module docstring). Every rank builds the same inputs
+    and round orders from `seed`, so they run the same mix at the same time."""
+    import torch
+    import torch.distributed as dist
+
+    model, shape = _make_blocks(shape, layers, seed, tp)
+    tp = model.tp
+    # (compute, communication) clocks: compute is this thread's CPU time (gloo reduces on its own
+    # threads, so collectives are not in it) and communication the wall time inside TP collectives
+    # (0 without a group); "wall" puts everything in the first.
+    if clock == "thread":
+        def now() -> tuple[float, float]:
+            return time.thread_time(), tp.comm_seconds
+    else:
+        def now() -> tuple[float, float]:
+            return time.perf_counter(), 0.0
+    gen = torch.Generator().manual_seed(seed)
+    inputs = []
+    for mix in mixes:
         cu = torch.tensor([0, *[sum(mix[:i + 1]) for i in range(len(mix))]], dtype=torch.int32)
         pos = torch.cat([torch.arange(x) for x in mix])
-        x = torch.randn(t, shape.hidden, generator=gen)
-        g = torch.randn(t, shape.hidden, generator=gen)
+        x = torch.randn(sum(mix), shape.hidden, generator=gen)
+        g = torch.randn(sum(mix), shape.hidden, generator=gen)
         inputs.append((x, pos, cu, g))
 
-    def once(i: int) -> float:
+    def once(i: int) -> tuple[float, float]:
         x, pos, cu, g = inputs[i]
         for p in model.parameters():
             p.grad = None
         xr = x.detach().requires_grad_(True)
-        t0 = now()
+        if tp.size > 1:
+            dist.barrier(group=tp.group)
+        c0, m0 = now()
         out = model(xr, pos, cu)
         (out * g).sum().backward()
-        return now() - t0
+        c1, m1 = now()
+        return c1 - c0, m1 - m0
 
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -125,16 +187,77 @@ def time_micro_batches(mixes: Sequence[Mix], shape="tiny", layers: int = 2, repe
             for i in order:
                 once(i)
         rng = random.Random(seed)
-        times: list[list[float]] = [[] for _ in mixes]
-        for _ in range(repeats):
+        comp = torch.zeros(len(mixes), repeats, dtype=torch.float64)
+        comm = torch.zeros_like(comp)
+        for r in range(repeats):
             rng.shuffle(order)
             for i in order:
-                times[i].append(once(i))
+                comp[i, r], comm[i, r] = once(i)
     finally:
         torch.set_num_threads(old_threads)
-    if normalise_rounds:
-        times = _normalise_rounds(times)
-    return [_STATS[stat](t) for t in times]
+    if tp.size > 1:
+        # The group computes as slowly as its slowest member; its collectives cost what the least
+        # waiting member saw (the others' extra wait is that member's lateness, or a time slice the
+        # OS gave another process: counted once, in compute, or not at all).
+        dist.all_reduce(comp, op=dist.ReduceOp.MAX, group=tp.group)
+        comm.neg_()
+        dist.all_reduce(comm, op=dist.ReduceOp.MAX, group=tp.group)
+        comm.neg_()
+    return comp.tolist(), comm.tolist()
+
+
+def _tp_rank_main(argv: list[str]) -> None:
+    """One TP rank, run as `python -m malleus_svc.lengths.sweep RANK SIZE PORT DIR` by
+    `_group_times`: join the gloo group, time (arguments pickled in DIR/args), rank 0 writes the
+    group's times to DIR/times."""
+    import torch.distributed as dist
+
+    from ..runtime.tensor_parallel import TensorParallel
+    rank, size, port, folder = int(argv[0]), int(argv[1]), int(argv[2]), Path(argv[3])
+    args = pickle.loads((folder / "args").read_bytes())
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    try:
+        times = _rank_times(*args, tp=TensorParallel(size, rank, dist.group.WORLD))
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        (folder / "times").write_bytes(pickle.dumps(times))
+
+
+def _group_times(size: int, args: tuple, timeout_s: float = 900.0):
+    """`_rank_times` on a TP group of `size` fresh Python processes. Plain subprocesses, not
+    multiprocessing: spawn re-imports the caller's __main__ (a script, a Ray worker), fork is
+    unsafe in threaded callers (the coordinator). A rank that fails ends the others (they would
+    wait for it in a collective)."""
+    root = str(Path(__file__).resolve().parents[2])   # the children import this package from here
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    with tempfile.TemporaryDirectory(prefix="malleus-tp-sweep-") as tmp:
+        folder = Path(tmp)
+        (folder / "args").write_bytes(pickle.dumps(args))
+        with socket.socket() as s:   # a free port for the rendezvous (rank 0's store binds it right after)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = []
+        for r in range(size):
+            with open(folder / f"rank{r}.log", "wb") as log:
+                procs.append(subprocess.Popen([sys.executable, "-m", __name__, str(r), str(size), str(port), tmp],
+                                              stdout=log, stderr=subprocess.STDOUT, env=env))
+        deadline = time.monotonic() + timeout_s
+        try:
+            while any(p.poll() is None for p in procs):
+                if any(p.returncode for p in procs) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if any(p.returncode for p in procs) or not (folder / "times").exists():
+            logs = "\n".join(f"rank {r} (exit {p.returncode}): {(folder / f'rank{r}.log').read_text()[-2000:]}"
+                             for r, p in enumerate(procs))
+            raise RuntimeError(f"TP{size} length sweep failed (or ran past {timeout_s:g} s):\n{logs}")
+        return pickle.loads((folder / "times").read_bytes())
 
 
 def _normalise_rounds(times: list[list[float]]) -> list[list[float]]:
@@ -165,18 +288,23 @@ _STATS = {"median": statistics.median, "min": min, "lower_half": _lower_half}
 def run_sweep(shape="tiny", *, layers: int = 2, repeats: int = 21, warmup: int = 1, seed: int = 0,
               train_mixes: Sequence[Mix] | None = None, test_mixes: Sequence[Mix] | None = None,
               threads: int = 1, stat: str = "lower_half", clock: str = "thread",
-              normalise_rounds: bool = True) -> tuple[LengthCost, dict]:
-    """Time, fit (TP 1, per layer) and evaluate on held-out mixes (`heldout_mixes`: random
-    lognormal packs, none fitted on). ~6-12 s on one core with the defaults. Returns the model and a report:
+              normalise_rounds: bool = True, tp: int = 1) -> tuple[LengthCost, dict]:
+    """Time, fit (TP degree `tp`, per layer) and evaluate on held-out mixes (`heldout_mixes`:
+    random lognormal packs, none fitted on). ~6-12 s on one core with the defaults at TP 1,
+    20-60 s at TP 2 on this 2-core machine (start-up, collectives). Returns the model and a report:
     coefficients, every mix's measured and predicted seconds and relative error, and the held-out
     error summary (`test_max_abs_error`, `test_mean_abs_error`)."""
     t0 = time.perf_counter()
     train = [tuple(m) for m in (train_mixes if train_mixes is not None else TRAIN_MIXES)]
     test = [tuple(m) for m in (test_mixes if test_mixes is not None else heldout_mixes(seed=seed + 1))]
-    measured = time_micro_batches(train + test, shape, layers, repeats, warmup, seed, threads, stat, clock,
-                                  normalise_rounds)
+    comp, comm = _timed_parts(train + test, shape, layers, repeats, warmup, seed, threads, stat, clock,
+                              normalise_rounds, tp)
+    measured = [a + b for a, b in zip(comp, comm)]
     m_train, m_test = measured[:len(train)], measured[len(train):]
-    model, train_err = LengthCost.fit(list(zip(train, m_train)), tp=1, layers=layers)
+    model, _ = LengthCost.fit(list(zip(train, comp[:len(train)])), tp=tp, layers=layers)
+    if any(comm):   # TP collectives: fitted on their own (module docstring), added to b and c
+        model = _with_comm(model, tp, train, comm[:len(train)], layers)
+    train_err = [model.predict(m, layers=layers) / y - 1.0 for m, y in zip(train, m_train)]
 
     def rows(mixes, secs):
         out = []
@@ -189,9 +317,10 @@ def run_sweep(shape="tiny", *, layers: int = 2, repeats: int = 21, warmup: int =
     test_rows = rows(test, m_test)
     test_err = [abs(r["rel_error"]) for r in test_rows]
     report = {
-        "shape": shape if isinstance(shape, str) else dataclasses.asdict(shape), "layers": layers,
+        "shape": shape if isinstance(shape, str) else dataclasses.asdict(shape), "layers": layers, "tp": tp,
         "repeats": repeats, "threads": threads, "stat": stat, "clock": clock, "normalise_rounds": normalise_rounds,
-        "coeffs_per_layer": model.at(1).to_dict(),
+        "coeffs_per_layer": model.at(tp).to_dict(),
+        "comm_share": sum(comm) / sum(measured),
         "train": rows(train, m_train), "test": test_rows,
         "train_max_abs_error": max(abs(e) for e in train_err),
         "test_max_abs_error": max(test_err) if test_err else None,
@@ -199,3 +328,33 @@ def run_sweep(shape="tiny", *, layers: int = 2, repeats: int = 21, warmup: int =
         "seconds": time.perf_counter() - t0,
     }
     return model, report
+
+
+def _with_comm(model: LengthCost, tp: int, mixes: Sequence[Mix], comm: Sequence[float], layers: int) -> LengthCost:
+    """`model` plus the TP collectives' time, b_comm·Σl + c_comm per layer (the collectives move
+    every token's hidden state, a fixed number of times per block), least squares in relative
+    terms. Communication waits on the OS scheduler on a shared CPU, so each mix's value is far
+    noisier than its compute; two coefficients over all mixes average that noise out, where a
+    four-coefficient fit of the totals would chase it."""
+    x = np.array([[sum(m), 1.0] for m in mixes])
+    y = np.array(comm) / layers
+    w = 1.0 / np.maximum(y, 1e-12)
+    b, c = nnls(x * w[:, None], y * w)
+    k = model.at(tp)
+    return LengthCost({tp: dataclasses.replace(k, b=k.b + float(b), c=k.c + float(c))}, model.unit)
+
+
+def run_sweeps(shape="tiny", tps: Sequence[int] = (1, 2), **kwargs) -> tuple[LengthCost, dict[int, dict]]:
+    """`run_sweep` once per TP degree (each on its own group), merged into one `LengthCost`.
+    Returns the model and each degree's report (held-out error per degree)."""
+    if not tps:
+        raise LengthError("tps", list(tps), "at least one TP degree")
+    model, reports = None, {}
+    for t in sorted(set(tps)):
+        m, reports[t] = run_sweep(shape, tp=t, **kwargs)
+        model = m if model is None else model.merged(m)
+    return model, reports
+
+
+if __name__ == "__main__":   # a TP rank of `_group_times`
+    _tp_rank_main(sys.argv[1:])

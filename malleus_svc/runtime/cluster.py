@@ -14,9 +14,16 @@ otherwise the cluster's CPUs shared evenly (fractional). A local cluster started
 2-core laptop: the OS time-slices the real cores (which is why compute is timed per thread, see
 DESIGN.md "Measuring on a machine with fewer cores than devices").
 
-World. Rank = device id, world size = plan.num_devices (all devices, suspended included, so a
-re-plan never needs a new world). Rank 0 picks its node IP and a free port; every worker then
-calls init_process_group(tcp://ip:port) concurrently. A port lost to a race is retried.
+World. The world holds every device that has a worker (suspended and excluded ones included, so
+a re-plan never needs a new world); ranks follow device ids. The first worker picks its node IP and
+a free port; every worker then calls init_process_group(tcp://ip:port) concurrently. A port lost
+to a race is retried.
+
+Devices gone for good. A lost device whose bundle cannot host a new worker within
+`replace_timeout_s` (its node left the cluster: Ray re-places the node's placement group only once
+a node with room joins) is *gone*: the world is rebuilt over the rest (groups.world_rank maps
+device ids to the denser ranks) and the caller supplies a plan without it. When its placement
+group is placed again, `rejoin` brings it back the same way.
 """
 from __future__ import annotations
 
@@ -25,7 +32,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -82,11 +89,13 @@ class StepRecord:
 class RecoveryReport:
     """What `WorkerGroup.recover` did after a failed step."""
 
-    lost: list[int]                 # devices replaced by fresh actors
+    lost: list[int]                 # devices whose worker died or hung
     source: str                     # "replicas": state rebuilt from survivors; "none": restore a checkpoint
     completed: bool                 # the failed step had applied everywhere; `record` is its StepRecord
     record: "StepRecord | None"
     seconds: float
+    gone: list[int] = field(default_factory=list)   # of `lost`, those that could not be replaced
+    plan_id: str | None = None                      # the plan the group runs now
 
 
 @dataclass
@@ -111,13 +120,15 @@ class WorkerGroup:
     """One actor per device; see the module docstring for placement and the world."""
 
     def __init__(self, num_devices: int, gpus_per_node: int, *, use_gpu: bool | None = None,
-                 cpus_per_worker: float | None = None, timeout_s: float = 120.0, name: str = "malleus"):
+                 cpus_per_worker: float | None = None, timeout_s: float = 120.0, name: str = "malleus",
+                 replace_timeout_s: float = 60.0):
         if num_devices < 1 or gpus_per_node < 1:
             raise WorkerGroupError(f"need num_devices >= 1 and gpus_per_node >= 1, got {num_devices}, {gpus_per_node}")
         if not ray.is_initialized():
             raise WorkerGroupError("Ray is not initialised: call ray.init() (or start_local_ray) first")
         self.num_devices, self.gpus_per_node = num_devices, gpus_per_node
         self.timeout_s, self.name = timeout_s, name
+        self.replace_timeout_s = float(replace_timeout_s)
         res = ray.cluster_resources()
         self.use_gpu = res.get("GPU", 0) >= num_devices if use_gpu is None else use_gpu
         if self.use_gpu and res.get("GPU", 0) < num_devices:
@@ -130,7 +141,8 @@ class WorkerGroup:
                                    "start it with more (logical) CPUs, e.g. ray start --num-cpus N")
         self.cpus_per_worker = cpus_per_worker
         self.placement_groups: list = []
-        self.workers: list = []
+        self.workers: list = []              # by device id; None for a device that is gone
+        self.gone: set[int] = set()
         self.infos: list[dict] = []
         self.backend: str | None = None
         self.rendezvous: str | None = None   # tcp://ip:port of the torch.distributed store
@@ -172,12 +184,21 @@ class WorkerGroup:
             k = min(self.gpus_per_node, self.num_devices - n * self.gpus_per_node)
             self.placement_groups.append(placement_group([self._bundle()] * k, strategy="STRICT_PACK",
                                                          name=f"{self.name}-node{n}"))
-        for n, pg in enumerate(self.placement_groups):
-            if not pg.wait(timeout_seconds=self.timeout_s):
-                raise WorkerGroupError(
-                    f"placement group for logical node {n} ({len(pg.bundle_specs)} bundles of {self._bundle()}, "
-                    f"all on one Ray node) was not placed within {self.timeout_s:g} s; the cluster has "
-                    f"{ray.available_resources()} available. Lower gpus_per_node or add resources.")
+        # Elastic start: logical nodes that cannot be placed by the deadline start out gone (their
+        # placement groups stay pending; `rejoin` brings them in once Ray places them).
+        deadline = time.monotonic() + self.timeout_s
+        unplaced = [n for n, pg in enumerate(self.placement_groups)
+                    if not pg.wait(timeout_seconds=max(0.0, deadline - time.monotonic()))]
+        if len(unplaced) == nodes:
+            pg = self.placement_groups[0]
+            raise WorkerGroupError(
+                f"no logical node could be placed within {self.timeout_s:g} s (each needs {len(pg.bundle_specs)} "
+                f"bundles of {self._bundle()} on one Ray node); the cluster has {ray.available_resources()} "
+                "available. Lower gpus_per_node or add resources.")
+        if unplaced:
+            self.gone = {d for d in range(self.num_devices) if d // self.gpus_per_node in unplaced}
+            log.warning("logical nodes %s could not be placed within %g s: starting without devices %s; they join "
+                        "when Ray can place them", unplaced, self.timeout_s, sorted(self.gone))
 
     def _remove_stale(self, nodes: int) -> None:
         """Placement groups of this name left by a predecessor that died (a coordinator that Ray
@@ -190,6 +211,13 @@ class WorkerGroup:
                 continue
             log.warning("removing stale placement group %s-node%d", self.name, n)
             remove_placement_group(stale)
+            deadline = time.monotonic() + 10   # removal is asynchronous: the name frees a moment later
+            while time.monotonic() < deadline:
+                try:
+                    get_placement_group(f"{self.name}-node{n}")
+                except ValueError:
+                    break
+                time.sleep(0.1)
 
     def _new_worker(self, d: int):
         pg = self.placement_groups[d // self.gpus_per_node]
@@ -200,30 +228,40 @@ class WorkerGroup:
             max_restarts=0,  # a lost device is the coordinator's decision, not a silent restart
         ).remote(d, self.use_gpu)
 
+    @property
+    def live(self) -> list[int]:
+        """The devices that have a worker (all but the gone ones), sorted."""
+        return [d for d, w in enumerate(self.workers) if w is not None]
+
     def _spawn(self) -> None:
-        self.workers = [self._new_worker(d) for d in range(self.num_devices)]
-        self.infos = self._get([w.info.remote() for w in self.workers], "start")
+        self.workers = [None if d in self.gone else self._new_worker(d) for d in range(self.num_devices)]
+        self.infos = self._each("info")
+
+    def _each(self, method: str, *args, devices: Sequence[int] | None = None) -> list:
+        """Call `method(*args)` on these devices' workers (default: every live one), in device order."""
+        devices = self.live if devices is None else list(devices)
+        return self._get([getattr(self.workers[d], method).remote(*args) for d in devices], method, devices=devices)
 
     def _init_world(self, attempts: int = 3) -> None:
         last: Exception | None = None
+        live = self.live
         for _ in range(attempts):
-            addr, port = ray.get(self.workers[0].pick_port.remote(), timeout=self.timeout_s)
-            refs = [w.init_world.remote(addr, port, self.num_devices, self.timeout_s) for w in self.workers]
+            addr, port = ray.get(self.workers[live[0]].pick_port.remote(), timeout=self.timeout_s)
             try:
-                self.backend = self._get(refs, f"init_world tcp://{addr}:{port}")[0]
+                self.backend = self._each("init_world", addr, port, live, self.timeout_s)[0]
                 self.rendezvous = f"tcp://{addr}:{port}"
                 return
             except WorkerGroupError as e:  # most likely the port was taken between pick and bind
                 last = e
                 # A half-initialised world cannot be re-entered: close what did come up and retry.
-                ray.get([w.close.remote() for w in self.workers], timeout=self.timeout_s)
+                self._each("close")
         raise WorkerGroupError(f"torch.distributed rendezvous failed {attempts} times: {last}")
 
     def shutdown(self) -> None:
         for w in self.workers:
             try:
                 ray.kill(w)
-            except Exception:  # already dead: nothing to release
+            except Exception:  # already dead (or gone: None): nothing to release
                 pass
         for pg in self.placement_groups:
             try:
@@ -240,7 +278,7 @@ class WorkerGroup:
         self.dataset = build_dataset(spec)
         self.data_mode, self.seq_len = mode, int(seq_len)
         self._data_args = (spec, mode, int(seq_len))
-        sizes = self._get([w.set_data.remote(spec, mode, seq_len) for w in self.workers], "set_data")
+        sizes = self._each("set_data", spec, mode, seq_len)
         if any(n != len(self.dataset) for n in sizes):
             raise WorkerGroupError(f"workers built datasets of sizes {sorted(set(sizes))}, the driver {len(self.dataset)}: "
                                    "the dataset must be the same everywhere (same files, same spec)")
@@ -255,6 +293,10 @@ class WorkerGroup:
         if plan.gpus_per_node != self.gpus_per_node:
             raise WorkerGroupError(f"plan {plan.plan_id} assumes {plan.gpus_per_node} devices per node, this job has "
                                    f"{self.gpus_per_node}")
+        gone = sorted(self.gone & set(plan.roles()))
+        if gone:
+            raise WorkerGroupError(f"plan {plan.plan_id} gives work to devices {gone}, which are gone "
+                                   f"(their node left the cluster); plan without them")
 
     def apply_plan(self, plan: Plan, shape, *, seed: int = 0, optim=None) -> list[dict]:
         """Every worker builds its Engine for `plan` (fresh parameters from `seed`); devices without
@@ -268,7 +310,7 @@ class WorkerGroup:
             raise WorkerGroupError(f"plan {plan.plan_id} cannot run this model: {e}") from None
         optim = optim or OptimConfig()
         d = plan.to_dict()
-        out = self._get([w.apply_plan.remote(shape, d, seed, optim) for w in self.workers], "apply_plan")
+        out = self._each("apply_plan", shape, d, seed, optim)
         self.plan = plan
         self.shape, self.seed, self.optim = shape, seed, optim  # what migrate() builds engines with
         return out
@@ -295,8 +337,7 @@ class WorkerGroup:
             raise WorkerGroupError(f"cannot migrate {old.plan_id} -> {new_plan.plan_id}: {e}") from None
         t0 = time.perf_counter()
         od, nd = old.to_dict(), new_plan.to_dict()
-        refs = [w.migrate.remote(od, nd, shape, self.seed, self.optim, bucket_bytes) for w in self.workers]
-        results = self._get(refs, f"migrate {old.plan_id} -> {new_plan.plan_id}")
+        results = self._each("migrate", od, nd, shape, self.seed, self.optim, bucket_bytes)
         seconds = time.perf_counter() - t0
         self.plan = new_plan  # the workers run it now (also if the byte check below fails)
         sent = sum(r["sent_bytes"] for r in results)
@@ -318,9 +359,7 @@ class WorkerGroup:
 
         if self.plan is None:
             raise WorkerGroupError("apply_plan must run before load_full_state")
-        ref = ray.put(full_shard_states(full))
-        active = sorted(self.plan.roles())
-        self._get([self.workers[d].load_state.remote(ref) for d in active], "load_state", devices=active)
+        self._each("load_state", ray.put(full_shard_states(full)), devices=sorted(self.plan.roles()))
 
     # ------------------------------------------------------------------ steps
     def count_tokens(self, ids: Sequence[int]) -> tuple[int, int]:
@@ -374,18 +413,20 @@ class WorkerGroup:
         return rec
 
     # ------------------------------------------------------------------ failures
-    def recover(self) -> "RecoveryReport":
+    def recover(self, plan_for: "Callable[[frozenset[int]], Plan] | None" = None) -> "RecoveryReport":
         """After a failed step: find the lost devices, replace them, rebuild the world, restore state.
 
         Lost = a worker whose actor died (RayActorError), or whose step neither returned nor failed
         within the collective timeout (a hang: the device that did not arrive; it is killed). The
         others are NOT restarted: they finish their failed step (a collective with a lost peer errors
         out, at the latest at the timeout), export their shards, leave the old world and join a new
-        one with a fresh actor in each lost device's bundle. The state is reassembled from the
-        survivors when every slice has a surviving copy (data parallelism keeps replicas):
-        `source="replicas"`; otherwise `source="none"` and the caller restores a checkpoint.
-        `completed`: the failed step had finished on every survivor (its optimizer step applied),
-        with its record; otherwise the survivors are all at the state before it and it must be redone.
+        one with a fresh actor in each lost device's bundle. A lost device whose bundle cannot host
+        one (see the module docstring) is gone: then `plan_for(gone devices)` gives the plan to run
+        on the rest. The state is reassembled from the survivors when every slice has a surviving
+        copy (data parallelism keeps replicas): `source="replicas"`; otherwise `source="none"` and
+        the caller restores a checkpoint. `completed`: the failed step had finished on every
+        survivor (its optimizer step applied), with its record; otherwise the survivors are all at
+        the state before it and it must be redone.
         """
         t0 = time.perf_counter()
         inflight, self._inflight = self._inflight, {}
@@ -401,55 +442,126 @@ class WorkerGroup:
                 lost.add(refs[r])
             except Exception:  # a collective that failed because of a lost peer: a survivor
                 pass
-        for d, w in enumerate(self.workers):
-            if d not in lost:
-                try:
-                    ray.get(w.ping.remote(), timeout=30)
-                except Exception:   # dead, or not answering even on its control thread
-                    lost.add(d)
-        survivors = [d for d in sorted(self.plan.roles()) if d not in lost]
-        exports = dict(zip(survivors, self._get([self.workers[d].export_state.remote() for d in survivors],
-                                                "export_state", devices=survivors)))
+        # Dead, or not answering even on its control thread. A worker whose node is going down may
+        # still answer one call and fail the next: every call below counts its failures as lost too.
+        lost |= self._answers("ping", [d for d in self.live if d not in lost], timeout=30)[1]
+        old = self.plan
+        exports, failed = self._answers("export_state", [d for d in sorted(old.roles()) if d not in lost])
+        lost |= failed
+        lost |= self._answers("close", [d for d in self.live if d not in lost])[1]
         for d in sorted(lost):
             try:
                 ray.kill(self.workers[d])
             except Exception:  # already gone
                 pass
-        self._get([self.workers[d].close.remote() for d in range(self.num_devices) if d not in lost], "close")
-        for d in sorted(lost):
-            self.workers[d] = self._new_worker(d)
-        self.infos = self._get([w.info.remote() for w in self.workers], "start")
+        gone = self._start_workers(lost)
+        plan = old
+        if self.gone & set(old.roles()):
+            if plan_for is None:
+                raise WorkerGroupError(f"devices {sorted(gone)} are gone (no worker could start in their bundles "
+                                       f"within {self.replace_timeout_s:g} s) and no plan without them was given")
+            plan = plan_for(frozenset(self.gone))
+        source = self._restart_world(exports, sorted(lost - gone), plan)
+        record = None
+        if results and source == "replicas":
+            record = self._record(old, results, inflight["sample_ids"], time.perf_counter() - inflight["t0"])
+        return RecoveryReport(lost=sorted(lost), source=source, completed=record is not None, record=record,
+                              seconds=time.perf_counter() - t0, gone=sorted(gone), plan_id=plan.plan_id)
+
+    def _answers(self, method: str, devices: Sequence[int], timeout: float | None = None) -> tuple[dict, set[int]]:
+        """`method()` on each device: {device: result} of those that answered, and the set of those that
+        failed or did not answer in time (during a recovery: lost as well)."""
+        refs = {getattr(self.workers[d], method).remote(): d for d in devices}
+        timeout = self.timeout_s + 30 if timeout is None else timeout
+        ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout) if refs else ([], [])
+        out, failed = {}, {refs[r] for r in pending}
+        for r in ready:
+            try:
+                out[refs[r]] = ray.get(r)
+            except Exception:
+                failed.add(refs[r])
+        return out, failed
+
+    def rejoinable(self) -> list[int]:
+        """Gone devices whose logical node's placement group Ray has placed again (a node with room
+        joined the cluster): `rejoin` can bring them back."""
+        from ray.util import placement_group_table
+
+        placed = {n for n, pg in enumerate(self.placement_groups) if placement_group_table(pg).get("state") == "CREATED"}
+        return [d for d in sorted(self.gone) if d // self.gpus_per_node in placed]
+
+    def rejoin(self, devices: Sequence[int], plan_for: "Callable[[frozenset[int]], Plan]") -> list[int]:
+        """Bring gone devices back at an iteration boundary: fresh workers in their bundles, a world
+        over all live devices, `plan_for(still gone)` applied, the state carried over from the
+        running workers (no checkpoint involved). Returns the devices that came back (those whose
+        worker did not start stay gone; with none, nothing changes)."""
+        devices = set(devices) & self.gone
+        if not devices:
+            return []
+        back = devices - self._start_workers(devices)
+        if not back:
+            return []
+        exports = self.export_states()
+        self._each("close", devices=[d for d in self.live if d not in back])
+        source = self._restart_world(exports, sorted(back), plan_for(frozenset(self.gone)))
+        if source != "replicas":   # every slice was exported just now: this cannot lose state
+            raise WorkerGroupError(f"rejoin of {sorted(back)}: the running workers' state did not reassemble "
+                                   f"({self.last_recovery_error})")
+        return sorted(back)
+
+    def _start_workers(self, devices) -> set[int]:
+        """Fresh actors in these devices' bundles. Those that do not start within replace_timeout_s
+        (their node left: the bundle has nowhere to run until Ray places it again) are gone; returns them."""
+        fresh = {d: self._new_worker(d) for d in sorted(devices)}
+        refs = {w.info.remote(): d for d, w in fresh.items()}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.replace_timeout_s) if refs else ([], [])
+        started = set()
+        for r in ready:
+            try:
+                ray.get(r)
+                started.add(refs[r])
+            except Exception:  # it died starting (its node went away under it)
+                pass
+        for d, w in fresh.items():
+            if d not in started:
+                ray.kill(w)     # cancels a creation still waiting for its bundle
+                w = None
+                log.warning("device %d is gone: no worker started in its bundle within %g s", d, self.replace_timeout_s)
+            self.workers[d] = w
+        self.gone = (self.gone | set(fresh)) - started
+        self.infos = self._each("info")
+        return set(fresh) - started
+
+    def _restart_world(self, exports: dict, fresh: Sequence[int], plan: Plan) -> str:
+        """A new world over the live devices (the old one is closed), data for the fresh workers,
+        `plan` applied, and the newest state the `exports` hold loaded. "replicas" if they held every
+        slice, "none" if not (the caller restores a checkpoint)."""
         self._init_world()
-        spec, mode, seq_len = self._data_args
-        self._get([self.workers[d].set_data.remote(spec, mode, seq_len) for d in sorted(lost)], "set_data")
-        self.apply_plan(self.plan, self.shape, seed=self.seed, optim=self.optim)
+        if fresh:
+            self._each("set_data", *self._data_args, devices=fresh)
+        self.apply_plan(plan, self.shape, seed=self.seed, optim=self.optim)
         # A survivor whose step returned has applied its optimizer update; one whose step failed has
         # not (every collective precedes the update, but a collective can complete on some ranks
         # before a peer dies). Rebuild from the newest copies: if they cover the whole model, the
         # step counts; if no survivor finished, they are the state before it and it is redone.
         newest = max((st.step for ex in exports.values() for st in ex.values()), default=0)
         current = [{n: st for n, st in ex.items() if st.step == newest} for ex in exports.values()]
-        source, self.last_recovery_error = "none", None
+        self.last_recovery_error = None
         try:
             from .engine import assemble_full
             self.load_full_state(assemble_full(current))
-            source = "replicas"
+            return "replicas"
         except (ValueError, WorkerGroupError) as e:   # a slice (or layer) whose newest copy was on a lost device
             self.last_recovery_error = str(e).splitlines()[0]
             log.warning("state cannot be rebuilt from the survivors: %s", self.last_recovery_error)
-        record = None
-        if results and source == "replicas":
-            record = self._record(self.plan, results, inflight["sample_ids"], time.perf_counter() - inflight["t0"])
-        return RecoveryReport(lost=sorted(lost), source=source, completed=record is not None, record=record,
-                              seconds=time.perf_counter() - t0)
+            return "none"
 
     # ------------------------------------------------------------------ state and control
     def export_states(self) -> dict[int, Any]:
         if self.plan is None:
             raise WorkerGroupError("no plan applied: nothing to export")
         active = sorted(self.plan.roles())
-        states = self._get([self.workers[d].export_state.remote() for d in active], "export_state", devices=active)
-        return dict(zip(active, states))
+        return dict(zip(active, self._each("export_state", devices=active)))
 
     def full_state(self):
         """The whole model's parameters and optimizer state, assembled from every worker's slice."""
@@ -462,7 +574,8 @@ class WorkerGroup:
         return ray.get(self.workers[device].set_slowdown.remote(factor), timeout=self.timeout_s)
 
     def set_slowdowns(self, factors: dict[int, float]) -> None:
-        ray.get([self.workers[d].set_slowdown.remote(f) for d, f in factors.items()], timeout=self.timeout_s)
+        ray.get([self.workers[d].set_slowdown.remote(f) for d, f in factors.items() if d not in self.gone],
+                timeout=self.timeout_s)
 
     # ------------------------------------------------------------------ helpers
     def _get(self, refs: list, what: str, devices: Sequence[int] | None = None) -> list:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from malleus_svc.config.presets import ModelShape
 from malleus_svc.plan import Plan
 from malleus_svc.runtime.batch import IGNORE_INDEX, MicroBatch
-from malleus_svc.runtime.groups import Groups, Piece, ordered_group_ranks
+from malleus_svc.runtime.groups import Groups, Piece, ordered_group_ranks, world_rank
 from malleus_svc.runtime.model import (StageModel, full_shape_of, part_tensor_names, shard_range,
                                        shard_spec, tp_divisibility_error)
 from malleus_svc.runtime.schedule import StageTransport, one_f_one_b
@@ -169,7 +169,7 @@ class GradientSync:
             group = self.groups.group(key)
             self._collective(self.buckets[key], lambda f: dist.all_reduce(f, group=group))
         if self.broadcast_items:
-            tp_group, src = self.groups.tp.group, self.groups.stage_devices[0]
+            tp_group, src = self.groups.tp.group, world_rank(self.groups.stage_devices[0])
             self._collective(self.broadcast_items, lambda f: dist.broadcast(f, src=src, group=tp_group))
 
     def local_square_norm(self) -> float:

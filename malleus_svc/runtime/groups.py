@@ -14,6 +14,11 @@ Groups are created with ``use_local_synchronization=True``: only members call `n
 suspended and excluded ranks build nothing. Every rank walks the same plan-ordered list and creates
 the groups it belongs to in that order, which keeps the member-only barriers free of cycles.
 Groups are cached by their sorted rank tuple, so a later plan reuses the groups it shares.
+
+Device ids against world ranks. Plans name devices by their stable id (node-major); the
+torch.distributed world holds only the devices that have a worker. Normally the two are the same;
+after a device is gone for good (its node left the cluster) the world is rebuilt over the rest, so
+every call that names a peer translates with `world_rank` (set by `set_world_devices`).
 """
 from __future__ import annotations
 
@@ -35,6 +40,26 @@ _TIMEOUT = None
 def set_collective_timeout(timeout) -> None:
     global _TIMEOUT
     _TIMEOUT = timeout
+
+
+_WORLD_RANK: dict[int, int] = {}   # device id -> rank in the current world; empty: the identity
+
+
+def set_world_devices(devices) -> None:
+    """The devices of the world just initialised, in rank order (sorted device ids)."""
+    _WORLD_RANK.clear()
+    _WORLD_RANK.update({int(d): r for r, d in enumerate(devices)})
+
+
+def world_rank(device: int) -> int:
+    """The torch.distributed rank of a device (plans, schedules and groups speak device ids)."""
+    if not _WORLD_RANK:
+        return device
+    try:
+        return _WORLD_RANK[device]
+    except KeyError:
+        raise RuntimeError(f"device {device} is not in the current world (devices {sorted(_WORLD_RANK)}): "
+                           "a plan gave work to a device that is gone") from None
 
 
 _GROUP_CACHE: dict[tuple[int, tuple[int, ...]], "dist.ProcessGroup"] = {}
@@ -177,9 +202,10 @@ class Groups:
         return sharded, replicated
 
 
-def _get_or_create(ranks: tuple[int, ...]) -> "dist.ProcessGroup":
-    key = (id(dist.group.WORLD), ranks)
+def _get_or_create(devices: tuple[int, ...]) -> "dist.ProcessGroup":
+    key = (id(dist.group.WORLD), devices)
     if key not in _GROUP_CACHE:
+        ranks = tuple(world_rank(d) for d in devices)   # sorted too: ranks follow device order
         _agree_on_name_salt(ranks)
         _GROUP_CACHE[key] = dist.new_group(list(ranks), use_local_synchronization=True, timeout=_TIMEOUT)
     return _GROUP_CACHE[key]

@@ -437,6 +437,7 @@ def execute_migration(schedule: MigrationSchedule, rank: int, old_states: Mappin
     import torch.distributed as dist
 
     from malleus_svc.runtime.engine import ShardState
+    from malleus_svc.runtime.groups import world_rank
 
     t0 = time.perf_counter()
     comm_device = comm_device or torch.device("cpu")
@@ -519,7 +520,8 @@ def execute_migration(schedule: MigrationSchedule, rank: int, old_states: Mappin
                 if buf.numel() * buf.element_size() != b.nbytes:
                     raise MigrationError(f"rank {rank}: bucket to {b.dst} has {buf.numel() * buf.element_size()} "
                                          f"bytes, planned {b.nbytes}")
-                ops += [dist.P2POp(dist.isend, buf, b.dst, tag=tag), dist.P2POp(dist.isend, step_buf, b.dst, tag=tag)]
+                dst = world_rank(b.dst)
+                ops += [dist.P2POp(dist.isend, buf, dst, tag=tag), dist.P2POp(dist.isend, step_buf, dst, tag=tag)]
                 stats.sent_bytes += b.nbytes
                 stats.buckets_sent += 1
                 stats.slices_sent += len(b.chunks)
@@ -528,7 +530,8 @@ def execute_migration(schedule: MigrationSchedule, rank: int, old_states: Mappin
             else:
                 buf = torch.empty(b.nbytes // schedule.itemsize, dtype=dtype, device=comm_device)
                 step_buf = torch.empty(len(b.chunks), dtype=torch.int64, device=comm_device)
-                ops += [dist.P2POp(dist.irecv, buf, b.src, tag=tag), dist.P2POp(dist.irecv, step_buf, b.src, tag=tag)]
+                src = world_rank(b.src)
+                ops += [dist.P2POp(dist.irecv, buf, src, tag=tag), dist.P2POp(dist.irecv, step_buf, src, tag=tag)]
                 recvs.append((b, buf, step_buf))
         c0 = time.perf_counter()
         for work in dist.batch_isend_irecv(ops):

@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from malleus_svc.runtime.groups import PipelinePeers
+from malleus_svc.runtime.groups import PipelinePeers, world_rank
 
 Action = tuple[Literal["F", "B"], int]
 
@@ -83,7 +83,7 @@ class StageTransport:
             raise RuntimeError("this stage has no peer to receive from")
         buf = torch.empty(shape, dtype=self.dtype, device=self.device)
         start = time.perf_counter()
-        dist.irecv(buf, src=src, tag=tag).wait()
+        dist.irecv(buf, src=world_rank(src), tag=tag).wait()
         self.comm_seconds += time.perf_counter() - start
         return buf
 
@@ -93,4 +93,4 @@ class StageTransport:
         buf = x.detach().to(self.dtype).contiguous()
         self._keep.append(buf)
         for dst in dsts:
-            self._pending.append(dist.isend(buf, dst=dst, tag=tag))
+            self._pending.append(dist.isend(buf, dst=world_rank(dst), tag=tag))

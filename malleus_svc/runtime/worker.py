@@ -2,7 +2,8 @@
 
 Lifecycle, driven by `cluster.WorkerGroup`:
   1. `info()` — where it landed (node, IP, pid, device);
-  2. rank 0 `pick_port()`; every worker `init_world(addr, port, world_size)` (TCP rendezvous);
+  2. the first worker `pick_port()`; every worker `init_world(addr, port, devices)` (TCP
+     rendezvous; the world's devices, so a world can lack devices that are gone for good);
   3. `set_data(spec, mode, seq_len)` once — the worker builds its own dataset, so steps ship only
      sample ids, never tensors;
   4. `apply_plan(...)` whenever the plan changes: (re)build the Engine, or none when the device is
@@ -88,8 +89,11 @@ class DeviceWorker:
             s.bind(("", 0))
             return ip, s.getsockname()[1]
 
-    def init_world(self, addr: str, port: int, world_size: int, timeout_s: float = 120.0) -> str:
+    def init_world(self, addr: str, port: int, devices: Sequence[int], timeout_s: float = 120.0) -> str:
+        """Join the world of these devices (sorted ids); this device's rank is its place among them."""
         import torch.distributed as dist
+
+        from .groups import set_collective_timeout, set_world_devices
 
         if dist.is_initialized():
             raise RuntimeError(f"device {self.device_id}: torch.distributed is already initialised; "
@@ -98,11 +102,11 @@ class DeviceWorker:
         dist.init_process_group(
             backend=backend,
             init_method=f"tcp://{addr}:{port}",
-            rank=self.device_id,
-            world_size=int(world_size),
+            rank=list(devices).index(self.device_id),
+            world_size=len(devices),
             timeout=datetime.timedelta(seconds=float(timeout_s)),
         )
-        from .groups import set_collective_timeout
+        set_world_devices(devices)
         set_collective_timeout(datetime.timedelta(seconds=float(timeout_s)))
         self.world_ready = True
         return backend

@@ -41,6 +41,13 @@ TP group; `problem.t0_seconds` converts):
     TP group do not count: their contention is part of α(|g|). On a GPU cluster κ ≈ 0; on a CPU
     machine with one core per device it is what the OS's other threads steal once every core is
     busy (see `bench/calibrate.py`);
+  * per-micro-batch sizes (`simulate(..., work=, volume=)`, default all 1): micro-batch k of
+    pipeline i may differ from the planner's fixed-size one, as packed variable-length
+    micro-batches do (issue #6). Its compute on every stage is c_ij · work[i][k] and its p2p
+    transfers are the boundary's time · volume[i][k] (activation bytes follow its tokens); the
+    hand-off latency, gradient reduction and optimizer step do not depend on it. One factor per
+    micro-batch for all stages is exact when a micro-batch's time scales alike on every stage
+    (one TP degree per pipeline, as `lengths.LengthCost` with stages of one TP degree);
   * embedding and head compute are not modelled (as in the planner). The iteration ends when
     every stage has stepped.
 
@@ -50,6 +57,7 @@ schedule (forwards issued minus backwards done, maximised), not assumed.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 from typing import Literal, Mapping, Sequence
 
@@ -229,8 +237,8 @@ class StageResult:
     devices: tuple[int, ...]
     layers: tuple[int, int]
     rate: float               # α(|g|) · max true rate in the group
-    compute_per_mb: float     # t0, forward + backward of one micro-batch
-    p2p_per_mb: float         # t0, this stage's sends per micro-batch (forward output + backward gradient)
+    compute_per_mb: float     # t0, forward + backward of one micro-batch (of work 1)
+    p2p_per_mb: float         # t0, this stage's sends per micro-batch of volume 1 (forward output + backward gradient)
     busy: float               # t0 of compute and blocking sends (work: without co-run interference)
     last_backward_end: float
     sync_start: float
@@ -274,13 +282,18 @@ def stage_rate(problem: PlannerProblem, devices: Sequence[int], rates: Sequence[
 
 
 def simulate(plan: Plan, problem: PlannerProblem, rates: Sequence[float] | Mapping[int, float] | None = None,
-             options: SimOptions = SimOptions()) -> SimResult:
+             options: SimOptions = SimOptions(), work: Sequence[Sequence[float]] | None = None,
+             volume: Sequence[Sequence[float]] | None = None) -> SimResult:
     """Simulate one iteration of `plan` under `rates` (default: the problem's rates, which are
-    then taken as true). `rates` may be a full per-device sequence or a {device: rate} mapping."""
+    then taken as true). `rates` may be a full per-device sequence or a {device: rate} mapping.
+    `work[i][k]` / `volume[i][k]` scale the compute / p2p of micro-batch k of pipeline i (module
+    docstring; default 1: every micro-batch the planner's fixed size)."""
     x = _rate_vector(problem, rates)
     if plan.num_devices != problem.num_devices or plan.num_layers != problem.num_layers:
         raise ValueError(f"plan is for {plan.num_devices} devices and {plan.num_layers} layers, the problem has "
                          f"{problem.num_devices} and {problem.num_layers}")
+    work = _per_micro_batch(plan, work, "work")
+    volume = _per_micro_batch(plan, volume, "volume")
     comm = problem.comm
     fwd_share = 1.0 / (1.0 + options.backward_ratio)
     eng = EventEngine(options.corun_slowdown)
@@ -317,10 +330,10 @@ def simulate(plan: Plan, problem: PlannerProblem, rates: Sequence[float] | Mappi
             live = peak = 0
             share = host(pipe.stages[j])
             for kind, k in one_f_one_b(S, j, m):
-                dur = c * fwd_share if kind == "F" else c * (1 - fwd_share)
+                dur = c * work[i][k] * (fwd_share if kind == "F" else 1 - fwd_share)
                 op = eng.add((kind, i, j, k), ("gpu", i, j), dur, share=share)
                 compute_ids[(kind, i, j, k)] = arrive[(kind, i, j, k)] = last_op[(i, j)] = op
-                send = down if kind == "F" else up
+                send = (down if kind == "F" else up) * volume[i][k]
                 if send > 0 and blocking:
                     s_op = eng.add(("send" + kind, i, j, k), ("gpu", i, j), send)
                     eng.depend(s_op, op)
@@ -335,7 +348,7 @@ def simulate(plan: Plan, problem: PlannerProblem, rates: Sequence[float] | Mappi
                     if not ok or send <= 0:
                         continue
                     for k in range(m):
-                        s_op = eng.add(("send" + kind, i, j, k), ("link", i, j, kind), send)
+                        s_op = eng.add(("send" + kind, i, j, k), ("link", i, j, kind), send * volume[i][k])
                         eng.depend(s_op, compute_ids[(kind, i, j, k)])
                         arrive[(kind, i, j, k)] = s_op
         for j in range(S):   # hand-off latency: a delay on a private resource, after any transfer
@@ -398,6 +411,19 @@ def simulate(plan: Plan, problem: PlannerProblem, rates: Sequence[float] | Mappi
     end = max(p.end for p in pipes)
     recorded = tuple((o.label, o.start, o.end) for o in ops) if options.record_ops else ()
     return SimResult(end, problem.t0_seconds, tuple(pipes), recorded)
+
+
+def _per_micro_batch(plan: Plan, factors, name: str) -> list[list[float]]:
+    """One factor >= 0 per micro-batch of every pipeline (default 1.0)."""
+    if factors is None:
+        return [[1.0] * p.micro_batches for p in plan.pipelines]
+    out = [[float(v) for v in row] for row in factors]
+    if [len(r) for r in out] != [p.micro_batches for p in plan.pipelines]:
+        raise ValueError(f"{name}: {[len(r) for r in out]} factors per pipeline, the plan runs "
+                         f"{[p.micro_batches for p in plan.pipelines]} micro-batches")
+    if any(not (math.isfinite(v) and v >= 0) for r in out for v in r):
+        raise ValueError(f"{name}: factors must be finite and >= 0")
+    return out
 
 
 def _rate_vector(problem: PlannerProblem, rates) -> list[float]:
