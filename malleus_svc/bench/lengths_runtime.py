@@ -340,7 +340,8 @@ def render(result: dict, rows: list[dict], command: str, date: str, seconds: flo
         f"2 layers, 9 repeats): a {c['a']:.3g} s/token², b {c['b']:.3g} s/token, d {c['d']:.3g} s/sequence, "
         f"c {c['c']:.3g} s/micro-batch, per layer; held-out max error {sweep['test_max_abs_error']:.1%}. "
         f"`assign` MILP time limit {lo:g}–{hi:g} s (the coordinator's rule, `control.assign.planning_time_limit`: "
-        "5% of the last iteration, 0.02–0.5 s; under it the greedy incumbents stand).", "",
+        "5% of the last iteration, 0.02–0.5 s; under it the greedy incumbents stand, and below 0.05 s the MILPs "
+        "are skipped: greedy dispatch and LPT packing only).", "",
         table(rows), "",
         "Iteration s: wall time of the step (+ for the 1-step lookahead, any wait for an assignment not ready in "
         "time). Slowest pipeline busy: per iteration, max over pipelines of their busiest device's compute CPU "

@@ -21,15 +21,20 @@ from typing import Mapping, Sequence
 from malleus_svc.lengths import LengthCost, PipelineSpec, dispatch, pack
 from malleus_svc.plan import Plan
 
+MILP_MIN_S = 0.05   # a time limit below this: greedy only (see assign)
+
 
 def assign(ids: Sequence[int], lengths: Sequence[int], plan: Plan, cost: LengthCost,
            rates: Mapping[int, float], token_budget: int, time_limit_s: float = 0.5) -> list[list[list[int]]]:
     """Per pipeline, per micro-batch, the sample ids: every id of `ids` exactly once, every pipeline
-    at least one micro-batch (each pipeline takes part in the gradient reduction)."""
+    at least one micro-batch (each pipeline takes part in the gradient reduction). Below
+    `MILP_MIN_S` the MILPs are skipped: building their Pyomo models alone takes longer than that,
+    so the greedy dispatch and LPT packing (the MILPs' own incumbents) are the answer."""
     ids = [int(i) for i in ids]
     lens = [int(n) for n in lengths]
     specs = [PipelineSpec.from_plan(p, rates, max_tokens=token_budget) for p in plan.pipelines]
-    d = dispatch(lens, specs, cost, time_limit_s=time_limit_s)
+    exact = time_limit_s >= MILP_MIN_S
+    d = dispatch(lens, specs, cost, time_limit_s=time_limit_s, solver="auto" if exact else "greedy")
     shares = [list(a) for a in d.assignment]
     for j, share in enumerate(shares):            # an empty pipeline takes the shortest sequence of the fullest
         if not share:
@@ -40,7 +45,7 @@ def assign(ids: Sequence[int], lengths: Sequence[int], plan: Plan, cost: LengthC
     out = []
     for share, spec in zip(shares, specs):
         packing = pack([lens[i] for i in share], spec, cost, capacity=token_budget, time_limit_s=time_limit_s,
-                       total_time_s=4 * time_limit_s)
+                       total_time_s=4 * time_limit_s if exact else 0.0)
         out.append([[ids[share[i]] for i in mb] for mb in packing.micro_batches])
     return out
 
@@ -48,7 +53,8 @@ def assign(ids: Sequence[int], lengths: Sequence[int], plan: Plan, cost: LengthC
 def planning_time_limit(iteration_seconds: float | None) -> float:
     """The MILPs' time limit when the next step's assignment is planned while this one trains: it
     must take well under an iteration (and takes CPU from the workers meanwhile). `assign` runs up
-    to 1 + 4 x pipelines limits in the worst case; under the limit the greedy incumbents stand."""
+    to 1 + 4 x pipelines limits in the worst case; under the limit the greedy incumbents stand, and
+    below MILP_MIN_S they are all there is."""
     return 0.5 if iteration_seconds is None else min(0.5, max(0.02, 0.05 * iteration_seconds))
 
 
