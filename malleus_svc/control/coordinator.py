@@ -533,16 +533,9 @@ class JobCoordinator:
         the state was rebuilt with the world). Book it like a re-plan."""
         new = self.group.plan
         with self._lock:
-            self.plan = new
-            self.plan_version += 1
+            self._adopt(old, new, self.effective_rates())
             if self.metrics_export is not None:
-                self.metrics_export.on_plan(new, self.plan_version)
                 self.metrics_export.on_round(["membership"], "applied", None)
-            self.basis = self.effective_rates()
-            self.last_migration_step = self.step
-            self._measure_from = max(self._measure_from, self.step + self.skip_after_migration)
-            for d in set(old.roles()) ^ set(new.roles()):
-                self.estimator.forget(d)
             self.history.append({"round": None, "outcome": "membership", "time": time.time(), "step": self.step,
                                  "reason": f"membership: {detail}", "requests": [], "old_plan_id": old.plan_id,
                                  "new_plan_id": new.plan_id, "new_plan": new.to_dict(),
@@ -823,11 +816,11 @@ class JobCoordinator:
             rnd, self._ready = self._ready, None
         if rnd is None:
             return
-        if rnd.gone != frozenset(self.group.gone):   # planned before devices left or came back: void
+        if rnd.gone != frozenset(self._gone()):   # planned before devices left or came back: void
             with self._lock:
                 self._record(rnd, None, "superseded")
                 self._finish_round()
-                self._submit("membership", f"re-plan round {rnd.id} again: devices gone now {sorted(self.group.gone)}")
+                self._submit("membership", f"re-plan round {rnd.id} again: devices gone now {sorted(self._gone())}")
             return
         old, new = self.plan, rnd.new_plan
         with self._lock:
@@ -842,21 +835,25 @@ class JobCoordinator:
                 self._migrating = False
         seconds = time.perf_counter() - t0
         with self._lock:
-            self.plan = new
-            self.plan_version += 1
+            self._adopt(old, new, dict(rnd.rates))
             if self.metrics_export is not None:
-                self.metrics_export.on_plan(new, self.plan_version)
                 self.metrics_export.on_migration(seconds, report["moved_bytes"])
-            self.basis = dict(rnd.rates)
-            self.last_migration_step = self.step
-            self._measure_from = max(self._measure_from, self.step + self.skip_after_migration)
             self._migrations.append((float(report["moved_bytes"]), seconds))
-            old_roles, new_roles = old.roles(), new.roles()
-            for d in range(self.job.num_devices):
-                if (d in old_roles) != (d in new_roles):  # became active or suspended: stale history
-                    self.estimator.forget(d)
             self._record(rnd, {"seconds": seconds, **report}, "applied", old.plan_id)
             self._finish_round()
+
+    def _adopt(self, old: Plan, new: Plan, basis: dict[int, float]) -> None:
+        """(lock held) `new` runs now, made from rates `basis`: a new plan version, measurements
+        restart after a warm-up, and devices that became active or idle lose their stale history."""
+        self.plan = new
+        self.plan_version += 1
+        if self.metrics_export is not None:
+            self.metrics_export.on_plan(new, self.plan_version)
+        self.basis = basis
+        self.last_migration_step = self.step
+        self._measure_from = max(self._measure_from, self.step + self.skip_after_migration)
+        for d in set(old.roles()) ^ set(new.roles()):
+            self.estimator.forget(d)
 
     def _migrate(self, old: Plan, new: Plan) -> dict:
         """Live migration at this iteration boundary: workers move exactly the slices the plans differ in."""

@@ -512,25 +512,18 @@ class WorkerGroup:
     def _start_workers(self, devices) -> set[int]:
         """Fresh actors in these devices' bundles. Those that do not start within replace_timeout_s
         (their node left: the bundle has nowhere to run until Ray places it again) are gone; returns them."""
-        fresh = {d: self._new_worker(d) for d in sorted(devices)}
-        refs = {w.info.remote(): d for d, w in fresh.items()}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.replace_timeout_s) if refs else ([], [])
-        started = set()
-        for r in ready:
-            try:
-                ray.get(r)
-                started.add(refs[r])
-            except Exception:  # it died starting (its node went away under it)
-                pass
-        for d, w in fresh.items():
-            if d not in started:
-                ray.kill(w)     # cancels a creation still waiting for its bundle
-                w = None
-                log.warning("device %d is gone: no worker started in its bundle within %g s", d, self.replace_timeout_s)
-            self.workers[d] = w
-        self.gone = (self.gone | set(fresh)) - started
+        fresh = sorted(devices)
+        for d in fresh:
+            self.workers[d] = self._new_worker(d)
+        # not started in time, or died starting (its node went away under it)
+        failed = self._answers("info", fresh, timeout=self.replace_timeout_s)[1]
+        for d in failed:
+            ray.kill(self.workers[d])     # cancels a creation still waiting for its bundle
+            self.workers[d] = None
+            log.warning("device %d is gone: no worker started in its bundle within %g s", d, self.replace_timeout_s)
+        self.gone = (self.gone - set(fresh)) | failed
         self.infos = self._each("info")
-        return set(fresh) - started
+        return failed
 
     def _restart_world(self, exports: dict, fresh: Sequence[int], plan: Plan) -> str:
         """A new world over the live devices (the old one is closed), data for the fresh workers,
