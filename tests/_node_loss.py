@@ -161,6 +161,8 @@ def main() -> int:
         ray.shutdown()
         for node in cluster.list_all_nodes():   # every raylet this script started, head last
             node.kill_all_processes(check_alive=False, allow_graceful=False)
+        # as Cluster.shutdown does: a plain ray.init() on this machine must not look for this cluster
+        ray._common.utils.reset_ray_address()
 
 
 if __name__ == "__main__":

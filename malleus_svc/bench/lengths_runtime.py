@@ -396,7 +396,7 @@ def main(argv: list[str]) -> int:
     own = not ray.is_initialized()
     if own:
         # address="local": a private cluster, never one that another job on this machine started
-        start_local_ray(4, address="local", include_dashboard=False, log_to_driver=False)
+        start_local_ray(4, include_dashboard=False, log_to_driver=False)
     t0 = time.perf_counter()
     try:
         result = run(args.rounds, args.steps, args.warmup, args.factor, datasets, args.global_batch,

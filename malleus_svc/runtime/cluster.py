@@ -51,8 +51,10 @@ class WorkerGroupError(RuntimeError):
 
 
 def start_local_ray(num_devices: int, **kwargs: Any) -> dict:
-    """ray.init() for a single machine with enough logical CPUs for one CPU per worker (see above)."""
+    """ray.init() of a new local cluster with enough logical CPUs for one CPU per worker (see above)."""
     num_cpus = max(os.cpu_count() or 1, num_devices + 1)
+    # a cluster of our own, even when another one (`ray start`) runs on this machine
+    kwargs.setdefault("address", "local")
     kwargs.setdefault("include_dashboard", False)
     kwargs.setdefault("log_to_driver", True)
     return ray.init(num_cpus=num_cpus, **kwargs)
