@@ -23,8 +23,8 @@ LEAVE_AT = 4
 
 def job(name: str, ckpt: Path | None = None):
     """The tiny model on 2 logical nodes of 2 devices, DP2 x PP2 (one pipeline per node). The faulted
-    runs keep checkpoints: a node lost inside a step's last all-reduce can leave the survivors at
-    different optimizer steps, and then no consistent copy survives (NOTES.md, Reliability)."""
+    runs keep checkpoints, as a real job would; recovery must not need them (the other pipeline
+    is a whole replica, and survivors always agree on the step: NOTES.md, Reliability)."""
     from malleus_svc.config.job import JobConfig
     extra = {"checkpoint": {"dir": str(ckpt), "every": 2, "keep": 2}} if ckpt else {}
     return JobConfig.from_dict({**extra,

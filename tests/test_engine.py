@@ -145,6 +145,39 @@ def test_state_moves_to_another_plan_and_training_continues_exactly():
         torch.testing.assert_close(full[name], ref, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
 
 
+ONE = Plan(num_devices=1, num_layers=4, micro_batch_size=2,
+           pipelines=(Pipeline((Stage((0,), (0, 4)),), micro_batches=5),))
+
+
+def _two_phase(rank: int, world: int, batches: list[list[MicroBatch]]):
+    engine = Engine(TINY, ONE, rank, seed=SEED, optim=OPTIM, dtype=torch.float64)
+    before = engine.export_state()
+    engine.train_step(batches[0], sum(mb.num_loss_tokens for mb in batches[0]), apply=False)
+    pending = engine.export_state()                    # what a recovery would export: the state before
+    engine.train_step(batches[1], sum(mb.num_loss_tokens for mb in batches[1]), apply=False)  # drops it
+    engine.apply_update()
+    try:
+        engine.apply_update()
+        twice = None
+    except RuntimeError as e:
+        twice = str(e)
+    return before, pending, engine.export_state(), twice
+
+
+def test_an_update_waits_for_apply_and_a_new_step_drops_an_unapplied_one():
+    # The worker group's two-phase step: train_step(apply=False) runs every collective but changes
+    # no state; a step that is not applied (the group saw a device fail) is dropped by the next.
+    batches = global_batches(steps=2, micro_batches=5, micro_batch_size=2, seed=5)
+    before, pending, after, twice = run_on_gloo(_two_phase, 1, batches)[0]
+    for name, st in before.items():
+        assert torch.equal(pending[name].param, st.param) and pending[name].step == st.step == 0, name
+    _, params, optim = reference_train(TINY, SEED, OPTIM, batches[1:], torch.float64)   # batch 1 only
+    full = assemble_full([after])
+    for name, ref in {**params, **optim}.items():
+        torch.testing.assert_close(full[name], ref, rtol=1e-6, atol=1e-9, msg=lambda m: f"{name}: {m}")
+    assert twice and "no finished train_step" in twice
+
+
 # ---------------------------------------------------------------------------- varlen attention
 def test_varlen_attention_matches_masked_attention_per_sequence():
     gen = torch.Generator().manual_seed(0)

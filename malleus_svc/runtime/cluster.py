@@ -392,9 +392,16 @@ class WorkerGroup:
         devices = sorted(roles)
         refs = [self.workers[d].train_step.remote(splits[roles[d].pipeline], loss_tokens) for d in devices]
         self._inflight = {"refs": dict(zip(refs, devices)), "sample_ids": list(sample_ids), "t0": t0}
-        results = self._get(refs, f"train_step {self._step}", devices=devices)
+        per = {r["device"]: r for r in self._get(refs, f"train_step {self._step}", devices=devices)}
+        # Two phases: no device applies its optimizer update before every device has finished the
+        # step. A collective can complete on some ranks before a peer dies, so without this a loss
+        # could leave the survivors at different steps, and only a checkpoint could reconcile them.
+        refs = [self.workers[d].apply_update.remote() for d in devices]
+        self._inflight.update(refs=dict(zip(refs, devices)), finished=per)
+        for d, u in zip(devices, self._get(refs, f"apply_update {self._step}", devices=devices)):
+            _merge_update(per[d], u)
         self._inflight = {}
-        return self._record(plan, {r["device"]: r for r in results}, sample_ids, time.perf_counter() - t0)
+        return self._record(plan, per, sample_ids, time.perf_counter() - t0)
 
     def _record(self, plan: Plan, per: dict[int, dict], sample_ids: Sequence[int], dt: float) -> StepRecord:
         tokens, loss_tokens = self.count_tokens(sample_ids)
@@ -433,17 +440,22 @@ class WorkerGroup:
         t0 = time.perf_counter()
         inflight, self._inflight = self._inflight, {}
         refs: dict = inflight.get("refs", {})
-        # every survivor's step ends by the collective timeout (it errors out); what has not ended
-        # by then, with a margin, hangs
+        # Set once every device had returned from train_step, when the updates were sent: then
+        # every survivor applies it and the step counts; before that no device applied it.
+        finished: dict | None = inflight.get("finished")
+        # every survivor's train_step ends by the collective timeout (it errors out), and
+        # apply_update has no collective; what has not ended by then, with a margin, hangs
         done, stuck = ray.wait(list(refs), num_returns=len(refs), timeout=self.timeout_s + 10) if refs else ([], [])
-        lost, results = {refs[r] for r in stuck}, {}
+        lost = {refs[r] for r in stuck}
         for r in done:
             try:
-                results[refs[r]] = ray.get(r)
+                ray.get(r)
             except ray.exceptions.RayActorError:
                 lost.add(refs[r])
-            except Exception:  # a collective that failed because of a lost peer: a survivor
-                pass
+            except Exception:
+                if finished is not None:   # alive but not updated: it would disagree with the others
+                    lost.add(refs[r])
+                # else: a collective that failed because of a lost peer; a survivor
         # Dead, or not answering even on its control thread. A worker whose node is going down may
         # still answer one call and fail the next: every call below counts its failures as lost too.
         lost |= self._answers("ping", [d for d in self.live if d not in lost], timeout=30)[1]
@@ -465,8 +477,8 @@ class WorkerGroup:
             plan = plan_for(frozenset(self.gone))
         source = self._restart_world(exports, sorted(lost - gone), plan)
         record = None
-        if results and source == "replicas":
-            record = self._record(old, results, inflight["sample_ids"], time.perf_counter() - inflight["t0"])
+        if finished is not None and source == "replicas":
+            record = self._record(old, finished, inflight["sample_ids"], time.perf_counter() - inflight["t0"])
         return RecoveryReport(lost=sorted(lost), source=source, completed=record is not None, record=record,
                               seconds=time.perf_counter() - t0, gone=sorted(gone), plan_id=plan.plan_id)
 
@@ -535,18 +547,15 @@ class WorkerGroup:
         if fresh:
             self._each("set_data", *self._data_args, devices=fresh)
         self.apply_plan(plan, self.shape, seed=self.seed, optim=self.optim)
-        # A survivor whose step returned has applied its optimizer update; one whose step failed has
-        # not (every collective precedes the update, but a collective can complete on some ranks
-        # before a peer dies). Rebuild from the newest copies: if they cover the whole model, the
-        # step counts; if no survivor finished, they are the state before it and it is redone.
-        newest = max((st.step for ex in exports.values() for st in ex.values()), default=0)
-        current = [{n: st for n, st in ex.items() if st.step == newest} for ex in exports.values()]
+        # The survivors agree on the step (updates are applied only after every device finished it),
+        # so their exports either cover the whole model or lack a slice that only lost devices held.
+        current = list(exports.values())
         self.last_recovery_error = None
         try:
             from .engine import assemble_full
             self.load_full_state(assemble_full(current))
             return "replicas"
-        except (ValueError, WorkerGroupError) as e:   # a slice (or layer) whose newest copy was on a lost device
+        except (ValueError, WorkerGroupError) as e:   # a slice (or layer) held only by lost devices
             self.last_recovery_error = str(e).splitlines()[0]
             log.warning("state cannot be rebuilt from the survivors: %s", self.last_recovery_error)
             return "none"
@@ -589,6 +598,13 @@ class WorkerGroup:
             except Exception as e:
                 raise WorkerGroupError(f"{what} failed on device {devices[index[ready[0]]]}: {e}") from e
         return ray.get(refs)
+
+
+def _merge_update(step: dict, update: dict) -> None:
+    """Fold a device's apply_update answer into its train_step result: the update is part of its step."""
+    step["wall_seconds"] += update["update_seconds"]
+    step["memory_bytes"] = update["memory_bytes"]
+    step["peak_memory_bytes"] = max(step["peak_memory_bytes"], update["peak_memory_bytes"])
 
 
 def _global_loss(plan: Plan, per: dict[int, dict]) -> float:

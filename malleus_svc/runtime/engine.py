@@ -204,9 +204,14 @@ class Engine:
         self.grad_sync = GradientSync(self.groups, self.params, shape)
         self.transport = StageTransport(self.groups.peers, self.device, dtype)
         self._clock = _ComputeClock(self.device)
+        self._update_pending = False
 
     # ------------------------------------------------------------------ one step
-    def train_step(self, micro_batches: list[MicroBatch], loss_tokens: int) -> StepStats:
+    def train_step(self, micro_batches: list[MicroBatch], loss_tokens: int, *, apply: bool = True) -> StepStats:
+        """Forward and backward over the micro-batches (1F1B), the gradient reductions, clipping, and
+        (with `apply`) the optimizer update. `apply=False` leaves the update pending until
+        `apply_update()`: a worker group applies it only once every device has finished the step,
+        so a device lost inside a collective cannot leave the survivors at different steps."""
         # The plan's count is the fixed assignment's; a length-aware one may use more or fewer micro-
         # batches per step (every rank of the pipeline gets the same list), but never none.
         if not micro_batches:
@@ -219,6 +224,7 @@ class Engine:
         self._compute = 0.0
         self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
         self._inflight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._update_pending = False      # an update never applied is dropped with its gradients
         self.optimizer.zero_grad(set_to_none=False)
         for p in self.params.values():  # every parameter gets a gradient buffer, even if unused
             if p.grad is None:
@@ -241,7 +247,9 @@ class Engine:
         comm = time.perf_counter() - comm0
         grad_norm = float(totals[0].sqrt())
         self._clip(grad_norm)
-        self.optimizer.step()
+        self._update_pending = True
+        if apply:
+            self.apply_update()
 
         return StepStats(
             loss=float(self._loss) if self.role.is_last else 0.0,
@@ -252,6 +260,15 @@ class Engine:
             comm_seconds=comm + self.transport.comm_seconds + self.groups.tp.comm_seconds,
             global_loss=float(totals[1]),
         )
+
+    def apply_update(self) -> float:
+        """The optimizer step of the last `train_step(apply=False)`; returns its seconds."""
+        if not self._update_pending:
+            raise RuntimeError(f"rank {self.rank}: no finished train_step whose update is pending")
+        t0 = time.perf_counter()
+        self.optimizer.step()
+        self._update_pending = False
+        return time.perf_counter() - t0
 
     def _autocast(self):
         if self.device.type == "cuda":

@@ -8,7 +8,8 @@ Lifecycle, driven by `cluster.WorkerGroup`:
      sample ids, never tensors;
   4. `apply_plan(...)` whenever the plan changes: (re)build the Engine, or none when the device is
      suspended/excluded;
-  5. `train_step(micro_batch_ids, loss_tokens)` per iteration; `export_state()` on demand.
+  5. `train_step(micro_batch_ids, loss_tokens)` then `apply_update()` per iteration (the update
+     waits until every device has finished the step); `export_state()` on demand.
 
 Concurrency: the actor declares a `control` concurrency group (one thread of its own) for
 `set_slowdown`, `ping` and `info`, so a driver can reach a worker while `train_step` holds the
@@ -149,7 +150,9 @@ class DeviceWorker:
         """Collate this pipeline's micro-batches from sample ids and run one step.
 
         Returns the Engine's StepStats (as a dict) plus the sample ids this worker actually trained
-        on, so the driver can audit exactly-once consumption from what the workers saw.
+        on, so the driver can audit exactly-once consumption from what the workers saw. The
+        optimizer update waits for `apply_update()`, which the group sends once every device has
+        returned from this step (a step that fails anywhere is applied nowhere).
         """
         from .datasets import collate
 
@@ -162,7 +165,7 @@ class DeviceWorker:
         mbs = [collate(self.dataset, list(ids), self.mode, self.seq_len) for ids in micro_batch_ids]
         collate_s = time.perf_counter() - t0
         slept0 = self.slowdown.slept_seconds
-        stats = self.engine.train_step(mbs, int(loss_tokens))
+        stats = self.engine.train_step(mbs, int(loss_tokens), apply=False)
         out = _as_dict(stats)
         out.update(
             device=self.device_id,
@@ -175,6 +178,12 @@ class DeviceWorker:
             **self._memory(),
         )
         return out
+
+    def apply_update(self) -> dict[str, Any]:
+        """The optimizer update of the last train_step: its seconds, and memory after it."""
+        if self.engine is None:
+            raise RuntimeError(f"device {self.device_id} has no work under plan {self.plan_id}: no update to apply")
+        return {"update_seconds": self.engine.apply_update(), **self._memory()}
 
     def _memory(self) -> dict[str, int]:
         """Memory of this device now and at its peak: CUDA allocations on GPU (peak over this step),
