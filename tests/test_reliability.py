@@ -138,7 +138,7 @@ def kill_worker_at_step(device: int, step: int, sig=None):
 def test_worker_lost_mid_iteration_is_replaced_from_a_replica(reference, tmp_path, how):
     """Device 3 dies; pipeline 0 holds every layer too (DP2), so nothing needs a checkpoint: the
     survivors stay up, a new actor takes device 3's bundle, the state is rebuilt from the replicas
-    and the interrupted global batch is trained again (or counted, if it had completed). A hang
+    and the interrupted global batch is trained again (no survivor applied its update). A hang
     (SIGSTOP) is found by the collective timeout: the device that never finished its step is the
     lost one, not the peers that waited for it."""
     import signal

@@ -447,9 +447,8 @@ class JobCoordinator:
         try:
             rec = group.step(ids, assignment)
         except WorkerGroupError as e:
-            rec = self._recover(e, before)
-            if rec is None:        # the batch is given back to the sampler and the step redone
-                return
+            self._recover(e, before)     # the batch is given back to the sampler and the step redone
+            return
         rec.step = step
         probe_res = ray.get(probes, timeout=group.timeout_s) if probes else []
         batch_lengths = self._batch_lengths(ids)
@@ -485,10 +484,10 @@ class JobCoordinator:
         self._decide()
         self._grace_wait(rec.iteration_seconds)
 
-    def _recover(self, error: Exception, sampler_before: dict):
+    def _recover(self, error: Exception, sampler_before: dict) -> None:
         """A step failed: replace lost devices, keep the survivors, restore the state from the
-        survivors' replicas, else from the newest checkpoint. The StepRecord if the failed step had
-        completed everywhere, else None (the step is redone on the same global batch)."""
+        survivors' replicas (the step is redone on the same global batch), else from the newest
+        checkpoint."""
         t0 = time.perf_counter()
         self._event("failure", f"step {self.step} failed: {str(error).splitlines()[0]}")
         old = self.plan
@@ -508,19 +507,17 @@ class JobCoordinator:
                 self.records = [r for r in self.records if r["step"] < step]
                 self.step = step
             how = f"from checkpoint {ckpt.path.name} (step {step})"
-        elif not rep.completed:
+        else:
             self.sampler.load_state_dict(sampler_before)
         with self._lock:
             for d in rep.lost:
                 self.estimator.forget(d)
             self._measure_from = max(self._measure_from, self.step + self.skip_after_migration)
             self.failures.append({"step": self.step, "lost": rep.lost, "gone": rep.gone, "source": rep.source,
-                                  "completed": rep.completed, "plan_id": rep.plan_id,
-                                  "seconds": time.perf_counter() - t0})
+                                  "plan_id": rep.plan_id, "seconds": time.perf_counter() - t0})
             replaced = [d for d in rep.lost if d not in rep.gone]
             self._event("recovered", f"replaced devices {replaced}, gone {rep.gone}; state restored {how} in "
-                                     f"{time.perf_counter() - t0:.1f} s" + ("" if rep.completed else "; step redone"))
-        return rep.record
+                                     f"{time.perf_counter() - t0:.1f} s; step redone")
 
     def _plan_without(self, gone: frozenset) -> Plan:
         """The plan over the devices that are still there (the group asks when some are gone or back)."""

@@ -93,8 +93,6 @@ class RecoveryReport:
 
     lost: list[int]                 # devices whose worker died or hung
     source: str                     # "replicas": state rebuilt from survivors; "none": restore a checkpoint
-    completed: bool                 # the failed step had applied everywhere; `record` is its StepRecord
-    record: "StepRecord | None"
     seconds: float
     gone: list[int] = field(default_factory=list)   # of `lost`, those that could not be replaced
     plan_id: str | None = None                      # the plan the group runs now
@@ -156,6 +154,7 @@ class WorkerGroup:
         self._started = False
         self._data_args: tuple | None = None   # (spec, mode, seq_len): a replacement worker needs them too
         self._inflight: dict = {}              # train_step refs of the step in progress -> device
+        self._updates: dict = {}               # apply_update refs of the last finished step -> device
         self.last_recovery_error: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -391,17 +390,27 @@ class WorkerGroup:
         roles = plan.roles()
         devices = sorted(roles)
         refs = [self.workers[d].train_step.remote(splits[roles[d].pipeline], loss_tokens) for d in devices]
-        self._inflight = {"refs": dict(zip(refs, devices)), "sample_ids": list(sample_ids), "t0": t0}
+        self._inflight = {"refs": dict(zip(refs, devices))}
         per = {r["device"]: r for r in self._get(refs, f"train_step {self._step}", devices=devices)}
-        # Two phases: no device applies its optimizer update before every device has finished the
-        # step. A collective can complete on some ranks before a peer dies, so without this a loss
-        # could leave the survivors at different steps, and only a checkpoint could reconcile them.
-        refs = [self.workers[d].apply_update.remote() for d in devices]
-        self._inflight.update(refs=dict(zip(refs, devices)), finished=per)
-        for d, u in zip(devices, self._get(refs, f"apply_update {self._step}", devices=devices)):
-            _merge_update(per[d], u)
+        # Each worker ran the last step's update before this step (below): part of this iteration.
+        for d, u in self._take_updates().items():
+            if d in per:
+                per[d]["wall_seconds"] += u["update_seconds"]
         self._inflight = {}
+        # Two phases: no device applies its optimizer update before every device has finished the
+        # step. A collective can complete on some ranks before a peer dies, so with the update inside
+        # train_step a loss could leave the survivors at different steps, which only a checkpoint
+        # could reconcile. Not waited for: Ray runs one caller's calls to an actor in order (the
+        # worker allows no out-of-order execution), so every later call sees the update applied.
+        self._updates = {self.workers[d].apply_update.remote(): d for d in devices}
         return self._record(plan, per, sample_ids, time.perf_counter() - t0)
+
+    def _take_updates(self) -> dict[int, dict]:
+        """The answers of the last step's apply_update calls, {device: answer}; a failure is left for
+        `recover` to find."""
+        answers = self._get(list(self._updates), "apply_update", devices=list(self._updates.values()))
+        out, self._updates = dict(zip(self._updates.values(), answers)), {}
+        return out
 
     def _record(self, plan: Plan, per: dict[int, dict], sample_ids: Sequence[int], dt: float) -> StepRecord:
         tokens, loss_tokens = self.count_tokens(sample_ids)
@@ -433,18 +442,14 @@ class WorkerGroup:
         one (see the module docstring) is gone: then `plan_for(gone devices)` gives the plan to run
         on the rest. The state is reassembled from the survivors when every slice has a surviving
         copy (data parallelism keeps replicas): `source="replicas"`; otherwise `source="none"` and
-        the caller restores a checkpoint. `completed`: the failed step had finished on every
-        survivor (its optimizer step applied), with its record; otherwise the survivors are all at
-        the state before it and it must be redone.
+        the caller restores a checkpoint. No survivor has applied the failed step's update (see
+        `step`): they are all at the state before it, and it is redone.
         """
         t0 = time.perf_counter()
         inflight, self._inflight = self._inflight, {}
         refs: dict = inflight.get("refs", {})
-        # Set once every device had returned from train_step, when the updates were sent: then
-        # every survivor applies it and the step counts; before that no device applied it.
-        finished: dict | None = inflight.get("finished")
-        # every survivor's train_step ends by the collective timeout (it errors out), and
-        # apply_update has no collective; what has not ended by then, with a margin, hangs
+        # every survivor's train_step ends by the collective timeout (it errors out); what has not
+        # ended by then, with a margin, hangs
         done, stuck = ray.wait(list(refs), num_returns=len(refs), timeout=self.timeout_s + 10) if refs else ([], [])
         lost = {refs[r] for r in stuck}
         for r in done:
@@ -452,10 +457,11 @@ class WorkerGroup:
                 ray.get(r)
             except ray.exceptions.RayActorError:
                 lost.add(refs[r])
-            except Exception:
-                if finished is not None:   # alive but not updated: it would disagree with the others
-                    lost.add(refs[r])
-                # else: a collective that failed because of a lost peer; a survivor
+            except Exception:  # a collective that failed because of a lost peer: a survivor
+                pass
+        # The last finished step's update: a device that did not apply it would disagree with the rest.
+        updates, self._updates = self._updates, {}
+        lost |= {d for r, d in updates.items() if not _succeeded(r)}
         # Dead, or not answering even on its control thread. A worker whose node is going down may
         # still answer one call and fail the next: every call below counts its failures as lost too.
         lost |= self._answers("ping", [d for d in self.live if d not in lost], timeout=30)[1]
@@ -476,11 +482,8 @@ class WorkerGroup:
                                        f"within {self.replace_timeout_s:g} s) and no plan without them was given")
             plan = plan_for(frozenset(self.gone))
         source = self._restart_world(exports, sorted(lost - gone), plan)
-        record = None
-        if finished is not None and source == "replicas":
-            record = self._record(old, finished, inflight["sample_ids"], time.perf_counter() - inflight["t0"])
-        return RecoveryReport(lost=sorted(lost), source=source, completed=record is not None, record=record,
-                              seconds=time.perf_counter() - t0, gone=sorted(gone), plan_id=plan.plan_id)
+        return RecoveryReport(lost=sorted(lost), source=source, seconds=time.perf_counter() - t0,
+                              gone=sorted(gone), plan_id=plan.plan_id)
 
     def _answers(self, method: str, devices: Sequence[int], timeout: float | None = None) -> tuple[dict, set[int]]:
         """`method()` on each device: {device: result} of those that answered, and the set of those that
@@ -600,11 +603,12 @@ class WorkerGroup:
         return ray.get(refs)
 
 
-def _merge_update(step: dict, update: dict) -> None:
-    """Fold a device's apply_update answer into its train_step result: the update is part of its step."""
-    step["wall_seconds"] += update["update_seconds"]
-    step["memory_bytes"] = update["memory_bytes"]
-    step["peak_memory_bytes"] = max(step["peak_memory_bytes"], update["peak_memory_bytes"])
+def _succeeded(ref) -> bool:
+    try:
+        ray.get(ref)
+        return True
+    except Exception:
+        return False
 
 
 def _global_loss(plan: Plan, per: dict[int, dict]) -> float:

@@ -152,7 +152,8 @@ class DeviceWorker:
         Returns the Engine's StepStats (as a dict) plus the sample ids this worker actually trained
         on, so the driver can audit exactly-once consumption from what the workers saw. The
         optimizer update waits for `apply_update()`, which the group sends once every device has
-        returned from this step (a step that fails anywhere is applied nowhere).
+        returned from this step (a step that fails anywhere is applied nowhere). On GPU the peak
+        memory read here covers the previous step's update, which ran after the last reading.
         """
         from .datasets import collate
 
@@ -180,10 +181,10 @@ class DeviceWorker:
         return out
 
     def apply_update(self) -> dict[str, Any]:
-        """The optimizer update of the last train_step: its seconds, and memory after it."""
+        """The optimizer update of the last train_step, and its seconds."""
         if self.engine is None:
             raise RuntimeError(f"device {self.device_id} has no work under plan {self.plan_id}: no update to apply")
-        return {"update_seconds": self.engine.apply_update(), **self._memory()}
+        return {"update_seconds": self.engine.apply_update()}
 
     def _memory(self) -> dict[str, int]:
         """Memory of this device now and at its peak: CUDA allocations on GPU (peak over this step),
@@ -302,4 +303,5 @@ def _as_dict(stats: Any) -> dict[str, Any]:
 
 # The actor: the methods marked `concurrency_group="control"` run on that group's own thread; the
 # default group keeps max_concurrency=1 so train_step, apply_plan and export_state never overlap.
-WORKER = ray.remote(concurrency_groups={"control": 1})(DeviceWorker)
+# In order: the group sends apply_update without waiting and relies on it running before the next call.
+WORKER = ray.remote(concurrency_groups={"control": 1}, allow_out_of_order_execution=False)(DeviceWorker)
