@@ -460,8 +460,9 @@ class WorkerGroup:
             except Exception:  # a collective that failed because of a lost peer: a survivor
                 pass
         # The last finished step's update: a device that did not apply it would disagree with the rest.
-        updates, self._updates = self._updates, {}
-        lost |= {d for r, d in updates.items() if not _succeeded(r)}
+        updates, self._updates = {r: d for r, d in self._updates.items() if d not in lost}, {}
+        ready, _ = ray.wait(list(updates), num_returns=len(updates), timeout=30) if updates else ([], [])
+        lost |= {d for r, d in updates.items() if r not in ready or not _succeeded(r)}
         # Dead, or not answering even on its control thread. A worker whose node is going down may
         # still answer one call and fail the next: every call below counts its failures as lost too.
         lost |= self._answers("ping", [d for d in self.live if d not in lost], timeout=30)[1]
