@@ -266,11 +266,7 @@ class JobCoordinator:
                 self._start_metrics(plan)
                 if job.data.assignment == "length-aware":
                     self._start_length_aware()
-                self.history.append({"round": 0, "outcome": "initial", "time": time.time(), "step": 0,
-                                     "reason": "initial plan", "requests": [], "old_plan_id": None,
-                                     "new_plan_id": plan.plan_id, "new_plan": plan.to_dict(),
-                                     "rates": {str(d): r for d, r in sorted(self.basis.items())},
-                                     "excluded": sorted(plan.excluded)})
+                self._record_plan_change(0, "initial", "initial plan", None, plan, step=0)
                 self._event("start", f"plan {plan.plan_id}: {len(plan.pipelines)} pipelines, suspended "
                                      f"{list(plan.suspended)}, excluded {list(plan.excluded)}")
             return self.status()
@@ -533,11 +529,8 @@ class JobCoordinator:
             self._adopt(old, new, self.effective_rates())
             if self.metrics_export is not None:
                 self.metrics_export.on_round(["membership"], "applied", None)
-            self.history.append({"round": None, "outcome": "membership", "time": time.time(), "step": self.step,
-                                 "reason": f"membership: {detail}", "requests": [], "old_plan_id": old.plan_id,
-                                 "new_plan_id": new.plan_id, "new_plan": new.to_dict(),
-                                 "rates": {str(d): r for d, r in sorted(self.basis.items())},
-                                 "excluded": sorted(new.excluded), "gone": sorted(self.group.gone)})
+            self._record_plan_change(None, "membership", f"membership: {detail}", old.plan_id, new,
+                                     gone=sorted(self.group.gone))
             self._event("membership", f"{detail}: {old.plan_id} -> {new.plan_id} ({describe_plan(new)})")
 
     def _maybe_rejoin(self) -> None:
@@ -859,6 +852,15 @@ class JobCoordinator:
                 "moves": rep.moves, "worker_seconds": float(rep.seconds)}
 
     # ------------------------------------------------------------------ history and events
+    def _record_plan_change(self, round_id: int | None, outcome: str, reason: str, old_plan_id: str | None,
+                            new: Plan, **extra) -> None:
+        """(lock held) A history entry for a plan that took effect outside a re-plan round."""
+        self.history.append({"round": round_id, "outcome": outcome, "time": time.time(), "step": self.step,
+                             "reason": reason, "requests": [], "old_plan_id": old_plan_id,
+                             "new_plan_id": new.plan_id, "new_plan": new.to_dict(),
+                             "rates": {str(d): r for d, r in sorted(self.basis.items())},
+                             "excluded": sorted(new.excluded), **extra})
+
     def _record(self, rnd: Round, migration: dict | None, outcome: str, old_plan_id: str | None = None) -> None:
         new = rnd.new_plan if outcome == "applied" else None
         entry = {

@@ -461,8 +461,7 @@ class WorkerGroup:
                 pass
         # The last finished step's update: a device that did not apply it would disagree with the rest.
         updates, self._updates = {r: d for r, d in self._updates.items() if d not in lost}, {}
-        ready, _ = ray.wait(list(updates), num_returns=len(updates), timeout=30) if updates else ([], [])
-        lost |= {d for r, d in updates.items() if r not in ready or not _succeeded(r)}
+        lost |= self._settle(updates, timeout=30)[1]
         # Dead, or not answering even on its control thread. A worker whose node is going down may
         # still answer one call and fail the next: every call below counts its failures as lost too.
         lost |= self._answers("ping", [d for d in self.live if d not in lost], timeout=30)[1]
@@ -490,7 +489,12 @@ class WorkerGroup:
         """`method()` on each device: {device: result} of those that answered, and the set of those that
         failed or did not answer in time (during a recovery: lost as well)."""
         refs = {getattr(self.workers[d], method).remote(): d for d in devices}
-        timeout = self.timeout_s + 30 if timeout is None else timeout
+        return self._settle(refs, self.timeout_s + 30 if timeout is None else timeout)
+
+    @staticmethod
+    def _settle(refs: dict, timeout: float) -> tuple[dict, set[int]]:
+        """Calls in flight ({ref: device}): {device: result} of those that returned within `timeout`,
+        and the set of devices whose call failed or did not return."""
         ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout) if refs else ([], [])
         out, failed = {}, {refs[r] for r in pending}
         for r in ready:
@@ -545,7 +549,7 @@ class WorkerGroup:
 
     def _restart_world(self, exports: dict, fresh: Sequence[int], plan: Plan) -> str:
         """A new world over the live devices (the old one is closed), data for the fresh workers,
-        `plan` applied, and the newest state the `exports` hold loaded. "replicas" if they held every
+        `plan` applied, and the state the `exports` hold loaded. "replicas" if they held every
         slice, "none" if not (the caller restores a checkpoint)."""
         self._init_world()
         if fresh:
@@ -602,14 +606,6 @@ class WorkerGroup:
             except Exception as e:
                 raise WorkerGroupError(f"{what} failed on device {devices[index[ready[0]]]}: {e}") from e
         return ray.get(refs)
-
-
-def _succeeded(ref) -> bool:
-    try:
-        ray.get(ref)
-        return True
-    except Exception:
-        return False
 
 
 def _global_loss(plan: Plan, per: dict[int, dict]) -> float:
