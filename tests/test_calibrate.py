@@ -164,6 +164,7 @@ def test_plans_are_valid_for_the_small_model():
 def test_samples_and_table():
     s = Samples(times=[0.5, 0.4, 0.45, 0.6], loads=[1.0, 2.0, 1.5, 1.2], cpu=[0.3, 0.2, 0.25, 0.3])
     assert s.stat("min") == 0.4 and s.stat("q25") == pytest.approx(0.4375) and s.stat("median") == 0.475
+    assert s.stat() == s.stat("q10") == pytest.approx(0.415)     # the fit's estimator: between the two fastest
     assert s.summary()["cpu_at_min_s"] == 0.2 and s.summary()["load1_max"] == 2.0
     c = {"t1_s": 0.015, "t2_s": 0.011, "tp_alpha": [1, 1.36], "t0_seconds": 0.011, "optimizer_per_block_s": 0.001,
          "dispatch_s": 0.0, "handoff_s": [1e-4, 1e-4], "corun_slowdown": 0.12, "grad_sync_per_block_s": 0.004,
@@ -172,11 +173,12 @@ def test_samples_and_table():
               "handoff": {"boundary_bytes": 131072, "fixed_s": [4e-5, 5e-5], "bandwidth_Bps": [4e9, float("inf")],
                           "sizes": [32768, 131072], "median_s": [[1e-4, 2e-4], [1e-4, 3e-3]],
                           "at_boundary_s": [7e-5, 5e-5]}}
-    row = {"plan": "p", "measured_s": 0.4, "q25_s": 0.44, "median_s": 0.47, "load1_min": 1.0, "load1_max": 2.0,
-           "predicted_s": 0.42, "error": 0.05, "error_without_handoff_corun": -0.1, "predicted_with_constant_s": 0.3,
-           "error_with_constant": -0.25}
+    row = {"plan": "p", "measured_s": 0.4, "min_s": 0.38, "median_s": 0.47, "load1_min": 1.0, "load1_max": 2.0,
+           "predicted_s": 0.42, "error": 0.05, "error_by_min": 0.08, "error_without_handoff_corun": -0.1,
+           "predicted_with_constant_s": 0.3, "error_with_constant": -0.25}
     md = table(coeffs, [row])
-    assert "κ = 0.120" in md and "| p | 0.400 |" in md and "+5.0% | -10.0% |" in md and "| yes |" in md
+    assert "κ = 0.120" in md and "| p | 0.400 | 0.380 |" in md and "+5.0% | +8.0% | -10.0% |" in md
+    assert "| yes |" in md and "x: 0.415 s (min 0.400" in md
     assert "fit B: optimizer and D within 3x the fit RMS" in md      # 8 ms < 3 · 5 ms; D negative
 
 
