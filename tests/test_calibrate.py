@@ -3,15 +3,17 @@ timings (made by the simulator itself where the fit goes through it), the hand-o
 one-way times and line fit, and the hand-built profiling/validation plans are valid for `small`."""
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 
 from malleus_svc.bench import BENCHES
 from malleus_svc.bench.calibrate import (LAYERS, ComputeFit, Handoff, Samples, Terms, boundary_bytes, build_problem,
                                          calibrate_from, fit_compute, fit_corun, fit_handoff, fit_line, fit_monotone,
-                                         measure_rounds, model_floats, one_way, pp2, profile_plans, sim_seconds, table,
-                                         validation_plans)
+                                         measure_rounds, model_floats, one_way, pp2, profile_plans, rescore,
+                                         sim_seconds, table, validation_plans)
 from malleus_svc.config.presets import PRESETS
 from malleus_svc.plan import Plan
 from malleus_svc.runtime.data import split_for_plan
@@ -214,3 +216,22 @@ def test_measure_rounds_interleaves_and_skips_the_warm_up():
 
 def test_registered():
     assert "calibrate" in BENCHES
+
+
+RUNS = Path(__file__).resolve().parent.parent / "benchmarks" / "calibrate"
+
+
+@pytest.mark.parametrize("run, which", [("run9", "min"), ("run16", "q10")])
+def test_rescoring_a_recorded_run_with_its_own_statistic_gives_its_recorded_errors(run, which):
+    """run 9 was measured with the minimum, run 16 with the 10th percentile: refitting either from the
+    step times its JSON keeps must give back the errors the bench printed (BENCHMARKS.md's tables)."""
+    recorded = [r["error"] for r in json.loads((RUNS / f"{run}.json").read_text())["rows"]]
+    assert rescore(RUNS / f"{run}.json", which) == pytest.approx(recorded, abs=1e-9)
+    assert rescore(RUNS / f"{run}.json", "median") != pytest.approx(recorded, abs=1e-3)
+
+
+def test_rescoring_a_run_without_step_times_says_so(tmp_path):
+    old = tmp_path / "run5.json"
+    old.write_text(json.dumps({"coefficients": {"profile": {}}, "rows": [{"plan": "p", "measured_s": 0.4}]}))
+    with pytest.raises(ValueError, match="keeps every step time"):
+        rescore(old, "q10")

@@ -575,6 +575,36 @@ def table(coeffs: dict, rows: list[dict]) -> str:
     return head + "\n".join(out) + tail
 
 
+def rescore(path: Path, which: str, mbs: int = 1, seq_len: int = 128) -> list[float]:
+    """Fit-A errors of the validation plans of a recorded run (its `--json`), refitted with another
+    statistic of the same step times: how the estimator was chosen (BENCHMARKS.md, calibration)."""
+    import json
+
+    d = json.loads(Path(path).read_text())
+    co, valid = d.get("coefficients", {}), validation_plans(mbs)
+    if "times_s" not in next(iter(d.get("rows", [])), {}) or "allreduce" not in co:
+        raise ValueError(f"{path}: not the --json of a `malleus bench calibrate` run that keeps every step time "
+                         "(runs 6 on, as in benchmarks/calibrate/)")
+
+    def est(times) -> float:
+        return Samples(times=list(times)).stat(which)
+
+    prof = {n: (kind, p, est(co["profile"][n]["times_s"])) for n, (kind, p) in profile_plans(mbs).items()}
+    fit, terms = calibrate_from(prof, mbs, seq_len, constant=False, handoff=co["handoff"]["at_boundary_s"],
+                                sync=co["allreduce"]["per_block_s"])
+    return [(sim_seconds(valid[r["plan"]], fit, mbs, seq_len, terms) - est(r["times_s"])) / est(r["times_s"])
+            for r in d["rows"]]
+
+
+def rescore_table(paths: Sequence[str]) -> str:
+    out = ["| run | " + " | ".join(f"worst error, {w}" for w in Samples.QUANTILES) + " |",
+           "|---|" + "---|" * len(Samples.QUANTILES)]
+    for path in paths:
+        worst = [max(rescore(Path(path), w), key=abs) for w in Samples.QUANTILES]
+        out.append(f"| {Path(path).stem} | " + " | ".join(f"{e:+.1%}" for e in worst) + " |")
+    return "\n".join(out)
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="malleus bench calibrate", description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=3, help="timed steps per plan per round (one more warms up)")
@@ -583,7 +613,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--write", metavar="MD", help="update this markdown file's calibrate section")
     ap.add_argument("--json", metavar="PATH", help="also dump the fitted coefficients and rows as JSON")
+    ap.add_argument("--rescore", nargs="+", metavar="JSON",
+                    help="measure nothing: refit recorded runs (their --json) with each step-time statistic")
     args = ap.parse_args(argv)
+    if args.rescore:
+        try:
+            print(rescore_table(args.rescore))
+        except (OSError, ValueError) as e:
+            ap.error(str(e))
+        return 0
     if args.steps < 1 or args.rounds < 1:
         ap.error("--steps and --rounds must be >= 1")
     import ray

@@ -395,7 +395,6 @@ def main(argv: list[str]) -> int:
 
     own = not ray.is_initialized()
     if own:
-        # address="local": a private cluster, never one that another job on this machine started
         start_local_ray(4, include_dashboard=False, log_to_driver=False)
     t0 = time.perf_counter()
     try:

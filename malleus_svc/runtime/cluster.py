@@ -390,7 +390,7 @@ class WorkerGroup:
         roles = plan.roles()
         devices = sorted(roles)
         refs = [self.workers[d].train_step.remote(splits[roles[d].pipeline], loss_tokens) for d in devices]
-        self._inflight = {"refs": dict(zip(refs, devices))}
+        self._inflight = dict(zip(refs, devices))
         per = {r["device"]: r for r in self._get(refs, f"train_step {self._step}", devices=devices)}
         # Each worker ran the last step's update before this step (below): part of this iteration.
         for d, u in self._take_updates().items():
@@ -446,8 +446,7 @@ class WorkerGroup:
         `step`): they are all at the state before it, and it is redone.
         """
         t0 = time.perf_counter()
-        inflight, self._inflight = self._inflight, {}
-        refs: dict = inflight.get("refs", {})
+        refs, self._inflight = self._inflight, {}
         # every survivor's train_step ends by the collective timeout (it errors out); what has not
         # ended by then, with a margin, hangs
         done, stuck = ray.wait(list(refs), num_returns=len(refs), timeout=self.timeout_s + 10) if refs else ([], [])
