@@ -140,8 +140,13 @@ def test_healed_device_is_taken_back(loop):
     st = wait_step(ray, loop, ray.get(loop.status.remote())["step"] + 4)  # rate window settles at 3x
     n = st["migrations"]
     ray.get(loop.emulate.remote({3: 1.0}))
-    st = wait_for(ray, loop, lambda s: s["migrations"] > n, 90, "the healed device's re-plan")
     from malleus_svc.plan import Plan
+
+    def device_3_active(st) -> bool:
+        # a round planned on the 3x rates may still land first: wait for the plan that takes it back
+        return st["migrations"] > n and 3 in Plan.from_dict(ray.get(loop.current_plan.remote())).roles()
+
+    st = wait_for(ray, loop, device_3_active, 90, "the healed device's re-plan")
     plan = Plan.from_dict(ray.get(loop.current_plan.remote()))
     role = plan.roles().get(3)
     assert role is not None, plan.to_dict()
