@@ -892,7 +892,9 @@ class JobCoordinator:
     # ================================================================== client API (validated)
     def _check_device(self, d: Any) -> int:
         n = self.job.num_devices
-        if isinstance(d, bool) or not isinstance(d, (int, str)) or (isinstance(d, str) and not d.strip().isdigit()):
+        # ASCII digits only: '²'.isdigit() is True, and int('²') raises
+        ascii_digits = isinstance(d, str) and d.strip().isascii() and d.strip().isdigit()
+        if isinstance(d, bool) or not (isinstance(d, int) or ascii_digits):
             raise MalleusError(f"device ids are ints in 0..{n - 1}, got {d!r}")
         d = int(d)
         if not 0 <= d < n:
