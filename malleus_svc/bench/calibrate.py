@@ -358,7 +358,7 @@ class LinkPeer:
             send = torch.randn(n // 4)
             recv = torch.empty(n // 4)
             marks, pending = [], []
-            for k in range(warmup + repeats):   # sends are waited for at the end, as StageTransport.finish()
+            for k in range(warmup + repeats):   # sends are waited for at the end, as P2PTransport.finish()
                 if self.rank == 0:
                     t_post = time.perf_counter()
                     pending.append(dist.isend(send, dst=peer, tag=2 * k))
