@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Callable
 
 from .shards import WHOLE, Span, rows_of, shard_of
 
-if TYPE_CHECKING:   # only read, never built here; a runtime import would run config's package imports
+# ModelShape is only read here. Importing it at run time would run malleus_svc.config's package
+# imports (scenario, cost model), which import plan, which imports this module.
+if TYPE_CHECKING:
     from malleus_svc.config.presets import ModelShape
 
 Part = int | str
