@@ -10,9 +10,8 @@ A plan says, for one training iteration:
     when they heal); `excluded` devices: not part of the job at all (dead, or removed by a user).
 
 The first stage of every pipeline also holds the token embedding, the last stage the final norm
-and the LM head. Every block is sharded across its stage's TP group (Megatron column/row split,
-so device r of a group of t holds the fraction [r/t, (r+1)/t) of each sharded tensor); the
-embedding and head are replicated inside the group.
+and the LM head. How a stage's TP group splits what it holds is `geometry`'s to say (blocks are
+sharded, embedding and head replicated).
 
 This module imports no solver, Ray or torch: the runtime reads plans without the planner.
 """
@@ -25,9 +24,9 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from malleus_svc.geometry import EMBEDDING, HEAD, Part, finest_partition, model_parts, shard_map
+
 PLAN_FORMAT_VERSION = 1
-EMBEDDING = "embedding"
-HEAD = "head"
 
 
 class PlanError(ValueError):
@@ -126,7 +125,7 @@ class Plan:
                     out[d] = DeviceRole(i, j, r, st.tp, st.layers, j == 0, j == last)
         return out
 
-    def holders(self, part: int | str) -> list[tuple[int, Stage]]:
+    def holders(self, part: Part) -> list[tuple[int, Stage]]:
         """(pipeline index, stage) of every stage that holds `part` (a block index, EMBEDDING or HEAD)."""
         out = []
         for i, pipe in enumerate(self.pipelines):
@@ -296,12 +295,15 @@ class Plan:
              unavailable: Iterable[int] = ()) -> "PlanDiff":
         """The state slices that must move so that `new` can run where `old` ran.
 
-        Each part (block, embedding, head) is cut into the finest common partition of its old and
-        new shards. A needer that already holds a piece keeps it; every other (piece, needer)
-        pair is one move, so the total is the minimum any migration must send. The source is an
-        old holder on the needer's node if there is one, else any old holder, choosing the one
-        that has sent the fewest bytes so far (ties: lowest device id). `unavailable` devices
-        (dead) cannot send; pieces only they held are reported in `missing`.
+        This is the migration schedule at the level of plan units (runtime/migrate.py expands each
+        move into tensor rows). Each part's sharded state is cut into the finest common partition
+        of its old and new shards; replicated state is one piece per needer. A needer that already
+        holds a piece keeps it; every other (piece, needer) pair is one move, so the total is the
+        minimum any migration must send. Sharded state of every block goes first, then replicated
+        state part by part. The source is an old holder on the needer's node if there is one,
+        else any old holder, choosing the one that has sent the fewest bytes so far (ties: lowest
+        device id). `unavailable` devices (dead) cannot send; pieces only they held are reported
+        in `missing`.
         """
         if old.num_layers != new.num_layers:
             raise PlanError(f"plans have different layer counts ({old.num_layers} vs {new.num_layers})")
@@ -309,32 +311,31 @@ class Plan:
         dead = set(unavailable)
         moves: list[SliceMove] = []
         missing: list[SliceMove] = []
-        reused = 0.0
+        kept: list[SliceMove] = []
         sent: dict[int, float] = {}
-        parts: list[int | str] = [EMBEDDING, *range(new.num_layers), HEAD]
-        for part in parts:
-            part_bytes = sizes.bytes_of(part)
-            if part_bytes <= 0:
-                continue  # a part the sizes do not count (e.g. the embedding in 'whole blocks' units)
-            sharded = part not in (EMBEDDING, HEAD)
-            owned = _shard_map(old, part, sharded, exclude=dead)
-            needed = _shard_map(new, part, sharded)
-            for dst, (lo, hi) in sorted(needed.items()):
-                cuts = sorted({lo, hi, *(c for a, b in owned.values() for c in (a, b) if lo < c < hi)})
-                for a, b in zip(cuts, cuts[1:]):
-                    nbytes = float((b - a) * part_bytes)
-                    if dst in owned and owned[dst][0] <= a and b <= owned[dst][1]:
-                        reused += nbytes
-                        continue
-                    srcs = [s for s, (x, y) in owned.items() if x <= a and b <= y]
-                    if not srcs:
-                        missing.append(SliceMove(part, a, b, None, dst, nbytes))
-                        continue
-                    same_node = [s for s in srcs if new.node_of(s) == new.node_of(dst)]
-                    src = min(same_node or srcs, key=lambda s: (sent.get(s, 0.0), s))
-                    sent[src] = sent.get(src, 0.0) + nbytes
-                    moves.append(SliceMove(part, a, b, src, dst, nbytes))
-        return PlanDiff(tuple(moves), tuple(missing), reused, new.gpus_per_node)
+        parts = model_parts(new.num_layers)
+        for sharded, phase in ((True, parts), (False, parts)):
+            for part in phase:
+                part_bytes = sizes.bytes_of(part, sharded)
+                if part_bytes <= 0:
+                    continue  # state the sizes do not count (e.g. the embedding in 'whole blocks' units)
+                owned = shard_map((st.devices for _, st in old.holders(part)), sharded=sharded, exclude=dead)
+                needed = shard_map((st.devices for _, st in new.holders(part)), sharded=sharded)
+                for dst, span in sorted(needed.items()):
+                    for a, b in finest_partition(owned.values(), within=span):
+                        nbytes = float((b - a) * part_bytes)
+                        if dst in owned and owned[dst][0] <= a and b <= owned[dst][1]:
+                            kept.append(SliceMove(part, a, b, dst, dst, nbytes, sharded))
+                            continue
+                        srcs = [s for s, (x, y) in owned.items() if x <= a and b <= y]
+                        if not srcs:
+                            missing.append(SliceMove(part, a, b, None, dst, nbytes, sharded))
+                            continue
+                        same_node = [s for s in srcs if new.node_of(s) == new.node_of(dst)]
+                        src = min(same_node or srcs, key=lambda s: (sent.get(s, 0.0), s))
+                        sent[src] = sent.get(src, 0.0) + nbytes
+                        moves.append(SliceMove(part, a, b, src, dst, nbytes, sharded))
+        return PlanDiff(tuple(moves), tuple(missing), tuple(kept), new.gpus_per_node)
 
 
 def _layer_range(v: Sequence[int]) -> tuple[int, int]:
@@ -343,45 +344,44 @@ def _layer_range(v: Sequence[int]) -> tuple[int, int]:
     return int(v[0]), int(v[1])
 
 
-def _shard_map(plan: Plan, part: int | str, sharded: bool,
-               exclude: set[int] = frozenset()) -> dict[int, tuple[Fraction, Fraction]]:
-    """device -> the fraction [lo, hi) of `part` it holds under `plan`."""
-    out = {}
-    for _, st in plan.holders(part):
-        for r, d in enumerate(st.devices):
-            if d in exclude:
-                continue
-            out[d] = (Fraction(r, st.tp), Fraction(r + 1, st.tp)) if sharded else (Fraction(0), Fraction(1))
-    return out
-
-
 @dataclass(frozen=True)
 class StateSizes:
     """Bytes of model + optimizer state of each part at full (unsharded) size.
 
     The default unit (1.0 per block) makes diffs count in 'whole blocks'; the planner fills in
-    real bytes from the cost model (fp32 params + grads + Adam moments).
+    real bytes from the cost model (fp32 params + grads + Adam moments). A block's state is counted
+    as sharded with the block (`block`), except `block_replicated`: its replicated tensors (norm
+    weights), which move whole and only to needers that held no shard of the block. Embedding and
+    head are replicated.
     """
 
     block: float = 1.0
     embedding: float = 0.0
     head: float = 0.0
+    block_replicated: float = 0.0
 
-    def bytes_of(self, part: int | str) -> float:
-        return {EMBEDDING: self.embedding, HEAD: self.head}.get(part, self.block) if isinstance(part, str) else self.block
+    def bytes_of(self, part: Part, sharded: bool | None = None) -> float:
+        """The part's state: all of it (`sharded` None), or only its sharded or replicated share."""
+        if isinstance(part, str):
+            whole = {EMBEDDING: self.embedding, HEAD: self.head}[part]
+            return 0.0 if sharded else whole
+        if sharded is None:
+            return self.block + self.block_replicated
+        return self.block if sharded else self.block_replicated
 
 
 @dataclass(frozen=True)
 class SliceMove:
-    part: int | str          # block index, EMBEDDING or HEAD
+    part: Part               # block index, EMBEDDING or HEAD
     start: Fraction          # shard range [start, end) as fractions of the part's sharded tensors
     end: Fraction
     src: int | None          # None: no surviving holder (restore from a replica-less checkpoint)
     dst: int
     bytes: float
+    sharded: bool = True     # False: the part's replicated state, whole ([0, 1))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"part": self.part, "shard": [str(self.start), str(self.end)],
+        return {"part": self.part, "shard": [str(self.start), str(self.end)], "sharded": self.sharded,
                 "src": self.src, "dst": self.dst, "bytes": self.bytes}
 
 
@@ -389,12 +389,16 @@ class SliceMove:
 class PlanDiff:
     moves: tuple[SliceMove, ...]
     missing: tuple[SliceMove, ...]
-    reused_bytes: float
+    kept: tuple[SliceMove, ...]    # pieces a needer already holds (src == dst)
     gpus_per_node: int
 
     @property
     def moved_bytes(self) -> float:
         return sum(m.bytes for m in self.moves)
+
+    @property
+    def reused_bytes(self) -> float:
+        return sum(m.bytes for m in self.kept)
 
     @property
     def inter_node_bytes(self) -> float:

@@ -30,7 +30,8 @@ from malleus_svc.checkpoint.layout import tmp_dir_name
 from malleus_svc.config.errors import ConfigError
 from malleus_svc.config.presets import PRESETS
 from malleus_svc.runtime.engine import EXP_AVG, EXP_AVG_SQ, STEP
-from malleus_svc.runtime.model import init_part, model_parts
+from malleus_svc.geometry import model_parts
+from malleus_svc.runtime.model import init_part
 
 from _plans import make_plan
 
@@ -42,7 +43,7 @@ def make_state(shape=TINY, seed=0, step=3) -> dict[str, torch.Tensor]:
     """A full flat state (as WorkerGroup.full_state gives it) with non-trivial Adam moments."""
     g = torch.Generator().manual_seed(seed + 1000)
     out = {}
-    for part in model_parts(shape):
+    for part in model_parts(shape.layers):
         for name, t in init_part(shape, part, seed).items():
             out[name] = t
             out[name + EXP_AVG] = torch.randn(t.shape, generator=g)
@@ -294,14 +295,15 @@ CRASH_SCRIPT = textwrap.dedent("""
     from malleus_svc.checkpoint import CheckpointMeta, CheckpointWriter
     from malleus_svc.config.presets import ModelShape
     from malleus_svc.runtime.engine import EXP_AVG, EXP_AVG_SQ, STEP
-    from malleus_svc.runtime.model import init_part, model_parts
+    from malleus_svc.geometry import model_parts
+    from malleus_svc.runtime.model import init_part
 
     root, mode = Path(sys.argv[1]), sys.argv[2]
     shape = ModelShape(**__import__("json").loads(sys.argv[3]))
 
     def state(step):
         out = {}
-        for p in model_parts(shape):
+        for p in model_parts(shape.layers):
             for n, t in init_part(shape, p, step).items():
                 out[n], out[n + EXP_AVG], out[n + EXP_AVG_SQ], out[n + STEP] = t, t * 0.5, t * t, torch.tensor(step)
         return out

@@ -13,7 +13,7 @@ from malleus_svc.config.presets import ModelShape
 from _plans import BASELINE, PLAN_1, make_plan
 from malleus_svc.plan import EMBEDDING, HEAD, Plan
 from malleus_svc.runtime.migrate import MigrationError, plan_migration, sharded_moves_by_fraction
-from malleus_svc.runtime.model import full_shape_of, part_tensor_names, shard_spec
+from malleus_svc.geometry import part_of, part_tensors, split_dim, tensor_spec
 
 
 SHAPE_32 = ModelShape(layers=32, hidden=64, heads=4, ffn=128, vocab=256, seq_len=64)
@@ -39,14 +39,9 @@ def _tiny():
 
 
 def _holds_rows(plan: Plan, shape, device: int, name: str) -> tuple[int, int] | None:
-    from malleus_svc.runtime.model import part_of, shard_range
-
     for _, st in plan.holders(part_of(name)):
         if device in st.devices:
-            dim, full = shard_spec(name), full_shape_of(shape, name)
-            if dim is None:
-                return 0, full[0]
-            return shard_range(full[dim], st.devices.index(device), st.tp)
+            return tensor_spec(shape, name).held_rows(st.devices.index(device), st.tp)
     return None
 
 
@@ -82,10 +77,10 @@ def test_test_vector_sharded_flows_equal_plan_diff():
     diff = Plan.diff(BASELINE, PLAN_1)
     assert sharded_moves_by_fraction(sched, SHAPE_32) == {(m.part, m.start, m.end, m.src, m.dst) for m in diff.moves}
     # Totals in units of one block's sharded state: 40 blocks moved (160 quarters), 24 kept (96).
-    block_sharded = sum(3 * 4 * torch.Size(full_shape_of(SHAPE_32, n)).numel()
-                        for n in part_tensor_names(0) if shard_spec(n) is not None)
+    block_sharded = sum(3 * 4 * torch.Size(t.shape).numel()
+                        for t in part_tensors(SHAPE_32, 0) if t.split_dim is not None)
     moved = sum(s.nbytes for s in sched.slices if s.dim is not None)
-    kept = sum(k.nbytes for k in sched.kept if shard_spec(k.name) is not None)
+    kept = sum(k.nbytes for k in sched.kept if split_dim(k.name) is not None)
     assert Fraction(moved, block_sharded) == Fraction(diff.moved_bytes) == 40
     assert Fraction(kept, block_sharded) == Fraction(diff.reused_bytes) == 24
     assert sched.inter_node_bytes == 0
@@ -111,7 +106,7 @@ def test_replicated_tensors_move_whole_and_only_to_devices_without_a_copy():
                 {(p, d) for p in [*range(16, 32), HEAD] for d in (0, 1, 2, 3)})
     assert got == expected
     for s in rep:
-        assert (s.start, s.end) == (0, full_shape_of(SHAPE_32, s.name)[0])
+        assert (s.start, s.end) == (0, tensor_spec(SHAPE_32, s.name).shape[0])
         assert s.src // 8 == s.dst // 8  # every part has an old holder on each node here
 
 

@@ -358,7 +358,7 @@ class LinkPeer:
             send = torch.randn(n // 4)
             recv = torch.empty(n // 4)
             marks, pending = [], []
-            for k in range(warmup + repeats):   # sends are waited for at the end, as StageTransport.finish()
+            for k in range(warmup + repeats):   # sends are waited for at the end, as P2PTransport.finish()
                 if self.rank == 0:
                     t_post = time.perf_counter()
                     pending.append(dist.isend(send, dst=peer, tag=2 * k))
@@ -443,9 +443,9 @@ def measure_links(sizes: Sequence[int], repeats: int, grad_floats: int,
 
 def model_floats(shape) -> int:
     """Parameters (= gradient elements) of the whole model: what a DP2 plan of TP1 stages all-reduces."""
-    from ..runtime.model import full_shape_of, model_parts, part_tensor_names
+    from ..geometry import model_parts, part_tensors
 
-    return sum(math.prod(full_shape_of(shape, n)) for p in model_parts(shape) for n in part_tensor_names(p))
+    return sum(t.numel for p in model_parts(shape.layers) for t in part_tensors(shape, p))
 
 
 def boundary_bytes(mbs: int, seq_len: int, hidden: int, itemsize: int = 4) -> int:

@@ -2,7 +2,7 @@
 
 A checkpoint of step s is the directory ``step-{s:08d}/`` under the root, holding one file per
 model part (``embedding.pt``, ``block-0000.pt`` ..., ``head.pt`` = final norm + LM head, the parts
-of runtime/model.py) and ``manifest.json``. Each part file holds the FULL, unsharded tensors of
+and tensors of `geometry.tensors`) and ``manifest.json``. Each part file holds the FULL, unsharded tensors of
 that part, so it means the same under every plan (like DeepSpeed's universal checkpoints):
 
     {"format": "malleus-layer", "part": "embedding" | block index | "head",
@@ -22,9 +22,8 @@ from typing import Any, Mapping
 import torch
 
 from malleus_svc.config.presets import ModelShape
-from malleus_svc.plan import EMBEDDING, HEAD
+from malleus_svc.geometry import EMBEDDING, HEAD, model_parts, part_tensors
 from malleus_svc.runtime.engine import EXP_AVG, EXP_AVG_SQ, STEP
-from malleus_svc.runtime.model import full_shape_of, model_parts, part_tensor_names
 
 from .errors import CheckpointError
 
@@ -58,7 +57,7 @@ def part_file_name(part: int | str) -> str:
 
 def expected_files(shape: ModelShape) -> dict[str, int | str]:
     """File name -> model part, for every part of a model of `shape`."""
-    return {part_file_name(p): p for p in model_parts(shape)}
+    return {part_file_name(p): p for p in model_parts(shape.layers)}
 
 
 def _plain_cpu(t: Any, what: str) -> torch.Tensor:
@@ -75,22 +74,23 @@ def pack(state: Mapping[str, Any], shape: ModelShape) -> dict[str, dict]:
     """Flat full state (as `WorkerGroup.full_state()` / `assemble_full` give it: ``name``,
     ``name:exp_avg``, ``name:exp_avg_sq``, ``name:step``) -> file name -> payload.
     Raises CheckpointError if a tensor is missing, extra or of the wrong shape for `shape`."""
-    wanted = {f"{n}{suffix}" for p in model_parts(shape) for n in part_tensor_names(p)
+    wanted = {f"{t.name}{suffix}" for p in model_parts(shape.layers) for t in part_tensors(shape, p)
               for suffix in ("", EXP_AVG, EXP_AVG_SQ, STEP)}
     missing, extra = sorted(wanted - set(state)), sorted(set(state) - wanted)
     if missing or extra:
         raise CheckpointError(f"the state does not match the model {shape}: missing {missing[:6]}"
                               f"{'...' if len(missing) > 6 else ''}, unexpected {extra[:6]}{'...' if len(extra) > 6 else ''}")
     out = {}
-    for part in model_parts(shape):
+    for part in model_parts(shape.layers):
         tensors = {}
-        for name in part_tensor_names(part):
+        for spec in part_tensors(shape, part):
+            name = spec.name
             entry: dict[str, Any] = {}
             for key, suffix in _MOMENTS:
                 t = _plain_cpu(state[name + suffix], name + suffix)
-                if tuple(t.shape) != full_shape_of(shape, name):
+                if tuple(t.shape) != spec.shape:
                     raise CheckpointError(f"{name + suffix} has shape {tuple(t.shape)}, the model's is "
-                                          f"{full_shape_of(shape, name)} (a shard, not the full tensor?)")
+                                          f"{spec.shape} (a shard, not the full tensor?)")
                 entry[key] = t
             entry["step"] = int(state[name + STEP])
             tensors[name] = entry
@@ -116,19 +116,21 @@ def unpack_into(out: dict[str, torch.Tensor], payload: Any, file: str, shape: Mo
     if payload.get("part") != part:
         raise bad(f"holds part {payload.get('part')!r}, expected {part!r}")
     tensors = payload.get("tensors")
-    names = set(part_tensor_names(part))
+    specs = part_tensors(shape, part)
+    names = {t.name for t in specs}
     if not isinstance(tensors, dict) or set(tensors) != names:
         got = sorted(tensors) if isinstance(tensors, dict) else type(tensors).__name__
         raise bad(f"tensors {got}, expected {sorted(names)}")
-    for name in part_tensor_names(part):
+    for spec in specs:
+        name = spec.name
         entry = tensors[name]
         if not isinstance(entry, dict):
             raise bad(f"{name} is a {type(entry).__name__}, expected a dict")
         for key, suffix in _MOMENTS:
             t = entry.get(key)
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != full_shape_of(shape, name):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != spec.shape:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise bad(f"{name} {key} is {got}, expected a tensor of shape {full_shape_of(shape, name)}")
+                raise bad(f"{name} {key} is {got}, expected a tensor of shape {spec.shape}")
             out[name + suffix] = t
         step = entry.get("step")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:

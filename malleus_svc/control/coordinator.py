@@ -276,7 +276,7 @@ class JobCoordinator:
         machine (lengths.sweep through the runtime's own blocks, on real TP groups for TP > 1), for
         `assign`. Every TP degree up to the job's: a re-plan may split TP groups into smaller ones."""
         from malleus_svc.lengths.sweep import run_sweeps
-        from malleus_svc.runtime.model import tp_divisibility_error
+        from malleus_svc.geometry import tp_divisibility_error
 
         from .assign import Lookahead
         shape = self.job.shape

@@ -115,7 +115,7 @@ def _timed_parts(mixes, shape, layers, repeats, warmup, seed, threads, stat, clo
                  ) -> tuple[list[float], list[float]]:
     """(compute, TP communication) seconds of each mix, each part normalised and summarised on its own."""
     from ..config.presets import ModelShape, preset
-    from ..runtime.model import tp_divisibility_error
+    from ..geometry import tp_divisibility_error
     shape = preset(shape) if not isinstance(shape, ModelShape) else shape
     if repeats < 1:
         raise LengthError("repeats", repeats, "an integer >= 1")

@@ -20,12 +20,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from malleus_svc.config.presets import ModelShape
+from malleus_svc.geometry import part_tensors, split_dim, tensor_spec, tp_divisibility_error
 from malleus_svc.plan import Plan
 from malleus_svc.runtime.batch import IGNORE_INDEX, MicroBatch
-from malleus_svc.runtime.groups import Groups, Piece, ordered_group_ranks, world_rank
-from malleus_svc.runtime.model import (StageModel, full_shape_of, part_tensor_names, shard_range,
-                                       shard_spec, tp_divisibility_error)
-from malleus_svc.runtime.schedule import StageTransport, one_f_one_b
+from malleus_svc.runtime.groups import Groups, PipelinePeers, Piece, ordered_group_ranks, world_rank
+from malleus_svc.runtime.model import StageModel
+from malleus_svc.runtime.schedule import StageStep, stage_steps
+from malleus_svc.runtime.transport import P2PTransport, StageTransport
 
 # Keys of optimizer state in the flat dicts of assemble_full() and reference_train().
 EXP_AVG, EXP_AVG_SQ, STEP = ":exp_avg", ":exp_avg_sq", ":step"
@@ -129,19 +130,17 @@ class GradientSync:
                 self.norm_items.append(item)
 
         for piece in sharded:
-            for name in part_tensor_names(piece.part):
-                dim = shard_spec(name)
-                if dim is None:
+            for spec in part_tensors(shape, piece.part):
+                if spec.split_dim is None:
                     continue
-                full = full_shape_of(shape, name)[dim]
-                offset = r * full // t
-                lo, hi = piece.start * full - offset, piece.end * full - offset
-                add(piece, (name, dim, int(lo), int(hi)))
+                offset = spec.held_rows(r, t)[0]
+                lo, hi = spec.rows((piece.start, piece.end))
+                add(piece, (spec.name, spec.split_dim, lo - offset, hi - offset))
         for piece in replicated:
-            for name in part_tensor_names(piece.part):
-                if shard_spec(name) is not None:
+            for spec in part_tensors(shape, piece.part):
+                if spec.split_dim is not None:
                     continue
-                item = (name, None, 0, 0)
+                item = (spec.name, None, 0, 0)
                 if self.rank in piece.members:
                     add(piece, item)
                 if t > 1 and len(piece.members) > 1:
@@ -181,11 +180,15 @@ class GradientSync:
 
 
 class Engine:
-    """One device's share of a plan: its stage model, optimizer, groups and transport."""
+    """One device's share of a plan: its stage model, optimizer, groups and transport.
+
+    `transport` makes the stage's point-to-point transport from (peers, device, dtype).
+    """
 
     def __init__(self, shape: ModelShape, plan: Plan, rank: int, *, seed: int = 0,
                  optim: OptimConfig = OptimConfig(), device: torch.device | None = None,
-                 after_compute: Callable[[float], None] | None = None, dtype: torch.dtype = torch.float32):
+                 after_compute: Callable[[float], None] | None = None, dtype: torch.dtype = torch.float32,
+                 transport: Callable[[PipelinePeers, torch.device, torch.dtype], StageTransport] = P2PTransport):
         validate_plan_for_model(shape, plan)
         _check_rank(plan, rank)
         self.shape, self.plan, self.rank, self.optim = shape, plan, rank, optim
@@ -202,7 +205,7 @@ class Engine:
         self.params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
         self.optimizer = optim.make(self.params.values())
         self.grad_sync = GradientSync(self.groups, self.params, shape)
-        self.transport = StageTransport(self.groups.peers, self.device, dtype)
+        self.transport = transport(self.groups.peers, self.device, dtype)
         self._clock = _ComputeClock(self.device)
         self._update_pending = False
 
@@ -230,11 +233,11 @@ class Engine:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
 
-        for kind, i in one_f_one_b(self.num_stages, self.role.stage, len(micro_batches)):
-            if kind == "F":
-                self._forward(i, micro_batches[i], loss_tokens)
+        for step in stage_steps(self.num_stages, self.role.stage, len(micro_batches)):
+            if step.kind == "F":
+                self._forward(step, micro_batches[step.micro], loss_tokens)
             else:
-                self._backward(i)
+                self._backward(step)
         self.transport.finish()
 
         comm0 = time.perf_counter()
@@ -281,12 +284,13 @@ class Engine:
         if self.after_compute is not None:
             self.after_compute(seconds)
 
-    def _forward(self, i: int, mb: MicroBatch, loss_tokens: int) -> None:
+    def _forward(self, step: StageStep, mb: MicroBatch, loss_tokens: int) -> None:
+        i = step.micro
         positions = mb.positions().to(self.device)
-        if self.role.is_first:
-            x = mb.tokens.to(self.device)
-        else:
+        if step.receive:
             x = self.transport.recv_activation((mb.num_tokens, self.shape.hidden), i).requires_grad_(True)
+        else:
+            x = mb.tokens.to(self.device)
         start = self._clock.now()
         with self._autocast():
             out = self.model(x, positions, mb.cu_seqlens)
@@ -298,16 +302,17 @@ class Engine:
             self._loss += out.detach().double()
         self._timed(start)
         self._inflight[i] = (x, out)
-        if not self.role.is_last:
+        if step.send:
             self.transport.send_activation(out, i)
 
-    def _backward(self, i: int) -> None:
+    def _backward(self, step: StageStep) -> None:
+        i = step.micro
         x, out = self._inflight.pop(i)
-        grad = None if self.role.is_last else self.transport.recv_gradient(tuple(out.shape), i).to(out.dtype)
+        grad = self.transport.recv_gradient(tuple(out.shape), i).to(out.dtype) if step.receive else None
         start = self._clock.now()
         torch.autograd.backward(out, grad)
         self._timed(start)
-        if not self.role.is_first:
+        if step.send:
             self.transport.send_gradient(x.grad, i)
 
     def _clip(self, grad_norm: float) -> None:
@@ -321,12 +326,8 @@ class Engine:
 
     # ------------------------------------------------------------------ state in and out
     def _shard_bounds(self, name: str) -> tuple[int | None, int, int, tuple[int, ...]]:
-        full = full_shape_of(self.shape, name)
-        dim = shard_spec(name)
-        if dim is None:
-            return None, 0, full[0], full
-        start, end = shard_range(full[dim], self.groups.tp.rank, self.groups.tp.size)
-        return dim, start, end, full
+        spec = tensor_spec(self.shape, name)
+        return (spec.split_dim, *spec.held_rows(self.groups.tp.rank, self.groups.tp.size), spec.shape)
 
     def export_state(self) -> dict[str, ShardState]:
         """Every tensor this device holds, with its Adam moments, as CPU copies."""
@@ -376,7 +377,7 @@ def full_shard_states(full: Mapping[str, torch.Tensor]) -> dict[str, ShardState]
     for name, param in full.items():
         if ":" in name:
             continue
-        dim = shard_spec(name)
+        dim = split_dim(name)
         step = int(full.get(name + STEP, torch.tensor(0)))
         zeros = torch.zeros_like(param)
         out[name] = ShardState(dim, 0, param.shape[0 if dim is None else dim], param,

@@ -28,8 +28,8 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
-from malleus_svc.plan import EMBEDDING, HEAD, Plan, Stage
-from malleus_svc.runtime.model import Part
+from malleus_svc.geometry import WHOLE, Part, finest_partition, holder_at, model_parts, shard_map
+from malleus_svc.plan import Plan
 from malleus_svc.runtime.tensor_parallel import TensorParallel
 
 # Subgroups take the world's collective timeout (torch gives new groups its 30-minute default
@@ -80,25 +80,16 @@ class Piece:
     members: tuple[int, ...]  # in pipeline order; members[0] counts the piece in the grad norm
 
 
-def _holder_shards(plan: Plan, part: Part) -> list[tuple[Stage, list[Fraction]]]:
-    return [(st, [Fraction(r, st.tp) for r in range(st.tp + 1)]) for _, st in plan.holders(part)]
-
-
 def sharded_pieces(plan: Plan, part: Part) -> list[Piece]:
     """The finest common partition of the holders' TP shards of a part, with who holds each piece."""
-    holders = _holder_shards(plan, part)
-    cuts = sorted({c for _, bounds in holders for c in bounds})
-    pieces = []
-    for a, b in zip(cuts, cuts[1:]):
-        # the holder in each pipeline is the TP rank whose shard [r/t, (r+1)/t) contains [a, b)
-        members = tuple(st.devices[int(a * st.tp)] for st, _ in holders)
-        pieces.append(Piece(part, a, b, members))
-    return pieces
+    groups = [st.devices for _, st in plan.holders(part)]
+    return [Piece(part, a, b, tuple(holder_at(g, a) for g in groups))
+            for a, b in finest_partition(shard_map(groups).values())]
 
 
 def replicated_piece(plan: Plan, part: Part) -> Piece:
     """The whole of a part's replicated tensors, reduced among TP rank 0 of each holding stage."""
-    return Piece(part, Fraction(0), Fraction(1), tuple(st.devices[0] for _, st in plan.holders(part)))
+    return Piece(part, *WHOLE, tuple(st.devices[0] for _, st in plan.holders(part)))
 
 
 @dataclass(frozen=True)
@@ -144,17 +135,12 @@ def ordered_group_ranks(plan: Plan) -> list[tuple[int, ...]]:
     for pipe in plan.pipelines:
         for st in pipe.stages:
             add(st.devices)
-    for part in plan_parts(plan):
+    for part in model_parts(plan.num_layers):
         add(replicated_piece(plan, part).members)
         for piece in sharded_pieces(plan, part):
             add(piece.members)
     add(plan.active_devices)
     return list(out)
-
-
-def plan_parts(plan: Plan) -> list[Part]:
-    """Every part of the model, in the one order all ranks walk."""
-    return [EMBEDDING, *range(plan.num_layers), HEAD]
 
 
 class Groups:
@@ -186,7 +172,7 @@ class Groups:
         return self._groups[key]
 
     def parts(self) -> list[Part]:
-        return [p for p in plan_parts(self.plan)
+        return [p for p in model_parts(self.plan.num_layers)
                 if any(self.rank in st.devices for _, st in self.plan.holders(p))]
 
     def local_pieces(self) -> tuple[list[Piece], list[Piece]]:

@@ -12,26 +12,17 @@ Two halves:
 
 Algorithm (planning)
 --------------------
-For every tensor of every part (`model.part_tensor_names`), every device of every stage that holds
-the part under the new plan needs rows of it: the rows `shard_range` gives its TP rank along
-`shard_spec(name)` for sharded tensors, all rows for replicated ones (norm weights, embedding,
-head). Those rows are cut by the old holders' row ranges (finest common partition). A piece the
-needer already held under the old plan stays where it is (no copy). Every other piece comes from
-an old holder that holds all of it, chosen as in `Plan.diff`: a holder on the needer's node if
-there is one, then the one that has sent the fewest bytes so far, then the lowest device id.
+The schedule is `Plan.diff` expanded into tensor rows: the diff is given this model's state
+sizes (a block's sharded and replicated tensors apart, the embedding and the head), and each of
+its moves and kept pieces becomes, for every tensor of the part on that side of the split
+(`geometry.part_tensors`), the rows its fraction covers. So the migration moves exactly what the
+diff says: same pieces, same senders, same totals. In the diff's order:
 
-* Sharded tensors are decided first, per (block, fraction piece, needer), in `Plan.diff`'s order
-  (blocks ascending, needers ascending, pieces ascending), charging the sender the bytes of that
-  piece of all the block's sharded tensors. All sharded tensors of a block move together, and
-  since every block has the same size, the flows are exactly `Plan.diff(old, new)`'s for blocks
-  (StateSizes(block=1): same pieces, same senders, moved/reused totals in proportion).
-* Replicated tensors come next, per (part, needer): every TP rank of every holder stage needs the
-  whole tensor, so a needer that held ANY shard of the part keeps its copy, and one that held none
-  receives the whole tensor from one old holder (same rule, same byte counter). `Plan.diff` counts
-  embedding and head the same way (whole part per needer), but charges a block's two norm weights
-  as if they were sharded with the block (a fraction 1/t per needer, moved only with the moved
-  fraction); here they move whole, and only to devices that held no shard of the block. Tensor
-  byte totals therefore equal Plan.diff's for sharded tensors, not for the block norms.
+* sharded tensors, per (block, fraction piece, needer): all sharded tensors of a block move
+  together, cut by the finest common partition of old and new shards;
+* replicated tensors (norm weights, embedding, head), per (part, needer): every TP rank of a
+  holder stage needs the whole tensor, so a needer that held ANY shard of the part keeps its
+  copy, and one that held none receives the whole tensor from one old holder.
 
 Payload of a slice: the param rows and the same rows of Adam's exp_avg and exp_avg_sq
 (3 x numel x itemsize bytes: `moved_bytes`), plus the slice's Adam step count in a small int64
@@ -62,9 +53,9 @@ from fractions import Fraction
 from typing import Any, Iterable, Mapping
 
 from malleus_svc.config.presets import ModelShape
-from malleus_svc.plan import EMBEDDING, HEAD, Plan
-from malleus_svc.runtime.model import (Part, full_shape_of, part_tensor_names, shard_range, shard_spec,
-                                       tp_divisibility_error)
+from malleus_svc.geometry import (EMBEDDING, HEAD, Part, TensorSpec, model_parts, part_of, part_tensors,
+                                  tensor_spec, tp_divisibility_error)
+from malleus_svc.plan import Plan, SliceMove, StateSizes
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 _TAG_BASE = 0x4D470000  # gloo tags of migration rounds (apart from groups.py's handshake tag)
@@ -97,7 +88,6 @@ class Slice:
 
     @property
     def part(self) -> Part:
-        from malleus_svc.runtime.model import part_of
         return part_of(self.name)
 
 
@@ -210,22 +200,6 @@ def _check(old: Plan, new: Plan, shape: ModelShape) -> None:
                     raise MigrationError(f"{which} plan pipeline {i} stage {j}: {err}")
 
 
-def _rows(frac: Fraction, full: int, name: str) -> int:
-    r = frac * full
-    if r.denominator != 1:
-        raise MigrationError(f"{name}: shard boundary {frac} of {full} rows is not a whole row")
-    return int(r)
-
-
-def _fraction_map(plan: Plan, part: Part, exclude: set[int] = frozenset()) -> dict[int, tuple[Fraction, Fraction]]:
-    out = {}
-    for _, st in plan.holders(part):
-        for r, d in enumerate(st.devices):
-            if d not in exclude:
-                out[d] = (Fraction(r, st.tp), Fraction(r + 1, st.tp))
-    return out
-
-
 def plan_migration(old: Plan, new: Plan, shape: ModelShape, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                    itemsize: int = 4, unavailable: Iterable[int] = ()) -> MigrationSchedule:
     """The transfer schedule that moves every state slice `new` places where `old` did not have it.
@@ -237,109 +211,49 @@ def plan_migration(old: Plan, new: Plan, shape: ModelShape, *, bucket_bytes: int
         raise MigrationError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     _check(old, new, shape)
     dead = set(unavailable)
-    node = new.node_of
-    sent: dict[int, int] = {}
-    slices: list[Slice] = []
-    kept: list[Keep] = []
-    missing: list[str] = []
-    holdings: dict[int, dict[str, Holding]] = {}
+    tensors = {part: part_tensors(shape, part) for part in model_parts(shape.layers)}
 
-    def row_bytes(name: str, axis: int) -> int:
-        full = full_shape_of(shape, name)
-        n = 1
-        for k, s in enumerate(full):
-            if k != axis:
-                n *= s
-        return n
+    def side(part: Part, sharded: bool) -> list[TensorSpec]:
+        return [t for t in tensors[part] if (t.split_dim is not None) == sharded]
 
-    def choose(srcs: list[int], dst: int) -> int:
-        near = [s for s in srcs if node(s) == node(dst)]
-        return min(near or srcs, key=lambda s: (sent.get(s, 0), s))
+    def state_bytes(specs: list[TensorSpec]) -> int:   # param + exp_avg + exp_avg_sq
+        return 3 * itemsize * sum(t.numel for t in specs)
 
-    parts: list[Part] = [EMBEDDING, *range(new.num_layers), HEAD]
-    for part in parts:
-        names = part_tensor_names(part)
-        for name in names:
-            dim = shard_spec(name)
-            full = full_shape_of(shape, name)
-            for _, st in new.holders(part):
-                for r, d in enumerate(st.devices):
-                    if dim is None:
-                        holdings.setdefault(d, {})[name] = Holding(None, 0, full[0], full)
-                    else:
-                        a, b = shard_range(full[dim], r, st.tp)
-                        holdings.setdefault(d, {})[name] = Holding(dim, a, b, full)
-
-    # Phase 1: sharded tensors, per (block, piece, needer), in Plan.diff's order.
-    for part in range(new.num_layers):
-        sharded = [n for n in part_tensor_names(part) if shard_spec(n) is not None]
-        owned = _fraction_map(old, part, exclude=dead)
-        needed = _fraction_map(new, part)
-        for dst, (lo, hi) in sorted(needed.items()):
-            cuts = sorted({lo, hi, *(c for a, b in owned.values() for c in (a, b) if lo < c < hi)})
-            for a, b in zip(cuts, cuts[1:]):
-                pieces = []
-                for name in sharded:
-                    dim = shard_spec(name)
-                    full = full_shape_of(shape, name)[dim]
-                    s, e = _rows(a, full, name), _rows(b, full, name)
-                    numel = (e - s) * row_bytes(name, dim)
-                    pieces.append((name, dim, s, e, numel))
-                if dst in owned and owned[dst][0] <= a and b <= owned[dst][1]:
-                    kept.extend(Keep(dst, n, s, e, 3 * numel * itemsize) for n, _, s, e, numel in pieces)
-                    continue
-                srcs = [s for s, (x, y) in owned.items() if x <= a and b <= y]
-                if not srcs:
-                    missing.append(f"block {part} fraction [{a}, {b}) for device {dst}")
-                    continue
-                src = choose(srcs, dst)
-                for n, dim, s, e, numel in pieces:
-                    slices.append(Slice(n, dim, s, e, src, dst, numel, 3 * numel * itemsize))
-                    sent[src] = sent.get(src, 0) + 3 * numel * itemsize
-
-    # Phase 2: replicated tensors, per (part, needer): whole tensors.
-    for part in parts:
-        replicated = [n for n in part_tensor_names(part) if shard_spec(n) is None]
-        owners = sorted({d for _, st in old.holders(part) for d in st.devices} - dead)
-        needers = sorted({d for _, st in new.holders(part) for d in st.devices})
-        items = [(n, full_shape_of(shape, n)) for n in replicated]
-        for dst in needers:
-            if dst in owners:
-                kept.extend(Keep(dst, n, 0, full[0], 3 * _numel(full) * itemsize) for n, full in items)
-                continue
-            if not owners:
-                missing.append(f"{_part_label(part)} replicated tensors for device {dst}")
-                continue
-            src = choose(owners, dst)
-            for n, full in items:
-                numel = _numel(full)
-                slices.append(Slice(n, None, 0, full[0], src, dst, numel, 3 * numel * itemsize))
-                sent[src] = sent.get(src, 0) + 3 * numel * itemsize
-
-    if missing:
-        shown = "; ".join(missing[:12]) + (f"; ... ({len(missing)} in all)" if len(missing) > 12 else "")
+    sizes = StateSizes(block=state_bytes(side(0, True)), block_replicated=state_bytes(side(0, False)),
+                       embedding=state_bytes(side(EMBEDDING, False)), head=state_bytes(side(HEAD, False)))
+    diff = Plan.diff(old, new, sizes, unavailable=dead)
+    if diff.missing:
+        what = [f"block {m.part} fraction [{m.start}, {m.end}) for device {m.dst}" if m.sharded
+                else f"{_part_label(m.part)} replicated tensors for device {m.dst}" for m in diff.missing]
+        shown = "; ".join(what[:12]) + (f"; ... ({len(what)} in all)" if len(what) > 12 else "")
         raise MigrationError(
             f"no surviving source (unavailable devices {sorted(dead)}) for: {shown}. "
             "Restoring such state from a checkpoint is not supported by live migration.")
 
-    buckets = _pack(slices, bucket_bytes, itemsize)
-    return MigrationSchedule(old.plan_id, new.plan_id, new.gpus_per_node, bucket_bytes, itemsize,
-                             tuple(slices), tuple(kept), buckets,
-                             {d: dict(h) for d, h in holdings.items()})
+    def rows(move: SliceMove):
+        for t in side(move.part, move.sharded):
+            start, end = t.rows((move.start, move.end))
+            numel = (end - start) * t.row_numel
+            yield t, start, end, numel, 3 * numel * itemsize
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    slices = tuple(Slice(t.name, t.split_dim, s, e, m.src, m.dst, numel, nbytes)
+                   for m in diff.moves for t, s, e, numel, nbytes in rows(m))
+    kept = tuple(Keep(m.dst, t.name, s, e, nbytes) for m in diff.kept for t, s, e, _, nbytes in rows(m))
+    holdings: dict[int, dict[str, Holding]] = {}
+    for part, specs in tensors.items():
+        for _, st in new.holders(part):
+            for r, d in enumerate(st.devices):
+                for t in specs:
+                    holdings.setdefault(d, {})[t.name] = Holding(t.split_dim, *t.held_rows(r, st.tp), t.shape)
+    return MigrationSchedule(old.plan_id, new.plan_id, new.gpus_per_node, bucket_bytes, itemsize, slices, kept,
+                             _pack(slices, bucket_bytes, itemsize), holdings)
 
 
 def _part_label(part: Part) -> str:
     return part if isinstance(part, str) else f"block {part}"
 
 
-def _pack(slices: list[Slice], bucket_bytes: int, itemsize: int) -> tuple[Bucket, ...]:
+def _pack(slices: tuple[Slice, ...], bucket_bytes: int, itemsize: int) -> tuple[Bucket, ...]:
     """Per (src, dst) pair, in planning order: buckets of <= bucket_bytes; then greedy rounds."""
     by_pair: dict[tuple[int, int], list[Slice]] = {}
     for s in slices:
@@ -403,7 +317,7 @@ def sharded_moves_by_fraction(schedule: MigrationSchedule, shape: ModelShape) ->
     for s in schedule.slices:
         if s.dim is None:
             continue
-        full = full_shape_of(shape, s.name)[s.dim]
+        full = tensor_spec(shape, s.name).shape[s.dim]
         out.add((s.part, Fraction(s.start, full), Fraction(s.end, full), s.src, s.dst))
     return out
 
@@ -437,7 +351,7 @@ def execute_migration(schedule: MigrationSchedule, rank: int, old_states: Mappin
     import torch.distributed as dist
 
     from malleus_svc.runtime.engine import ShardState
-    from malleus_svc.runtime.groups import world_rank
+    from malleus_svc.runtime.transport import Message, exchange
 
     t0 = time.perf_counter()
     comm_device = comm_device or torch.device("cpu")
@@ -503,8 +417,7 @@ def execute_migration(schedule: MigrationSchedule, rank: int, old_states: Mappin
             by_round.setdefault(b.round, []).append(b)
     g = schedule.gpus_per_node
     for rnd in sorted(by_round):
-        ops, recvs = [], []
-        tag = _TAG_BASE + rnd
+        messages, recvs = [], []
         for b in by_round[rnd]:  # sorted by (src, dst): the same order on both ends
             if b.src == rank:
                 parts, steps = [], []
@@ -520,8 +433,7 @@ def execute_migration(schedule: MigrationSchedule, rank: int, old_states: Mappin
                 if buf.numel() * buf.element_size() != b.nbytes:
                     raise MigrationError(f"rank {rank}: bucket to {b.dst} has {buf.numel() * buf.element_size()} "
                                          f"bytes, planned {b.nbytes}")
-                dst = world_rank(b.dst)
-                ops += [dist.P2POp(dist.isend, buf, dst, tag=tag), dist.P2POp(dist.isend, step_buf, dst, tag=tag)]
+                messages += [Message("send", buf, b.dst), Message("send", step_buf, b.dst)]
                 stats.sent_bytes += b.nbytes
                 stats.buckets_sent += 1
                 stats.slices_sent += len(b.chunks)
@@ -530,12 +442,10 @@ def execute_migration(schedule: MigrationSchedule, rank: int, old_states: Mappin
             else:
                 buf = torch.empty(b.nbytes // schedule.itemsize, dtype=dtype, device=comm_device)
                 step_buf = torch.empty(len(b.chunks), dtype=torch.int64, device=comm_device)
-                src = world_rank(b.src)
-                ops += [dist.P2POp(dist.irecv, buf, src, tag=tag), dist.P2POp(dist.irecv, step_buf, src, tag=tag)]
+                messages += [Message("recv", buf, b.src), Message("recv", step_buf, b.src)]
                 recvs.append((b, buf, step_buf))
         c0 = time.perf_counter()
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        exchange(messages, tag=_TAG_BASE + rnd)
         stats.comm_seconds += time.perf_counter() - c0
         for b, buf, step_buf in recvs:
             buf, steps = buf.cpu(), step_buf.cpu().tolist()

@@ -6,113 +6,48 @@ SwiGLU MLP, both with residuals), "head" (final RMSNorm and the untied LM head).
 Every tensor has a stable full-model name (``blocks.3.attn.wq``, ``embedding.weight``, ...) and
 is initialised from a generator seeded by (seed, part) alone, so a stage builds exactly the
 blocks it holds, identical to what any other plan (or the single-process reference) would build.
-
-Inside a block, tensors are split Megatron-style over a TP group of size t: q/k/v by heads and
-gate/up by ffn rows (column-parallel), out and down by the matching input columns
-(row-parallel, summed by an all-reduce); the two norm weights are replicated.
+Names, full shapes and TP split dims come from `geometry.tensors`: each parameter is that table's
+shard for this device's TP group (q/k/v and gate/up column-parallel, out and down row-parallel,
+summed by an all-reduce; norm weights replicated).
 """
 from __future__ import annotations
 
 import hashlib
 import math
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from malleus_svc.config.presets import ModelShape
-from malleus_svc.plan import EMBEDDING, HEAD
+from malleus_svc.geometry import (EMBEDDING, HEAD, Part, TensorSpec, part_tensors, shard_rows, split_dim,
+                                  tp_divisibility_error)
 from malleus_svc.runtime.attention import apply_rotary, rotary_tables, varlen_causal_attention
 from malleus_svc.runtime.tensor_parallel import SINGLE, TensorParallel, copy_to_region, reduce_from_region
 
-Part = int | str
 INIT_STD = 0.02
 NORM_EPS = 1e-5
 
-# Local tensor name inside a block -> the dim split across TP ranks (None: replicated).
-_BLOCK_SHARD_DIMS: dict[str, int | None] = {
-    "attn_norm.weight": None,
-    "attn.wq": 0, "attn.wk": 0, "attn.wv": 0,   # [heads * head_dim, hidden]: rows by head
-    "attn.wo": 1,                                 # [hidden, heads * head_dim]: columns by head
-    "mlp_norm.weight": None,
-    "mlp.w_gate": 0, "mlp.w_up": 0,               # [ffn, hidden]
-    "mlp.w_down": 1,                              # [hidden, ffn]
-}
-_BLOCK_NAMES = tuple(_BLOCK_SHARD_DIMS)
-
-
-# ---------------------------------------------------------------------------- names and parts
-def part_tensor_names(part: Part) -> tuple[str, ...]:
-    """Full-model names of the tensors of one part, in initialisation order."""
-    if part == EMBEDDING:
-        return ("embedding.weight",)
-    if part == HEAD:
-        return ("final_norm.weight", "head.weight")
-    return tuple(f"blocks.{int(part)}.{n}" for n in _BLOCK_NAMES)
-
-
-def part_of(name: str) -> Part:
-    """The part a full-model tensor name belongs to."""
-    if name.startswith("blocks."):
-        return int(name.split(".")[1])
-    if name == "embedding.weight":
-        return EMBEDDING
-    if name in ("final_norm.weight", "head.weight"):
-        return HEAD
-    raise KeyError(f"{name!r} is not a tensor of this model")
-
-
-def model_parts(shape: ModelShape) -> list[Part]:
-    return [EMBEDDING, *range(shape.layers), HEAD]
-
-
-def shard_spec(name: str) -> int | None:
-    """The dim of tensor `name` split across a TP group, or None if every TP rank holds all of it."""
-    if name.startswith("blocks."):
-        local = name.split(".", 2)[2]
-        if local in _BLOCK_SHARD_DIMS:
-            return _BLOCK_SHARD_DIMS[local]
-    elif name in ("embedding.weight", "final_norm.weight", "head.weight"):
-        return None
-    raise KeyError(f"{name!r} is not a tensor of this model")
-
-
-def full_shape_of(shape: ModelShape, name: str) -> tuple[int, ...]:
-    h, kv, ffn = shape.hidden, shape.n_kv_heads * shape.head_dim, shape.ffn
-    local = name.split(".", 2)[2] if name.startswith("blocks.") else name
-    return {
-        "embedding.weight": (shape.vocab, h), "head.weight": (shape.vocab, h),
-        "final_norm.weight": (h,), "attn_norm.weight": (h,), "mlp_norm.weight": (h,),
-        "attn.wq": (shape.heads * shape.head_dim, h), "attn.wk": (kv, h), "attn.wv": (kv, h),
-        "attn.wo": (h, shape.heads * shape.head_dim),
-        "mlp.w_gate": (ffn, h), "mlp.w_up": (ffn, h), "mlp.w_down": (h, ffn),
-    }[local]
-
-
-def shard_range(full_size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
-    """Rows [start, end) of a dim of `full_size` that TP rank `tp_rank` of `tp_size` holds."""
-    step = full_size // tp_size
-    return tp_rank * step, (tp_rank + 1) * step
-
 
 def take_shard(name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-    dim = shard_spec(name)
+    """This TP rank's shard of the full tensor `name` (the tensor itself if replicated)."""
+    dim = split_dim(name)
     if dim is None or tp_size == 1:
         return full
-    start, end = shard_range(full.shape[dim], tp_rank, tp_size)
+    start, end = shard_rows(full.shape[dim], tp_rank, tp_size)
     return full.narrow(dim, start, end - start)
 
 
-def tp_divisibility_error(shape: ModelShape, tp: int) -> str | None:
-    """Why a TP size cannot shard this model's blocks, or None if it can."""
-    dims = {"heads": shape.heads, "kv_heads": shape.n_kv_heads, "ffn": shape.ffn}
-    bad = [f"{k}={v}" for k, v in dims.items() if v % tp]
-    if not bad:
-        return None
-    ok = [d for d in range(1, shape.heads + 1) if all(v % d == 0 for v in dims.values())]
-    return (f"TP size {tp} does not divide {', '.join(bad)}; sizes that divide heads={shape.heads}, "
-            f"kv_heads={shape.n_kv_heads} and ffn={shape.ffn}: {', '.join(map(str, ok))}")
+def _parameter(spec: TensorSpec, tp: TensorParallel) -> nn.Parameter:
+    """An uninitialised parameter of this TP rank's shard shape (`init_from_seed` fills it)."""
+    return nn.Parameter(torch.empty(spec.shard_shape(tp.size)))
+
+
+def _by_local_name(shape: ModelShape, part: Part) -> dict[str, TensorSpec]:
+    """The part's tensors keyed by their name inside the part's module (``attn.wq``)."""
+    prefix = "" if isinstance(part, str) else f"blocks.{part}."
+    return {t.name[len(prefix):]: t for t in part_tensors(shape, part)}
 
 
 # ---------------------------------------------------------------------------- initialisation
@@ -123,27 +58,25 @@ def _part_generator(seed: int, part: Part) -> torch.Generator:
 
 def init_part(shape: ModelShape, part: Part, seed: int) -> dict[str, torch.Tensor]:
     """Full (unsharded) fp32 tensors of one part, a pure function of (shape, part, seed)."""
-    if part not in (EMBEDDING, HEAD) and not 0 <= int(part) < shape.layers:
-        raise ValueError(f"part {part!r} is not 'embedding', 'head' or a block in 0..{shape.layers - 1}")
+    specs = part_tensors(shape, part)   # checks the part first
     gen = _part_generator(seed, part)
     # Residual-branch outputs get a smaller scale so the residual stream does not grow with depth.
     out_std = INIT_STD / math.sqrt(2 * shape.layers)
     out: dict[str, torch.Tensor] = {}
-    for name in part_tensor_names(part):
-        size = full_shape_of(shape, name)
-        if name.endswith("norm.weight"):
-            out[name] = torch.ones(size)
+    for t in specs:
+        if t.name.endswith("norm.weight"):
+            out[t.name] = torch.ones(t.shape)
         else:
-            std = out_std if name.endswith(("attn.wo", "mlp.w_down")) else INIT_STD
-            out[name] = torch.randn(size, generator=gen) * std
+            std = out_std if t.name.endswith(("attn.wo", "mlp.w_down")) else INIT_STD
+            out[t.name] = torch.randn(t.shape, generator=gen) * std
     return out
 
 
 # ---------------------------------------------------------------------------- modules
 class RMSNorm(nn.Module):
-    def __init__(self, hidden: int):
+    def __init__(self, spec: TensorSpec):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden))
+        self.weight = nn.Parameter(torch.ones(spec.shape))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.to(torch.promote_types(x.dtype, torch.float32))  # statistics in at least fp32
@@ -151,14 +84,11 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, shape: ModelShape, tp: TensorParallel):
+    def __init__(self, shape: ModelShape, tp: TensorParallel, specs: Mapping[str, TensorSpec]):
         super().__init__()
         self.tp, self.head_dim = tp, shape.head_dim
-        q_rows, kv_rows = shape.heads * shape.head_dim // tp.size, shape.n_kv_heads * shape.head_dim // tp.size
-        self.wq = nn.Parameter(torch.empty(q_rows, shape.hidden))
-        self.wk = nn.Parameter(torch.empty(kv_rows, shape.hidden))
-        self.wv = nn.Parameter(torch.empty(kv_rows, shape.hidden))
-        self.wo = nn.Parameter(torch.empty(shape.hidden, q_rows))
+        for name in ("wq", "wk", "wv", "wo"):
+            setattr(self, name, _parameter(specs[f"attn.{name}"], tp))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -173,13 +103,11 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, shape: ModelShape, tp: TensorParallel):
+    def __init__(self, tp: TensorParallel, specs: Mapping[str, TensorSpec]):
         super().__init__()
         self.tp = tp
-        rows = shape.ffn // tp.size
-        self.w_gate = nn.Parameter(torch.empty(rows, shape.hidden))
-        self.w_up = nn.Parameter(torch.empty(rows, shape.hidden))
-        self.w_down = nn.Parameter(torch.empty(shape.hidden, rows))
+        for name in ("w_gate", "w_up", "w_down"):
+            setattr(self, name, _parameter(specs[f"mlp.{name}"], tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_region(x, self.tp)
@@ -190,10 +118,11 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     def __init__(self, shape: ModelShape, tp: TensorParallel):
         super().__init__()
-        self.attn_norm = RMSNorm(shape.hidden)
-        self.attn = Attention(shape, tp)
-        self.mlp_norm = RMSNorm(shape.hidden)
-        self.mlp = SwiGLU(shape, tp)
+        specs = _by_local_name(shape, 0)   # every block has the same tensors; names say which block
+        self.attn_norm = RMSNorm(specs["attn_norm.weight"])
+        self.attn = Attention(shape, tp, specs)
+        self.mlp_norm = RMSNorm(specs["mlp_norm.weight"])
+        self.mlp = SwiGLU(tp, specs)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -202,18 +131,18 @@ class Block(nn.Module):
 
 
 class Embedding(nn.Module):
-    def __init__(self, shape: ModelShape):
+    def __init__(self, spec: TensorSpec):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(shape.vocab, shape.hidden))
+        self.weight = _parameter(spec, SINGLE)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.weight)
 
 
 class LMHead(nn.Module):
-    def __init__(self, shape: ModelShape):
+    def __init__(self, spec: TensorSpec):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(shape.vocab, shape.hidden))
+        self.weight = _parameter(spec, SINGLE)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
@@ -232,10 +161,11 @@ class StageModel(nn.Module):
         if err:
             raise ValueError(err)
         self.shape, self.tp, self.layers = shape, tp, layers
-        self.embedding = Embedding(shape) if has_embedding else None
+        self.embedding = Embedding(_by_local_name(shape, EMBEDDING)["embedding.weight"]) if has_embedding else None
         self.blocks = nn.ModuleDict({str(i): Block(shape, tp) for i in range(*layers)})
-        self.final_norm = RMSNorm(shape.hidden) if has_head else None
-        self.head = LMHead(shape) if has_head else None
+        head = _by_local_name(shape, HEAD) if has_head else None
+        self.final_norm = RMSNorm(head["final_norm.weight"]) if head else None
+        self.head = LMHead(head["head.weight"]) if head else None
 
     @property
     def parts(self) -> list[Part]:
@@ -275,6 +205,3 @@ def full_model(shape: ModelShape, seed: int, dtype: torch.dtype = torch.float32)
     model.init_from_seed(seed)
     return model.to(dtype)
 
-
-def tensor_names(parts: Iterable[Part]) -> list[str]:
-    return [n for p in parts for n in part_tensor_names(p)]

@@ -16,9 +16,10 @@ import json
 import sys
 from pathlib import Path
 
+from ..geometry import one_f_one_b
 from .baselines import SYSTEMS, Costs, Decision, System, make_systems, migration_seconds, restart_plan
 from .memory import MemoryReport, StageMemory, memory_report
-from .timeline import SimOptions, SimResult, SimulationError, one_f_one_b, simulate
+from .timeline import SimOptions, SimResult, SimulationError, simulate
 from .trace import IterationClock, Phase, Trace, TraceResult, run_trace, trace_from_dict
 
 __all__ = ["SYSTEMS", "Costs", "Decision", "System", "make_systems", "migration_seconds", "restart_plan",

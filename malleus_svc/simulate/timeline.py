@@ -61,6 +61,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Mapping, Sequence
 
+from ..geometry import one_f_one_b
 from ..plan import Plan
 from ..planner.problem import PlannerProblem
 
@@ -217,17 +218,6 @@ class EventEngine:
         if done != len(ops):
             stuck = [ops[q[head[r]]].label for r, q in self.queues.items() if head[r] < len(q)]
             raise SimulationError(f"{len(ops) - done} ops never ran; blocked heads: {stuck[:6]}")
-
-
-# ----------------------------------------------------------------------------- schedule
-def one_f_one_b(num_stages: int, stage: int, micro_batches: int) -> list[tuple[str, int]]:
-    """The non-interleaved 1F1B order of one stage: warm-up forwards, steady F/B pairs, cool-down."""
-    warm = min(num_stages - stage - 1, micro_batches)
-    order = [("F", k) for k in range(warm)]
-    for k in range(micro_batches - warm):
-        order += [("F", warm + k), ("B", k)]
-    order += [("B", k) for k in range(micro_batches - warm, micro_batches)]
-    return order
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,15 @@
+"""The plan's geometry, each rule defined once and free of torch: how a tensor-parallel group
+splits a part's tensors (`shards`), which tensors a part holds with their full shapes and split
+dims (`tensors`), and the 1F1B order of a pipeline stage (`pipeline`).
+
+The plan, the migration planner, the gradient groups, the checkpoint layout, the torch model and
+the simulator all ask these modules; none of them restates a split, a shape or an order.
+"""
+from .pipeline import one_f_one_b
+from .shards import WHOLE, finest_partition, holder_at, rows_of, shard_map, shard_of, shard_rows
+from .tensors import (EMBEDDING, HEAD, Part, TensorSpec, model_parts, part_of, part_tensors, split_dim,
+                      tensor_spec, tp_divisibility_error)
+
+__all__ = ["one_f_one_b", "WHOLE", "finest_partition", "holder_at", "rows_of", "shard_map",
+           "shard_of", "shard_rows", "EMBEDDING", "HEAD", "Part", "TensorSpec", "model_parts", "part_of",
+           "part_tensors", "split_dim", "tensor_spec", "tp_divisibility_error"]

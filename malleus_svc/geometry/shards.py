@@ -1,0 +1,55 @@
+"""How a tensor-parallel (TP) group splits a part's sharded tensors, and how two splits meet.
+
+A TP group is the tuple of its devices. Device r of a group of t holds the fraction
+[r/t, (r+1)/t) of every sharded tensor along the tensor's split dim (Megatron: contiguous, in
+rank order) and the whole of every replicated tensor. Fractions are exact, so groups of any sizes
+compare without knowing the model; `rows_of` turns a fraction into rows of one tensor.
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Iterable, Sequence
+
+Span = tuple[Fraction, Fraction]
+WHOLE: Span = (Fraction(0), Fraction(1))
+
+
+def shard_of(tp_rank: int, tp_size: int) -> Span:
+    """The fraction of each sharded tensor that TP rank `tp_rank` of a group of `tp_size` holds."""
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"TP rank {tp_rank} is outside a group of size {tp_size}")
+    return Fraction(tp_rank, tp_size), Fraction(tp_rank + 1, tp_size)
+
+
+def rows_of(span: Span, size: int) -> tuple[int, int]:
+    """Rows [start, end) of a dim of `size` rows that the fraction `span` covers."""
+    start, end = span[0] * size, span[1] * size
+    if start.denominator != 1 or end.denominator != 1:
+        raise ValueError(f"the fraction [{span[0]}, {span[1]}) of {size} rows is not a whole number of rows")
+    return int(start), int(end)
+
+
+def shard_rows(size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """Rows [start, end) of a split dim of `size` rows that TP rank `tp_rank` of `tp_size` holds."""
+    return rows_of(shard_of(tp_rank, tp_size), size)
+
+
+def shard_map(groups: Iterable[Sequence[int]], *, sharded: bool = True,
+              exclude: Iterable[int] = ()) -> dict[int, Span]:
+    """device -> the fraction it holds of a part held by these TP groups (the whole when not `sharded`)."""
+    skip = set(exclude)
+    return {d: shard_of(r, len(g)) if sharded else WHOLE
+            for g in groups for r, d in enumerate(g) if d not in skip}
+
+
+def finest_partition(spans: Iterable[Span], within: Span = WHOLE) -> list[Span]:
+    """`within` cut at every bound of `spans` that falls inside it: each piece lies wholly inside or
+    wholly outside every span, so it has one holder in each split."""
+    lo, hi = within
+    cuts = sorted({lo, hi, *(c for span in spans for c in span if lo < c < hi)})
+    return list(zip(cuts, cuts[1:]))
+
+
+def holder_at(group: Sequence[int], point: Fraction) -> int:
+    """The device of a TP group whose shard holds the piece that starts at fraction `point`."""
+    return group[int(point * len(group))]
