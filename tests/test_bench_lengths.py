@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from malleus_svc.bench import BENCHES
-from malleus_svc.bench import lengths as bl
+from benchmarks import BENCHES
+from benchmarks import lengths as bl
 from malleus_svc.config.presets import preset
 from malleus_svc.costmodel.analytic import DeviceSpec, block_seconds
 from malleus_svc.lengths import PipelineSpec, StageSpec, predicted_time
