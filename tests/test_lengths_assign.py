@@ -92,7 +92,7 @@ def test_tv5_packing_long_sequence_dominates(convention):
     assert p.micro_batches[0] == (0,)                          # {8} alone, the slowest, first
     ffd = cost.eq1_time([[8, 2], [4, 4, 2], [1, 1, 1, 1]], pipe.stages)   # fixed-length FFD to 10K
     assert ffd > p.time
-    if convention == "paper":   # the digest's figures are in this convention
+    if convention == "paper":   # the worked vectors' figures are in this convention
         assert round(ffd, 1) == 1281.6                                        # 1.236x worse
         assert round(predicted_time(lengths, pipe, cost), 1) == 1014.6       # LB 755.4 + 259.2 <= 1036.8
 
@@ -241,7 +241,7 @@ def test_tv9_realistic_dispatch():
 
 
 def test_dispatch_time_limit_is_hard():
-    """<16,1> + 12x<4,1> does not finish in 1 s (the digest hit 30 s): HiGHS must stop anyway."""
+    """<16,1> + 12x<4,1> does not finish in 1 s (it has run 30 s unlimited): HiGHS must stop anyway."""
     pipes, costs = tv9(["16,1"] + ["4,1"] * 12)
     t0 = time.perf_counter()
     d = dispatch(TV9_BATCH3, pipes, costs, time_limit_s=1.0, mip_gap=0.0)

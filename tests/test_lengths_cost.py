@@ -32,7 +32,7 @@ def test_tv2_latency_and_packing_convention():
     assert round(code.predict([32768]), 2) == 1788.49
     assert round(code.predict([1024] * 32), 2) == 1261.23
     assert round(paper.predict([1024] * 32), 2) == 2635.07
-    # The digest's point: packed short sequences are cheaper than one long one of the same tokens.
+    # The point: packed short sequences are cheaper than one long one of the same tokens.
     assert code.predict([1024] * 32) < code.predict([32768])
     # Scaling: layers and straggling rate multiply everything.
     assert close(code.predict([4096], layers=3, rate=1.5), 4.5 * code.predict([4096]))
