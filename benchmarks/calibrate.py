@@ -11,10 +11,10 @@ goes on; the receiver blocks in irecv until the tensor is there. One hand-off of
 activation costs a fraction of a millisecond end to end. What made PP2 (and DP2) slower than
 single-device runs predict is not the hand-off but the host: with both devices computing, every
 other thread on the host (Ray's, the OS's, other jobs') is taken out of a worker's compute, while
-a single-device run leaves a core to them (measured on a host with as many cores as devices). A replay of measured PP2 steps
-(instrumented workers, quiet machine) through the 1F1B graph with each op's measured wall time
-and zero hand-off reproduces the measured schedule to 0.5-4%; with each op's thread CPU time it
-is 4-21% short.
+a single-device run leaves a core to them (measured on a host with as many cores as devices). A
+replay of measured PP2 steps (instrumented workers, quiet machine) through the 1F1B graph with
+each op's measured wall time and zero hand-off reproduces the measured schedule to 0.5-4%; with
+each op's thread CPU time it is 4-21% short.
 
 So the simulator has two physical terms besides compute and gradient reduction, each measured
 directly or fitted on runs that are not the evaluated plans:

@@ -32,12 +32,12 @@ differ only in how they use the lengths.
 
 Steps go straight to the `WorkerGroup` (the calls the coordinator makes, without its re-planning
 loop, so no migration or rate noise lands in a timed step). Noise control on a shared host with
-fewer cores than workers: each assignment has its own sampler with the same seed, so step k of every assignment
-trains the same global batch, and they take turns step by step, in reversed order every other
-step (ABC CBA), inside every block of (dataset, straggler); blocks are re-ordered every round;
-`--rounds` rounds; each block's first `--warmup` steps are not timed. A sample of length l
-trains l − 1 tokens (inputs seq[:-1]): `assign` gets those counts, so two full pieces fill a
-510-token micro-batch, as in the fixed split.
+fewer cores than workers: each assignment has its own sampler with the same seed, so step k of
+every assignment trains the same global batch, and they take turns step by step, in reversed
+order every other step (ABC CBA), inside every block of (dataset, straggler); blocks are
+re-ordered every round; `--rounds` rounds; each block's first `--warmup` steps are not timed. A
+sample of length l trains l − 1 tokens (inputs seq[:-1]): `assign` gets those counts, so two full
+pieces fill a 510-token micro-batch, as in the fixed split.
 
 Reported per variant (aware/fixed from the same paired steps: ratio of sums, and the range of the
 per-round ratios):
