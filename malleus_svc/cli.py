@@ -6,11 +6,12 @@ unreachable cluster) ends with one clear line on stderr and exit code 2, never a
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import sys
 from pathlib import Path
 
 from .config import ConfigError, load_scenario, validate_rates
-from .bench import BENCHES
 from .plan import Plan, PlanError
 from .service import commands
 from .service.commands import parse_rate_assignments
@@ -92,10 +93,33 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0 if status == "SUCCEEDED" else 1
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run_bench
+def _benchmarks():
+    """The `benchmarks` package of a source checkout: the folder next to this package (a clone or an
+    editable install), else one on sys.path; None in a wheel install, which does not ship it."""
+    module = sys.modules.get("benchmarks")
+    init = Path(__file__).resolve().parent.parent / "benchmarks" / "__init__.py"
+    if module is None and init.is_file():
+        spec = importlib.util.spec_from_file_location("benchmarks", init, submodule_search_locations=[str(init.parent)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["benchmarks"] = module
+        spec.loader.exec_module(module)
+    elif module is None:
+        try:
+            module = importlib.import_module("benchmarks")
+        except ModuleNotFoundError as e:
+            if e.name != "benchmarks":
+                raise
+    # A folder named benchmarks that is not this package (data only, another project's) does not count.
+    return module if callable(getattr(module, "main", None)) else None
 
-    return run_bench(args.what, args.rest)
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    benchmarks = _benchmarks()
+    if benchmarks is None:
+        print("malleus: error: benchmarks need a source checkout (git clone, then run `malleus bench` from it or "
+              "`pip install -e .`); this install has the malleus_svc package only", file=sys.stderr)
+        return 2
+    return benchmarks.main(args.rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,15 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
     j.set_defaults(func=cmd_submit, train_args=[])   # after `--`: arguments for malleus_svc.train (main())
     commands.add_parsers(sub)
 
-    b = sub.add_parser("bench", help="benchmarks that print tables and write BENCHMARKS.md rows")
-    b.add_argument("what", choices=BENCHES)
+    b = sub.add_parser("bench", help="benchmarks that print tables and write BENCHMARKS.md rows, from a source "
+                       "checkout (malleus bench --help)", add_help=False)
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)
     return ap
 
 
 # Commands with their own argument parsers: everything after the name is theirs (--help included).
-PASS_THROUGH = {"train": cmd_train, "demo": cmd_demo, "simulate": cmd_simulate}
+PASS_THROUGH = {"train": cmd_train, "demo": cmd_demo, "simulate": cmd_simulate, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

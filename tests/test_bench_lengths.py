@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from malleus_svc.bench import BENCHES
-from malleus_svc.bench import lengths as bl
+from benchmarks import BENCHES
+from benchmarks import lengths as bl
 from malleus_svc.config.presets import preset
 from malleus_svc.costmodel.analytic import DeviceSpec, block_seconds
 from malleus_svc.lengths import PipelineSpec, StageSpec, predicted_time
@@ -142,7 +142,7 @@ def test_coefficients_scale_as_expected():
 
 
 def test_coefficients_against_hydraulis_published_fit():
-    """LLaMA-32B ⟨8,1⟩ (hydraulis.md TV-9: a, b per 60-layer stage in ms, A800): same order, a within 25%."""
+    """LLaMA-32B ⟨8,1⟩ (Hydraulis's published a, b per 60-layer stage in ms, A800): same order, a within 25%."""
     a_theirs, b_theirs = 2.12548718e-6 / 60 * 1e-3, 0.141411593 / 60 * 1e-3     # s per layer
     co = bl.analytic_coeffs(preset("llama-32b"), 8, recompute=False)
     assert 0.8 < co.a / a_theirs < 1.25, co.a / a_theirs

@@ -10,7 +10,7 @@ ROUNDS, STEPS, WARMUP, BATCH = 1, 2, 1, 16
 
 
 def test_tiny_bench_is_consistent(ray_cluster, tmp_path):
-    from malleus_svc.bench import lengths_runtime as b
+    from benchmarks import lengths_runtime as b
 
     result = b.run(ROUNDS, STEPS, WARMUP, global_batch=BATCH, sweep_repeats=3, time_limit_s=0.1, log=lambda m: None)
     variants = {v.key: v for v in result["variants"]}

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from malleus_svc.bench import BENCHES
-from malleus_svc.bench.calibrate import (LAYERS, ComputeFit, Handoff, Samples, Terms, boundary_bytes, build_problem,
-                                         calibrate_from, fit_compute, fit_corun, fit_handoff, fit_line, fit_monotone,
-                                         measure_rounds, model_floats, one_way, pp2, profile_plans, rescore,
-                                         sim_seconds, table, validation_plans)
+from benchmarks import BENCHES
+from benchmarks.calibrate import (LAYERS, ComputeFit, Handoff, Samples, Terms, boundary_bytes, build_problem,
+                                  calibrate_from, fit_compute, fit_corun, fit_handoff, fit_line, fit_monotone,
+                                  measure_rounds, model_floats, one_way, pp2, profile_plans, rescore, sim_seconds,
+                                  table, validation_plans)
 from malleus_svc.config.presets import PRESETS
 from malleus_svc.plan import Plan
 from malleus_svc.runtime.data import split_for_plan

@@ -1,4 +1,4 @@
-"""Rate estimation and the re-plan trigger (malleus.md §1.2, §4.1, §6.10), without Ray."""
+"""Rate estimation and the re-plan trigger (the Malleus paper's rules and the worked trigger examples), without Ray."""
 import random
 
 import pytest
@@ -77,14 +77,14 @@ def test_probes_give_rates_of_suspended_devices():
 
 
 @pytest.mark.parametrize("planned, current, suspended, fires", [
-    ({10: 2.0}, {10: 2.2}, set(), False),    # §6.10: |Δ| = 0.2 < 0.3
-    ({10: 2.0}, {10: 2.4}, set(), True),     # §6.10: re-plan
-    ({5: 8.0}, {5: 3.0}, {5}, False),        # §6.10: suspended, slow before and after
-    ({5: 8.0}, {5: 1.1}, {5}, True),         # §6.10: suspended device healed
+    ({10: 2.0}, {10: 2.2}, set(), False),    # |Δ| = 0.2 < 0.3
+    ({10: 2.0}, {10: 2.4}, set(), True),     # re-plan
+    ({5: 8.0}, {5: 3.0}, {5}, False),        # suspended, slow before and after
+    ({5: 8.0}, {5: 1.1}, {5}, True),         # suspended device healed
     ({}, {3: 3.0}, set(), True),             # a healthy device slowed
 ])
 def test_trigger_vectors(planned, current, suspended, fires):
-    """The §6.10 vectors, with our confirmation: a shift under twice the band fires on its second check."""
+    """The worked trigger examples, with our confirmation: a shift under twice the band fires on its second check."""
     active = set(range(16)) - suspended
     policy = ReplanPolicy()
     first = policy.rate_trigger(planned, current, active, suspended) is not None

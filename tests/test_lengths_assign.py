@@ -1,6 +1,6 @@
 """Two-stage length-aware assignment (malleus_svc.lengths.dispatch, .packing).
 
-Oracles: the hydraulis.md §7 test vectors (TV-4..TV-7, TV-9), brute force over every assignment /
+Oracles: worked vectors from the Hydraulis paper's formulas (TV-4..TV-7, TV-9), brute force over every assignment /
 set partition on small random instances with the objective written out here independently, and
 structural checks (every index exactly once, memory limits) on a long-tailed synthetic batch.
 """
@@ -17,7 +17,7 @@ from malleus_svc.lengths import (LengthCost, LengthError, PipelineSpec, StageSpe
                                  predicted_time, v_bounds)
 from malleus_svc.runtime.datasets import SyntheticVarLen
 
-# Toy schemes of hydraulis.md §7 (l in K tokens, ms per stage fwd+bwd): (a, b, c, PP, MaxLen).
+# Toy schemes of the worked vectors (l in K tokens, ms per stage fwd+bwd): (a, b, c, PP, MaxLen).
 TOY = {"P1": (2.0, 100.0, 5.0, 1, 4), "P2": (1.1, 55.0, 6.0, 1, 8), "P4": (0.6, 30.0, 8.0, 1, 16),
        "P22": (0.55, 27.5, 4.0, 2, 10)}
 
@@ -92,7 +92,7 @@ def test_tv5_packing_long_sequence_dominates(convention):
     assert p.micro_batches[0] == (0,)                          # {8} alone, the slowest, first
     ffd = cost.eq1_time([[8, 2], [4, 4, 2], [1, 1, 1, 1]], pipe.stages)   # fixed-length FFD to 10K
     assert ffd > p.time
-    if convention == "paper":   # the digest's figures are in this convention
+    if convention == "paper":   # the worked vectors' figures are in this convention
         assert round(ffd, 1) == 1281.6                                        # 1.236x worse
         assert round(predicted_time(lengths, pipe, cost), 1) == 1014.6       # LB 755.4 + 259.2 <= 1036.8
 
@@ -157,7 +157,7 @@ TV7_BATCH = [14, 6, 3, 2, 2, 1, 1, 1, 1, 1]
 
 @pytest.mark.parametrize("names, optimum, greedy_desc", TV7)
 def test_tv7_dispatch(names, optimum, greedy_desc):
-    pipes, costs = strategy(names)          # the digest's TV-7 charges c per sequence
+    pipes, costs = strategy(names)          # TV-7 charges c per sequence
     d = dispatch(TV7_BATCH, pipes, costs, mip_gap=0.0)
     assert d.ilp_status == "optimal" and d.method == "ilp"
     assert round(d.objective, 2) == optimum
@@ -241,7 +241,7 @@ def test_tv9_realistic_dispatch():
 
 
 def test_dispatch_time_limit_is_hard():
-    """<16,1> + 12x<4,1> does not finish in 1 s (the digest hit 30 s): HiGHS must stop anyway."""
+    """<16,1> + 12x<4,1> does not finish in 1 s (it has run 30 s unlimited): HiGHS must stop anyway."""
     pipes, costs = tv9(["16,1"] + ["4,1"] * 12)
     t0 = time.perf_counter()
     d = dispatch(TV9_BATCH3, pipes, costs, time_limit_s=1.0, mip_gap=0.0)

@@ -1,4 +1,4 @@
-"""Length cost model (malleus_svc.lengths.cost, .sweep): hydraulis.md §7 vectors, hand checks,
+"""Length cost model (malleus_svc.lengths.cost, .sweep): worked vectors, hand checks,
 an independent flow-shop simulation, exact recovery by the fit, and a real CPU sweep."""
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_tv2_latency_and_packing_convention():
     assert round(code.predict([32768]), 2) == 1788.49
     assert round(code.predict([1024] * 32), 2) == 1261.23
     assert round(paper.predict([1024] * 32), 2) == 2635.07
-    # The digest's point: packed short sequences are cheaper than one long one of the same tokens.
+    # The point: packed short sequences are cheaper than one long one of the same tokens.
     assert code.predict([1024] * 32) < code.predict([32768])
     # Scaling: layers and straggling rate multiply everything.
     assert close(code.predict([4096], layers=3, rate=1.5), 4.5 * code.predict([4096]))
@@ -153,7 +153,7 @@ def test_max_tokens_per_stage_hand_check():
 
 
 def test_tv3_maxlen_paper_formula():
-    """hydraulis.md TV-3, LLaMA-32B <8,1> on 64 GPUs: MaxLen (paper formula) = 24,498."""
+    """TV-3, LLaMA-32B <8,1> on 64 GPUs: MaxLen (paper formula) = 24,498."""
     h, layers, vocab, n, tp, pp = 6656, 60, 30592, 64, 8, 1
     b_st, alpha, a_act = 201, 0.75, 42
     states = layers * h * h / n * b_st * alpha + layers / pp * h * h / tp * b_st * (1 - alpha)

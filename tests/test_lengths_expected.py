@@ -1,5 +1,5 @@
 """lengths.expected: the planner's per-micro-batch time, communication and memory under an observed
-length distribution, and Scenario.problem(lengths=...) taking it (issue #6, planner integration)."""
+length distribution, and Scenario.problem(lengths=...) taking it (planner integration)."""
 from __future__ import annotations
 
 import math

@@ -72,7 +72,7 @@ def _check_complete(old: Plan, new: Plan, shape, sched) -> None:
 
 # --------------------------------------------------------------------------- planning, no Ray
 def test_test_vector_sharded_flows_equal_plan_diff():
-    """malleus.md §6.9: for sharded tensors the tensor-level schedule is Plan.diff's, piece for piece."""
+    """The worked example's migration vector: for sharded tensors the tensor-level schedule is Plan.diff's, piece for piece."""
     sched = plan_migration(BASELINE, PLAN_1, SHAPE_32)
     diff = Plan.diff(BASELINE, PLAN_1)
     assert sharded_moves_by_fraction(sched, SHAPE_32) == {(m.part, m.start, m.end, m.src, m.dst) for m in diff.moves}

@@ -1,4 +1,4 @@
-"""A Ray node leaves for good mid-training and a new one joins later (issue #7): the job re-plans
+"""A Ray node leaves for good mid-training and a new one joins later: the job re-plans
 over the survivors without restarting them, takes the new node's devices back into the plan, and
 ends on the uninterrupted run's losses with every global batch used exactly once.
 

@@ -1,4 +1,4 @@
-"""The Plan contract: validation, JSON round trip, and plan diffs (malleus.md §6.9)."""
+"""The Plan contract: validation, JSON round trip, and plan diffs (the worked example's migration vector)."""
 from collections import Counter
 from fractions import Fraction
 
@@ -52,7 +52,7 @@ def test_load_reports_missing_and_malformed_files(tmp_path):
 
 
 def test_diff_reproduces_the_migration_test_vector():
-    """malleus.md §6.9: in units of 1/4 block, 96 reused, 160 moved, nothing across nodes."""
+    """The worked example's migration vector: in units of 1/4 block, 96 reused, 160 moved, nothing across nodes."""
     diff = Plan.diff(BASELINE, PLAN_1, StateSizes(block=4.0))
     assert diff.reused_bytes == 96 and diff.moved_bytes == 160 and diff.inter_node_bytes == 0
     flows = Counter()

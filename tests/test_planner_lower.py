@@ -1,6 +1,6 @@
 """Lower level of the planner (ILP-1 layers, ILP-2 micro-batches): hand checks, oracles, regressions.
 
-Oracles: the worked example of malleus.md §6.5/§6.6, brute-force enumeration on tiny instances,
+Oracles: the worked example (top plans, memory check), brute-force enumeration on tiny instances,
 and HiGHS (raw model output, read straight from `planner.highs`) on larger random ones.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from malleus_svc.planner.lower import (
 )
 from malleus_svc.planner.problem import MemoryProfile
 
-# §6.1: K for d = 4..1, E, X0, C, delta  ->  C - delta = 36440, budget C - delta - X0 = 31940
+# The worked example: K for d = 4..1, E, X0, C, delta  ->  C - delta = 36440, budget C - delta - X0 = 31940
 GPT_MEM = MemoryProfile(layer_mb=(1500, 1270, 1040, 810), embedding_mb=600, reserved_mb=4500,
                         safety_margin_mb=4096, gpu_memory_mb=40536)
 ROOMY = MemoryProfile(layer_mb=(1.0,), embedding_mb=0, reserved_mb=0, safety_margin_mb=0, gpu_memory_mb=1e9)
@@ -35,7 +35,7 @@ def close(a: float, b: float) -> bool:
 # ------------------------------------------------------------------ independent reference code
 
 def fits(memory: MemoryProfile, h: float, s: int, j: int, l: int) -> bool:
-    """The §1.4 memory row written out directly (not through layer_caps)."""
+    """The memory model's row written out directly (not through layer_caps)."""
     e = memory.embedding_mb if j in (0, s - 1) else 0
     return h * (memory.per_layer_mb(s - j) * l + e) + memory.reserved_mb <= memory.gpu_memory_mb - memory.safety_margin_mb
 
@@ -128,7 +128,7 @@ def data_instances(draw, max_pipes: int, max_stages: int, max_mb: int):
     return z, s, draw(st.integers(1, max_mb)), draw(objective)
 
 
-# ------------------------------------------------------------------ hand checks (malleus.md §6.5, §6.6)
+# ------------------------------------------------------------------ hand checks (the worked example)
 
 def test_memory_caps_match_the_worked_example():
     assert layer_caps([4, 4, 2, 1], 100, GPT_MEM) == (4, 6, 15, 38)
@@ -146,7 +146,7 @@ def test_plan_1_of_the_worked_example(solver):
 
 
 def test_plan_2_tie_and_the_bubble_objective():
-    # §6.5 plan 2: [2,2,2] ties between [10,11,11] and [11,10,11]; default removes the surplus
+    # The worked example's plan 2: [2,2,2] ties between [10,11,11] and [11,10,11]; default removes the surplus
     # from the lowest-index slowest stage. [4,4,1] -> [5,5,22]; micro-batches [32,32], w = 704.
     assert solve_layers([2, 2, 2], [2, 2, 2], 32, GPT_MEM) == LayerSolution(22.0, (10, 11, 11))
     assert solve_layers([4, 4, 1], [4, 4, 1], 32, GPT_MEM) == LayerSolution(22.0, (5, 5, 22))

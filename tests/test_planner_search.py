@@ -1,5 +1,5 @@
-"""The upper level and the whole planner: worked examples of malleus.md §6, Theorem 1, the §3.6
-fault regressions, reshaping, infeasibility and speed."""
+"""The upper level and the whole planner: the worked example, Theorem 1, regressions
+for the authors' faults, reshaping, infeasibility and speed."""
 from __future__ import annotations
 
 import random
@@ -20,7 +20,7 @@ MEM_70B = MemoryProfile((2895, 2685, 2485, 2295, 2110, 1933, 1769, 1647), 600, 4
 
 
 def example_16(**kw) -> PlannerProblem:
-    """malleus.md §6.1."""
+    """The worked example's inputs."""
     r = [1.0] * 16
     r[5], r[10], r[13] = 8.0, 2.0, 5.0
     base = dict(num_nodes=2, gpus_per_node=8, num_layers=32, dp=2, tp=4, pp=2, num_micro_batches=64,
@@ -30,7 +30,7 @@ def example_16(**kw) -> PlannerProblem:
 
 
 def example_64(**kw) -> PlannerProblem:
-    """malleus.md §6.11 (C = 81252, δ = 4096)."""
+    """The authors' 64-GPU / 70B input (C = 81252, δ = 4096)."""
     r = [1.0] * 64
     r[0] = r[8] = 12.53
     r[16] = 2.57
@@ -81,7 +81,7 @@ def test_example_16_authors_688():
 
 
 def test_example_16_comparison_table():
-    """§6.8: static 4096, data-only 3200, no-split 1144 (ours may do a little better: it also
+    """The worked example compared: static 4096, data-only 3200, no-split 1144 (ours may do a little better: it also
     tries organisations outside the authors' symmetry pruning), all worse than splitting."""
     pr = example_16()
     base = baseline_plan(pr)
@@ -125,7 +125,7 @@ def test_theorem1_checker_detects_a_bad_grouping():
     assert any(group_maxima(rates, g) < bad for g in all_groupings(4, 2))
 
 
-# ----------------------------------------------------------------------------- §3.6 faults
+# ----------------------------------------------------------------------------- the authors' faults
 def test_fault1_straggler_on_node2_not_mixed_with_healthy():
     pr = example_64()
     ours = plan(pr).plan

@@ -39,9 +39,6 @@ class ModelShape:
     def head_params(self) -> int:
         return self.vocab * self.hidden + self.hidden  # LM head + final norm
 
-    def total_params(self) -> int:
-        return self.layers * self.block_params() + self.embedding_params() + self.head_params()
-
     def block_flops(self, tokens: int, seq_len: int | None = None) -> float:
         """Forward + backward FLOPs of one block over `tokens` tokens in sequences of `seq_len`.
 
@@ -58,7 +55,7 @@ class ModelShape:
         return asdict(self)
 
 
-# The paper's shapes (malleus.md §5) and a few small GPT shapes that run on a CPU.
+# The Malleus paper's evaluation shapes and a few small GPT shapes that run on a CPU.
 PRESETS: dict[str, ModelShape] = {
     "tiny": ModelShape(layers=4, hidden=64, heads=4, ffn=128, vocab=256, seq_len=64),
     "small": ModelShape(layers=8, hidden=256, heads=8, ffn=704, vocab=256, seq_len=128),

@@ -1,5 +1,5 @@
 """Length-aware assignment of one global batch: which pipeline trains which sequences, in which
-micro-batches (hydraulis.md §5; the algorithms are in malleus_svc/lengths).
+micro-batches (Hydraulis's two-stage assignment; the algorithms are in malleus_svc/lengths).
 
 The plan fixes the pipelines (their stages, layers and devices) and the global batch; this only
 re-deals the batch's sequences each iteration so that pipelines finish together in *time*, not

@@ -13,7 +13,7 @@ Threads (a threaded actor, ``max_concurrency`` > 1):
   Shared state is guarded by one lock, held only for bookkeeping, never across a step, a
   planner run or a migration.
 
-Decisions (malleus.md §4, §6.10):
+Decisions (the Malleus paper's re-planning workflow, made measurable):
   * measure: per device per iteration busy = compute_seconds + injected_seconds (its own compute:
     thread CPU time on CPU, CUDA-synchronised time on GPU, plus a stall inside it) over its work in
     t0 units (workload.py); suspended devices run a fixed probe each iteration against a probe
@@ -26,8 +26,8 @@ Decisions (malleus.md §4, §6.10):
     predicted time to finish = remaining iterations × evaluate() × measured seconds per t0 unit,
     plus predicted migration seconds (fixed cost + Plan.diff bytes × measured seconds per byte,
     conservative defaults until a migration was seen); choose() takes the least;
-  * migrate: at the next iteration boundary, WorkerGroup.migrate (live, state moves bitwise);
-    without it, a stop-the-world fallback (export, rebuild engines, load).
+  * migrate: at the next iteration boundary, WorkerGroup.migrate: always live, only the slices the
+    two plans place differently move, bitwise, and no worker restarts.
 
 Coalescing: at most one round is in flight (planning, or decided and waiting for / in migration)
 and at most one request is pending; a request arriving meanwhile merges its reasons into the

@@ -14,7 +14,7 @@ as JSON.
 
 Emulation is for demos only: the coordinator never reads the factors; it measures compute time.
 With 8 workers on few cores, a sleeping straggler frees CPU for the others, so wall-clock gaps
-are smaller than on real GPUs (DESIGN.md "Measuring on a machine with fewer cores than devices");
+are smaller than on real GPUs (NOTES.md "Measuring on CPU");
 both runs share the same contention, and the summary reports ratios from this one invocation.
 """
 from __future__ import annotations

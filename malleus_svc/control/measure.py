@@ -1,4 +1,4 @@
-"""Straggling rates from the workers' own timings (malleus.md §1.2, made robust).
+"""Straggling rates from the workers' own timings (the Malleus straggling rate, made robust).
 
 An active device reports, per iteration, the seconds it was busy computing and the work the plan
 gave it, in t0 units (blocks × micro-batches × the TP shrink factor α of its group, scaled by

@@ -1,4 +1,4 @@
-"""When to re-plan, and whether a new plan is worth its migration (malleus.md §4.1, §6.10).
+"""When to re-plan, and whether a new plan is worth its migration (the Malleus paper's trigger).
 
 Trigger (the authors' rule, kept): compared with the rates the plan in force was made from,
   * an active device's rate moved by at least `band` (Δ = 0.3), or
@@ -33,7 +33,7 @@ class ReplanPolicy:
 
     def rate_trigger(self, planned: Mapping[int, float], current: Mapping[int, float],
                      active: set[int], suspended: set[int]) -> Trigger | None:
-        """The §4.1 rule over devices with a current estimate; None means keep the plan.
+        """The paper's trigger rule over devices with a current estimate; None means keep the plan.
 
         Confidence grows with the size of a shift: one of at least twice the band (a 3x straggler,
         a heal) acts at once; a smaller one must show on `confirm` consecutive checks, so a noisy

@@ -1,4 +1,4 @@
-"""Work units per device for the rate estimator (malleus.md §1.2).
+"""Work units per device for the rate estimator (the Malleus straggling rate).
 
 A device's work in one iteration, in t0 units (one block's forward + backward on one healthy
 device of a full-size TP group, for one micro-batch of `micro_batch_size × seq_len` tokens):

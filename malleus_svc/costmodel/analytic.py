@@ -2,8 +2,8 @@
 
 A scenario without a `profile` still plans sensibly: block time from FLOPs at a sustained rate,
 TP collectives from activation bytes over the intra-node link, per-block memory under 1F1B from
-parameter/optimizer bytes plus activations per in-flight micro-batch (malleus.md §1.4, AMP and
-Galvatron cost models, galvatron_amp.md §2.2 and §5). Measured profiles replace these numbers
+parameter/optimizer bytes plus activations per in-flight micro-batch (the Malleus memory model, and the
+cost models of the AMP and Galvatron papers). Measured profiles replace these numbers
 (`profile:` in the scenario); these are deliberately simple and documented, not tuned.
 """
 from __future__ import annotations

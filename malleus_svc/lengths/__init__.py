@@ -1,4 +1,4 @@
-"""Sequence-length-aware planning (issue #6, hydraulis.md): balance time, not tokens.
+"""Sequence-length-aware planning (after the Hydraulis paper): balance time, not tokens.
 
 * `cost`: `LengthCost`, per-layer micro-batch time a·Σl² + b·Σl + d·n + c per TP degree, stage
   and 1F1B pipeline times, least-squares `fit`; `max_tokens_per_stage`, the memory limit per stage.

@@ -1,7 +1,7 @@
 """One way to run a Pyomo MILP on HiGHS for this package: hard time limit, MIP start, no surprises.
 
 Why not `SolverFactory('appsi_highs')` as `planner/highs.py` does: that legacy wrapper resets
-`config.time_limit` from its `timelimit` argument on each call (hydraulis.md §7 saw a 30 s limit
+`config.time_limit` from its `timelimit` argument on each call (a 30 s limit was seen
 ignored for 13 minutes when set on the config) and has no MIP-start argument. The APPSI class
 itself takes both on its config: `time_limit` goes straight to HiGHS's `time_limit` option and
 `warmstart` hands the variables' current values to `Highs.setSolution` as an incumbent.

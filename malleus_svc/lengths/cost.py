@@ -1,6 +1,6 @@
 """Time and memory of a micro-batch as a function of the lengths of the sequences packed into it.
 
-Time (hydraulis.md §3.1, §8.1). One block, forward + backward, one micro-batch packed from
+Time (Hydraulis App. B.2). One block, forward + backward, one micro-batch packed from
 sequences of lengths l_1..l_n, on a TP group of degree t:
 
     per_layer(t) = a_t·Σ l_i² + b_t·Σ l_i + d_t·n + c_t
@@ -10,13 +10,13 @@ sequences of lengths l_1..l_n, on a TP group of degree t:
 * b: GEMMs, norms, TP collectives: linear in tokens;
 * d: a per-sequence overhead. Zero for flash-attn varlen (one kernel per micro-batch); real on the
   CPU stand-in, where attention is one SDPA call per packed sequence. Setting c = 0 and d = c
-  also reproduces the paper's own convention (c charged per original sequence, §9.2);
+  also reproduces the paper's own convention (c charged per original sequence);
 * c: fixed cost of one micro-batch (launches, Python). Charged once per micro-batch, as the
-  authors' code does: charging it per sequence makes packing look worse than it is (TV-2).
+  authors' code does: charging it per sequence makes packing look worse than it is.
 
 A stage holding `layers` blocks on devices slowed by straggling rate ρ (the slowest device of its
 TP group) takes ρ · layers · per_layer. A pipeline's 1F1B time for micro-batches w_1..w_V, with
-w_1 the one whose slowest stage is slowest (§8.1, generalising the paper's (PP − 1 + V)·max):
+w_1 the one whose slowest stage is slowest (generalising the paper's (PP − 1 + V)·max):
 
     T = Σ_v max_s τ_s(w_v) + (Σ_s τ_s(w_1) − max_s τ_s(w_1))
 
@@ -27,7 +27,7 @@ makespan in any order (checked by simulation in the tests). It is a forward-flow
 not a schedule simulation. `eq1_time` is the paper's looser max_v w_v · (PP − 1 + V) (Eq. 1),
 kept for the published test vectors.
 
-Memory (§3.2, §8.2) is linear in tokens: a stage keeps its activations for every micro-batch in
+Memory (Hydraulis App. B.1) is linear in tokens: a stage keeps its activations for every micro-batch in
 flight, and under 1F1B stage s (0-based) of S has S − s of them. `max_tokens_per_stage` turns
 that into the most tokens one micro-batch may hold on each stage (so the longest sequence a
 pipeline can take is the minimum over its stages), for uneven layer splits too.

@@ -1,4 +1,4 @@
-"""Stage 1 of the two-stage assignment: which pipeline takes which sequence (hydraulis.md §5.1).
+"""Stage 1 of the two-stage assignment: which pipeline takes which sequence (Hydraulis §6.2).
 
 Every sequence of one global batch goes to exactly one pipeline that can hold it (its length at
 most the pipeline's `max_tokens`), so that the slowest pipeline's predicted time is as small as
@@ -49,9 +49,6 @@ class Dispatch:
     bound: float | None                       # proven lower bound on the optimum (exact classes only)
     solve_seconds: float                      # greedy + MILP wall time
     ilp_seconds: float
-
-    def pipeline_of(self) -> dict[int, int]:
-        return {i: j for j, idx in enumerate(self.assignment) for i in idx}
 
     def to_dict(self) -> dict:
         return {"assignment": [list(a) for a in self.assignment], "times": list(self.times),
@@ -131,7 +128,7 @@ def greedy_dispatch(lengths: Sequence[float], pipelines: Sequence[PipelineSpec],
     Each sequence goes to the reachable pipeline that leaves the smallest global max. Many
     pipelines tie on that (any one below the current max does); `tie="least_loaded"` then picks
     the one that ends least loaded (LPT), `"first"` the lowest index, as the paper's listing does
-    (it piles work on low-index pipelines up to the max, hydraulis.md TV-9 notes).
+    (it piles work on low-index pipelines up to the max).
     """
     if tie not in ("least_loaded", "first"):
         raise LengthError("tie", tie, "'least_loaded' or 'first'")
@@ -273,7 +270,7 @@ def _solve_milp(lengths, reach, pipelines, costs, terms: list[_PipeTerms], g_ass
     m.once = pyo.Constraint(range(len(classes)), rule=lambda m, k: sum(m.x[k, j] for j in classes[k][2]) == sizes[k])
     m.link = pyo.Constraint(m.P, rule=lambda m, k, j: m.x[k, j] <= sizes[k] * m.u[k, j])
     m.used_link = pyo.Constraint(m.P, rule=lambda m, k, j: m.used[j] >= m.u[k, j])
-    # Exact: T(max_i m_ij l_i) = max_i m_ij T(l_i) for T increasing in l (hydraulis.md §5.1).
+    # Exact: T(max_i m_ij l_i) = max_i m_ij T(l_i) for T increasing in l.
     m.fill = pyo.Constraint(m.P, rule=lambda m, k, j: m.y[j] >= fill[k, j] * m.u[k, j])
 
     def load(j, r):

@@ -1,4 +1,4 @@
-"""What the planner should assume a micro-batch costs under the observed length distribution (issue #6).
+"""What the planner should assume a micro-batch costs under the observed length distribution.
 
 The planner (`planner.PlannerProblem`) times everything in t0, one block's forward + backward of
 a fixed-length micro-batch: `micro_batch_size` samples of `seq_len` tokens, M = global batch /

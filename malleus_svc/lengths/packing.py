@@ -2,7 +2,7 @@
 
 Given the sequences stage 1 sent to a pipeline, choose the number of micro-batches V and which
 sequence goes into which, every micro-batch at most `capacity` tokens (memory), minimising the
-pipeline's time (hydraulis.md §5.2). Two objectives:
+pipeline's time (Hydraulis §6.1). Two objectives:
 
 * "1f1b" (default): `LengthCost.pipeline_time`, Σ_v max_s τ_s(w_v) + fill/drain of the slowest
   micro-batch; with varlen attention Σ_v of the per-sequence work is fixed, so what packing moves
@@ -10,7 +10,7 @@ pipeline's time (hydraulis.md §5.2). Two objectives:
   a longer fill);
 * "eq1": the paper's Eq. 1, max micro-batch × (stages − 1 + V): the published test vectors.
 
-Neither objective is monotone or unimodal in V (TV-6: it falls from V = 2 to 4, rises at 5 and
+Neither objective is monotone or unimodal in V (a test example: it falls from V = 2 to 4, rises at 5 and
 falls again at 6), so every V in range is considered, never bisected. For one V both objectives
 only grow with the slowest micro-batch (one TP degree per pipeline), so each V is a min-max
 partition into exactly V non-empty bins with a capacity:
@@ -83,7 +83,7 @@ def first_fit_decreasing(lengths: Sequence[float], capacity: float) -> list[list
 
 
 def v_bounds(total_tokens: float, capacity: float, count: int, min_tokens: float | None = None) -> tuple[int, int]:
-    """Range of micro-batch counts worth trying (§5.2 App. C): memory bounds V from below
+    """Range of micro-batch counts worth trying (Hydraulis App. C): memory bounds V from below
     (⌈Σl / capacity⌉), one sequence per micro-batch from above, and, when given, `min_tokens` (the
     shortest micro-batch that still runs efficiently, UtilLen) lowers the top to ⌊Σl / min_tokens⌋."""
     if count == 0:

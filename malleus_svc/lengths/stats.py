@@ -1,7 +1,7 @@
 """Streaming statistics of the sequence lengths actually sampled, and drift in their tail.
 
 The coordinator sees every global batch before it runs (the sampler is deterministic). It feeds
-the lengths here to keep (hydraulis.md §6, §8.5):
+the lengths here to keep:
 
 * `LengthHistogram`: counts in log-spaced buckets (`buckets_per_octave` per doubling, so every
   quantile is known to within one bucket, 2^(1/8) − 1 ≈ 9% by default, at any length scale and

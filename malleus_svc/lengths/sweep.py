@@ -3,10 +3,10 @@ fit `LengthCost`, and measure how well it predicts mixes it was not fitted on.
 
 The blocks are `runtime.model.StageModel` (no embedding, no head), so attention is exactly what
 the runtime runs on a CPU: one SDPA call per packed sequence (`runtime.attention`). That is why the
-model has a per-sequence term d (hydraulis.md §8 "leave out": a block-diagonal mask would cost
+model has a per-sequence term d (a block-diagonal mask would cost
 (Σl)², per-segment calls cost Σl² plus a call overhead each).
 
-Timing discipline (the machine is shared: 2 cores, other test suites running): one torch thread
+Timing discipline (the machine may be shared with other work): one torch thread
 (the stand-in workers each get one core); this thread's CPU time, not the wall clock (with one
 thread the forward and the CPU backward both run on it, and time the OS hands to other processes
 is not counted); a warm-up pass; `repeats` rounds, each running every mix once in a shuffled

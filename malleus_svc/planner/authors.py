@@ -1,4 +1,4 @@
-"""The authors' planner as published (malleus.md §3.1-3.5), kept for comparison.
+"""The authors' planner as published, kept for comparison.
 
 Faithful on purpose, including its faults: the sort key mixes global ids and rates (fault 1:
 `id` for healthy devices, `8·x` for stragglers), each node's grouping is chosen by the tail-only
@@ -24,7 +24,7 @@ def authors_order(problem: PlannerProblem, devices: list[int]) -> list[int]:
 
 
 def authors_node_option(problem: PlannerProblem, node: int) -> NodeOption:
-    """The winning (order, tail split) of one node under the tail-only score R (§3.2)."""
+    """The winning (order, tail split) of one node under the tail-only score R."""
     avail = available_devices(problem, node)
     G, k = problem.gpus_per_node, problem.tp
     if len(avail) <= G - k:

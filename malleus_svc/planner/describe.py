@@ -21,7 +21,7 @@ def _ranges(devices) -> str:
 
 
 def stage_rate(problem: PlannerProblem, devices) -> float:
-    """y_g = alpha(|g|) * slowest member's rate (malleus.md §1.3), without the τ snap."""
+    """y_g = alpha(|g|) * slowest member's rate (the Malleus time model), without the τ snap."""
     return problem.alpha(len(devices)) * max(problem.rates[d] for d in devices)
 
 

@@ -1,12 +1,12 @@
-"""Upper level, part A: how each node's devices form tensor-parallel groups (malleus.md §2.2, §3.2).
+"""Upper level, part A: how each node's devices form tensor-parallel groups (the Malleus grouping).
 
 A node's devices are put in an order, the first positions form full-size groups of `tp` devices
 and the last few positions ("the tail") may be split into smaller groups tp/2, tp/4, ..., 1, which
 lets a straggler be isolated (or left out) without slowing a whole group. Whatever is left after
 the tail is suspended. This module produces, per node, the *candidate family* of such groupings;
-which candidate wins is decided by the full lower level in `search.py` (fixing fault 2 of §3.6).
+which candidate wins is decided by the full lower level in `search.py` (fixing the authors' tail-only score).
 
-Generalisations over the authors' family (§3.2):
+Generalisations over the authors' family:
   * any number of a node's devices may be excluded: the number of full groups is
     ceil(available / tp) - 1, the tail holds the remaining 1..tp devices;
   * every prefix of a geometric tail series is a candidate (the rest is suspended), so a bad
@@ -30,7 +30,7 @@ from .problem import PlannerProblem
 
 @dataclass(frozen=True, order=True)
 class Group:
-    """One TP group. `devices` is in TP-rank order; `rate` is y_g (§1.3); `h` = tp/|g| (§1.4)."""
+    """One TP group. `devices` is in TP-rank order; `rate` is y_g (time model); `h` = tp/|g| (memory model)."""
 
     devices: tuple[int, ...]
     rate: float
@@ -76,7 +76,7 @@ class NodeOption:
     node: int
     groups: tuple[Group, ...]
     suspended: tuple[int, ...]
-    tail_score: float = 0.0   # the authors' R (§3.2 step 4), used only in authors' mode
+    tail_score: float = 0.0   # the authors' R, used only in authors' mode
 
     @property
     def capacity(self) -> float:
@@ -103,7 +103,8 @@ def available_devices(problem: PlannerProblem, node: int) -> list[int]:
 
 
 def base_order(problem: PlannerProblem, devices: Iterable[int]) -> list[int]:
-    """FIX 1 of §3.6: healthy devices by local id, then stragglers by rate (ascending), then id."""
+    """Healthy devices by local id, then stragglers by rate (ascending), then id (the authors' key
+    mixes global ids with 8·rate, so a straggler can sort in among healthy devices)."""
     g = problem.gpus_per_node
     return sorted(devices, key=lambda d: (is_straggler(problem, d),
                                           problem.rates[d] if is_straggler(problem, d) else 0.0,
@@ -111,7 +112,7 @@ def base_order(problem: PlannerProblem, devices: Iterable[int]) -> list[int]:
 
 
 def slide_orders(base: Sequence[int], num_healthy: int, num_stragglers: int) -> Iterator[tuple[int, ...]]:
-    """The authors' candidate orders (§3.2 step 3): for block size β = 1..s-1 the β mildest
+    """The authors' candidate orders: for block size β = 1..s-1 the β mildest
     stragglers slide left one slot at a time, so they may be absorbed into full-size groups."""
     yield tuple(base)
     for beta in range(1, num_stragglers):

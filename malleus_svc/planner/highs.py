@@ -1,4 +1,4 @@
-"""Pyomo + HiGHS models of ILP-1 and ILP-2 (malleus.md §2.3, §3.7).
+"""Pyomo + HiGHS models of ILP-1 and ILP-2 of the Malleus lower level.
 
 Used by `lower.solve_layers` / `lower.solve_micro_batches` with solver='highs' (HiGHS answers)
 or 'both' (HiGHS cross-checks the closed form). Imported lazily: Pyomo takes ~0.3 s to import
@@ -39,7 +39,7 @@ _LIMITS = {TerminationCondition.maxTimeLimit, TerminationCondition.maxIterations
 def solve_layers_model(rates: Sequence[float], mem_factors: Sequence[float], num_layers: int,
                        memory: MemoryProfile, extra: Sequence[float], time_limit_s: float,
                        mip_gap: float) -> list[int] | None:
-    """ILP-1 for one pipeline with the memory rows written out as in malleus.md §1.4.
+    """ILP-1 for one pipeline with the memory rows of the Malleus memory model written out.
 
     min z  s.t.  sum_j l_j = L;  z >= y_j l_j + extra_j;  h_j (K[S-j] l_j + E_j) + X0 <= C - delta;
     l_j in {0..L}.

@@ -1,8 +1,8 @@
 """Lower level of the Malleus planner: layers per stage (ILP-1) and micro-batches per pipeline (ILP-2).
 
 The upper level fixes a pipeline organisation: P pipelines, pipeline i has S_i stages, and stage j
-of pipeline i is a TP group with rate y_ij (t0 units per block and micro-batch, malleus.md §1.3)
-and memory multiplier h_ij = k / |group| (§1.4). What is left to decide is
+of pipeline i is a TP group with rate y_ij (t0 units per block and micro-batch, the Malleus time model)
+and memory multiplier h_ij = k / |group| (its memory model). What is left to decide is
 
   l_ij  blocks held by stage j of pipeline i  (integers >= 0, sum_j l_ij = L), and
   m_i   micro-batches run by pipeline i       (integers, sum_i m_i = M).
@@ -21,7 +21,7 @@ The memory row of stage j of a pipeline with S stages is
 It does not depend on m because 1F1B keeps at most S - j micro-batches in flight at stage j; with
 m_i >= S_i that is exact, with m_i < S_i ('bubble') it is an upper bound, so it stays safe.
 
-Why two ILPs solve it exactly (malleus.md §2.3)
+Why two ILPs solve it exactly
 -----------------------------------------------
 The constraints on l (per pipeline) and on m (global) share no variable, and T_i is
 non-decreasing in z_i for every m_i >= 0. Take any jointly optimal (l+, m+). Replacing pipeline
@@ -38,7 +38,7 @@ which has an exact closed form. Every x_j needs "slots" whose values are a_j * n
 n = lo_j+1, lo_j+2, ...; a solution with bottleneck v exists iff at least `total - sum lo`
 slots have value <= v (and v >= max_j a_j * lo_j + b_j). So the optimum is
   v* = max( max_j a_j*lo_j + b_j,  the (total - sum lo)-th smallest slot value ),
-which is the binary-search formula of §2.3 (smallest candidate v = a_j * n + b_j with
+which is the paper's binary-search formula (smallest candidate v = a_j * n + b_j with
 sum_j min(hi_j, floor((v - b_j) / a_j)) >= total). We find that order statistic directly: a
 continuous relaxation places a level just below it in O(S log S), then a heap pops the remaining
 <= S slots. Cost: O(S log S) per call, independent of L and M (plus one heap step per unit
@@ -64,7 +64,7 @@ last bit. A slot counts as "<= v" when a * n + b <= v + 1e-9 * max(1, |v|) (rela
 recomputed from the chosen integers, so it is exactly max_j (a_j * x_j + b_j) of what is returned.
 
 Solvers. 'closed_form' (default) is the above. 'highs' builds the Pyomo model (memory rows written
-out as in §1.4; `malleus_svc.planner.highs`, imported lazily) and lets HiGHS find the optimum v;
+out as in the memory model; `malleus_svc.planner.highs`, imported lazily) and lets HiGHS find the optimum v;
 its integer vector is checked against the model and the returned vector is then chosen by the
 same tie-break at HiGHS's v, so the solver never changes the layout. 'both' runs the two and
 raises PlannerInternalError unless they agree on feasibility and on v within HiGHS's own
@@ -109,7 +109,7 @@ class DataSolution:
 def layer_caps(mem_factors: Sequence[float], num_layers: int, memory: MemoryProfile) -> tuple[int, ...]:
     """Memory cap u_j on the blocks of each stage of a pipeline with S = len(mem_factors) stages.
 
-    u_j is the largest integer l with h_j * (K[S-j] * l + E_j) + X0 <= C - delta (malleus.md §1.4),
+    u_j is the largest integer l with h_j * (K[S-j] * l + E_j) + X0 <= C - delta (the memory model),
     E_j = E on the first and last stage; clipped into [0, num_layers]. K beyond the profiled depths
     is extrapolated by `MemoryProfile.per_layer_mb` (authors' fault 4). A stage whose fixed part
     (E_j, X0) alone does not fit also gets 0 here; `solve_layers` treats such a pipeline as

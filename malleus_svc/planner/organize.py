@@ -1,4 +1,4 @@
-"""Upper level, part B: which group sits at which (pipeline, stage) (malleus.md §3.3).
+"""Upper level, part B: which group sits at which (pipeline, stage).
 
 A *template* fixes, per pipeline, the ordered "special" groups (every group that is not a normal
 full-size healthy group) in its first stages and a number of placeholders for normal groups after
@@ -16,7 +16,7 @@ Two generators, one scorer:
   * `greedy_templates`: balanced stage counts, special groups dealt out in a snake over the
     pipelines (slowest first), then a bounded local search moving one special group at a time.
   * `Scorer`: ILP-1 per pipeline (memoised on the pipeline's (y, h, extra) signature: templates
-    repeat pipelines massively) and ILP-2, returning the objective of malleus.md §1.3 or its
+    repeat pipelines massively) and ILP-2, returning the paper's objective or its
     bubble-aware variants.
 """
 from __future__ import annotations
@@ -183,7 +183,7 @@ MAX_STAGE_PLANS = 48
 def stage_plans(num_groups: int, num_pipelines: int, baseline_stages: int | None = None,
                 authors: bool = False, max_plans: int = MAX_STAGE_PLANS) -> list[tuple[int, ...]]:
     """Non-increasing stage counts S_1 >= ... >= S_P in [q-1, q+r+1] (at least 1) summing to the
-    group count (§3.3 step 2); the authors use S0 everywhere when the group count allows it.
+    group count (as the authors' code does); the authors use S0 everywhere when the group count allows it.
 
     With many pipelines the authors' range explodes combinatorially (32 pipelines of ~4 stages
     have ~10^8 such sequences), so ours keeps S_i <= q+2 and then the `max_plans` most balanced
@@ -220,7 +220,7 @@ def stage_plans(num_groups: int, num_pipelines: int, baseline_stages: int | None
 
 def dfs_templates(specials: Sequence[Group], stages: Sequence[int], authors: bool = False,
                   budget: list[int] | None = None) -> Iterator[Template]:
-    """The authors' template DFS for one stage plan (§3.3 step 3); `specials` sorted slowest first.
+    """The authors' template DFS for one stage plan; `specials` sorted slowest first.
 
     `budget` is a one-element list of remaining visits, shared across calls; TooManyTemplates is
     raised when it runs out.
@@ -334,7 +334,7 @@ def fill(template: Template, specials: Sequence[Group], normals: Sequence[Group]
     """Put concrete normal groups into the placeholders.
 
     With a previous plan, each placeholder takes the free normal group whose devices already hold
-    most of the slot's new layer range (the authors' IoU fill, §3.3 step 5, measured in blocks
+    most of the slot's new layer range (the authors' IoU fill, measured in blocks
     that stay in place); otherwise, and for ties, a group on the same node as the previous stage
     (p2p locality), then the lowest node and device ids (determinism).
     """

@@ -2,7 +2,7 @@
 
 `malleus_svc.config` builds a `PlannerProblem` from a user's scenario (presets, defaults from the
 cost model); the planner itself never reads files. Times are in units of t0, the forward+backward
-time of one block for one micro-batch on a healthy, full-size TP group (malleus.md §1.3);
+time of one block for one micro-batch on a healthy, full-size TP group (the Malleus time model);
 `t0_seconds` converts them to seconds.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ OBJECTIVES = ("paper", "bubble", "full")
 
 @dataclass(frozen=True)
 class MemoryProfile:
-    """Per-device memory model of a stage under 1F1B (malleus.md §1.4), in MB.
+    """Per-device memory model of a stage under 1F1B (the Malleus memory model), in MB.
 
     `layer_mb[k]` is the memory of one block at the full TP degree when the stage keeps
     d = len(layer_mb) - k micro-batches in flight (listed for d = len..1, as in the paper's code).

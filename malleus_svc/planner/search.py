@@ -1,9 +1,9 @@
-"""The whole planner: the bi-level search of malleus.md §2, with the fixes of §3.6-3.7.
+"""The whole planner: the Malleus bi-level search, with fixes to the authors' code.
 
 Upper level: per node a small family of groupings (`grouping.node_options`); a combination of one
 option per node gives the set of groups; for each number of pipelines P in a small range, the
 groups are organised into pipelines (`organize`). Lower level: ILP-1 per pipeline and ILP-2
-(`lower`). Every combination is scored with the FULL lower level (fault 2 of §3.6), not a
+(`lower`). Every combination is scored with the FULL lower level (the authors' code scores only the tail), not a
 per-node proxy.
 
 Keeping it fast:
@@ -147,7 +147,7 @@ def evaluate(problem: PlannerProblem, plan: Plan) -> float:
 
 
 def memory_violations(problem: PlannerProblem, plan: Plan) -> list[str]:
-    """Stages whose blocks exceed the memory cap of malleus.md §1.4 (empty = the plan fits)."""
+    """Stages whose blocks exceed the memory cap of the Malleus memory model (empty = the plan fits)."""
     out = []
     for i, pipe in enumerate(plan.pipelines):
         caps = layer_caps([problem.tp / s.tp for s in pipe.stages], problem.num_layers, problem.memory)
@@ -332,7 +332,7 @@ def _organise(problem: PlannerProblem, scorer: Scorer, groups: Sequence[Group], 
               templates: list[int], authors: bool = False, thorough: bool = True) -> list[_Finalist]:
     """The best organisations of `groups` into P pipelines, for each P in `counts`: the template
     DFS (`thorough`, falling back to greedy past its budget) or the greedy generator alone."""
-    # Slowest first (§3.3). The authors sort stably by rate alone (emission order: node, full
+    # Slowest first. The authors sort stably by rate alone (emission order: node, full
     # groups, tail); we break ties by memory factor so that the groups needing the most memory
     # per block sit deeper in the pipeline, where fewer micro-batches are in flight.
     key = (lambda g: -g.rate) if authors else (lambda g: (-g.rate, g.h, g.node, g.devices))

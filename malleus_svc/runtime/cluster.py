@@ -12,7 +12,7 @@ Resources. On GPUs each bundle is {GPU: 1, CPU: 1} and workers use nccl. On CPU 
 otherwise the cluster's CPUs shared evenly (fractional). A local cluster started by this package
 (`start_local_ray`) declares max(cores, devices + 1) logical CPUs, so 8 one-CPU workers fit on a
 2-core laptop: the OS time-slices the real cores (which is why compute is timed per thread, see
-DESIGN.md "Measuring on a machine with fewer cores than devices").
+NOTES.md "Measuring on CPU").
 
 World. The world holds every device that has a worker (suspended and excluded ones included, so
 a re-plan never needs a new world); ranks follow device ids. The first worker picks its node IP and

@@ -20,7 +20,7 @@ The global batch size may change between steps (a new plan may change it):
 Per-plan slicing
 ----------------
 `split_for_plan` hands pipeline ``i`` the contiguous slice ``plan.sample_slices()[i]`` of each
-global batch, cut into micro-batches of ``plan.micro_batch_size`` (see malleus.md §3.6 fault 8:
+global batch, cut into micro-batches of ``plan.micro_batch_size`` (a fault of the Malleus authors' code:
 a Megatron-style round-robin stride lets pipelines with different micro-batch counts drift apart
 in the stream; contiguous slices of every global batch cannot).
 """

@@ -204,7 +204,7 @@ def _agree_on_name_salt(ranks: tuple[int, ...]) -> None:
     """Make the members' next member-only group get the same name.
 
     torch (up to at least 2.13) names a ``use_local_synchronization`` group by hashing its ranks
-    salted with the number of groups THIS process has registered (pytorch/pytorch#189073). After
+    salted with the number of groups THIS process has registered. After
     groups with different members, that number differs between ranks, the members compute
     different names, and gloo waits forever on store keys nobody writes. So the members tell the
     lowest member their counts, it answers with the largest, and every member pads up to it with

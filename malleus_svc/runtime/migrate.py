@@ -1,4 +1,4 @@
-"""Live migration of model + optimizer state between two plans (malleus.md §4.4, the "hot switch").
+"""Live migration of model + optimizer state between two plans (the Malleus paper's "hot switch").
 
 Two halves:
 

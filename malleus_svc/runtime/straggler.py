@@ -4,7 +4,7 @@ Nothing in the training path reads this module except through the worker's expli
 `set_slowdown` control, and the factor is 1.0 (off) unless a caller sets it. A slowed device, after
 every compute (the Engine's `after_compute` hook), sleeps ``(factor - 1) x`` the compute time it
 just measured, so its wall time grows by the factor while its measured compute time (what the
-coordinator turns into straggling rates on CPU, see DESIGN.md) stays what the work really cost.
+coordinator turns into straggling rates on CPU, see NOTES.md) stays what the work really cost.
 Sleeping rather than spinning matters on a machine with fewer cores than workers: a spinning
 straggler would steal CPU from healthy workers and slow them too.
 

@@ -20,7 +20,7 @@
 Migration time: `Plan.diff(old, new, state_sizes)` slices; per device, bytes sent and received
 over intra-node and inter-node links, each at its own bandwidth, the two link kinds overlapping:
 time = max over devices and directions of max(intra / intra_bw, inter / inter_bw). Planning
-time is NOT a stall: the planner runs off the training path (DESIGN.md), so `trace.py` lets the
+time is NOT a stall: the planner runs off the training path (NOTES.md), so `trace.py` lets the
 old plan keep training for the measured solve time before the switch.
 """
 from __future__ import annotations

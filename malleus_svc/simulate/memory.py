@@ -1,7 +1,7 @@
 """Per-device peak memory of a plan, from the cost model and the simulated schedule.
 
 Why separate from the planner's memory rows: the planner assumes S_i - j micro-batches in flight
-at stage j (malleus.md §1.4), an upper bound. The simulator reports what the schedule actually
+at stage j (the Malleus memory model), an upper bound. The simulator reports what the schedule actually
 reaches, min(m_i, S_i - j) under 1F1B, so a plan that runs fewer micro-batches than stages is
 not flagged for memory it never uses, and a schedule bug that keeps more alive would show up.
 

@@ -1,10 +1,10 @@
-"""The evaluation grid at the paper's scale (malleus.md §5), as scenario dicts and traces.
+"""The evaluation grid at the Malleus paper's scale (its evaluation), as scenario dicts and traces.
 
-Models and layouts (§5): LLaMA 32B (60 layers, hidden 6656) on 32 GPUs as DP4-TP2-PP4; 70B (80
+Models and layouts (the paper's evaluation): LLaMA 32B (60 layers, hidden 6656) on 32 GPUs as DP4-TP2-PP4; 70B (80
 layers, hidden 8192) and 110B (80 layers, hidden 8192, FFN 49152) on 64 GPUs as DP2-TP8-PP4;
 sequence 4096, global batch 64, micro-batch 1, 80 GB devices (C = 81252 MB as in the authors'
-code) in nodes of 8. Profiles: tp_alpha from §1.3 where the authors' code gives it (70B, 110B),
-the analytic cost model otherwise (32B at TP 2); per-block memory K, E, X0 from §1.4 for all
+code) in nodes of 8. Profiles: tp_alpha (the time model's) where the authors' code gives it (70B, 110B),
+the analytic cost model otherwise (32B at TP 2); per-block memory K, E, X0 (the memory model's) for all
 three (the code's measured profiles). Block time t0, p2p and gradient costs: analytic.
 
 Straggler situations (true rates; devices chosen away from node boundaries on purpose only

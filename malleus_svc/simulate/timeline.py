@@ -1,7 +1,7 @@
 """One training iteration of a Plan under TRUE straggling rates, as a discrete-event simulation.
 
 Why a simulation and not the planner's closed form: the planner scores plans with
-(m_i + S_i - 1)·z_i plus a gradient term (malleus.md §1.3, `planner.lower`), which is exact only
+(m_i + S_i - 1)·z_i plus a gradient term (the Malleus time model, `planner.lower`), which is exact only
 for uniform stages without communication. Real pipelines have uneven stages, p2p transfers that
 are intra- or inter-node, a gradient all-reduce that waits for the slowest pipeline holding the
 same blocks, and rates that the planner snapped to 1.0 below τ. The simulator replays the 1F1B
@@ -43,7 +43,7 @@ TP group; `problem.t0_seconds` converts):
     busy (see `bench/calibrate.py`);
   * per-micro-batch sizes (`simulate(..., work=, volume=)`, default all 1): micro-batch k of
     pipeline i may differ from the planner's fixed-size one, as packed variable-length
-    micro-batches do (issue #6). Its compute on every stage is c_ij · work[i][k] and its p2p
+    micro-batches do (length-aware assignment). Its compute on every stage is c_ij · work[i][k] and its p2p
     transfers are the boundary's time · volume[i][k] (activation bytes follow its tokens); the
     hand-off latency, gradient reduction and optimizer step do not depend on it. One factor per
     micro-batch for all stages is exact when a micro-batch's time scales alike on every stage

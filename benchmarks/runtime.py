@@ -46,9 +46,9 @@ def single_process(shape, dataset, batches, seq_len: int, threads: int) -> float
     import torch
     import torch.nn.functional as F
 
-    from ..runtime.batch import IGNORE_INDEX
-    from ..runtime.datasets import collate
-    from ..runtime.model import full_model
+    from malleus_svc.runtime.batch import IGNORE_INDEX
+    from malleus_svc.runtime.datasets import collate
+    from malleus_svc.runtime.model import full_model
 
     torch.set_num_threads(threads)
     model = full_model(shape, 0)
@@ -72,11 +72,11 @@ def single_process(shape, dataset, batches, seq_len: int, threads: int) -> float
 
 
 def run_row(model: str, workers: int, steps: int, cores: int) -> dict:
-    from ..config.job import JobConfig
-    from ..runtime.cluster import WorkerGroup
-    from ..runtime.data import GlobalSampler
-    from ..runtime.trainer import optim_config
-    from ..planner import baseline_plan
+    from malleus_svc.config.job import JobConfig
+    from malleus_svc.runtime.cluster import WorkerGroup
+    from malleus_svc.runtime.data import GlobalSampler
+    from malleus_svc.runtime.trainer import optim_config
+    from malleus_svc.planner import baseline_plan
 
     seq_len = 64 if model == "tiny" else 128
     job = JobConfig.from_dict(job_dict(model, workers, 16, seq_len))
@@ -127,7 +127,7 @@ def main(argv: list[str]) -> int:
         ap.error(f"--workers must be among {sorted(LAYOUTS)}, got {args.workers}")
     import ray
 
-    from ..runtime.cluster import start_local_ray
+    from malleus_svc.runtime.cluster import start_local_ray
 
     cores = os.cpu_count() or 1
     start_local_ray(max(workers), include_dashboard=False, log_to_driver=False)

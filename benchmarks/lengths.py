@@ -1,6 +1,6 @@
 """`malleus bench lengths`: length-oblivious against length-aware data assignment, at the paper's scale.
 
-The simulator-scale part of issue #6 (hydraulis.md §8, §9). For every configuration (a model on a
+The simulator-scale comparison, after the Hydraulis paper's evaluation. For every configuration (a model on a
 fixed DP×TP×PP layout, one length distribution, healthy or with one straggling stage) it draws
 many global batches from a token-budget sampler and plans each of them twice:
 
@@ -9,13 +9,13 @@ many global batches from a token-budget sampler and plans each of them twice:
              never split); the micro-batches are dealt out as contiguous slices, a fixed number
              per pipeline (as even as the count allows; with a straggler, proportional to each
              pipeline's speed, which is the data split the Malleus planner makes). A second
-             oblivious variant, "ffd", is the fixed-length packing of hydraulis App. A.2 / Fig. 12:
+             oblivious variant, "ffd", is the fixed-length packing of Hydraulis App. A.2 / Fig. 12:
              first-fit-decreasing to the context length, dealt round-robin with the same counts;
   aware      `lengths.dispatch` (greedy Alg. 1 with restarts as the incumbent, then the exact
              MILP on HiGHS under a hard time limit) sends every sequence to a pipeline, then
              `lengths.pack` packs each pipeline's sequences into micro-batches (per-V LPT + MILP,
-             V pruned to Σl/UtilLen as hydraulis does);
-  repack     ablation (hydraulis §8.4 (a)→(b)): the sampler-order assignment, each pipeline's
+             V pruned to Σl/UtilLen as Hydraulis does);
+  repack     ablation (Hydraulis §8.4 (a)→(b)): the sampler-order assignment, each pipeline's
              sequences re-packed by `lengths.pack`: what packing alone buys, without dispatch.
 
 Every plan is scored twice: by the formula `LengthCost.pipeline_time` (the cost model's own 1F1B
@@ -53,7 +53,7 @@ sequences l_1..l_n, with full activation recomputation (see memory below):
 * c (s/micro-batch): a small fixed cost per micro-batch and block: 80 kernel launches (about 20 per
   forward, 40 backward, 20 recomputed) at 8 µs, plus 20 µs latency per TP collective (6 of them
   when t > 1): 0.76 ms at t > 1. Hydraulis's fitted c for 7B ⟨8,1⟩ is 44 ms per 32-layer stage,
-  1.4 ms per layer (hydraulis.md TV-2), framework overheads included: ours is the smaller,
+  1.4 ms per layer (their published coefficients), framework overheads included: ours is the smaller,
   launch-only estimate.
 * d = 0: flash-attn varlen runs one kernel per micro-batch, whatever the number of sequences.
 
@@ -61,13 +61,13 @@ So b/a, the length at which attention costs as much as the GEMMs, is (block para
 the TP communication term: 80K tokens for llama-32b, 104K for llama-70b (119K for 70B at TP8 with
 communication). It grows with the hidden size (b ∝ params ∝ h², a ∝ h), i.e. a/b falls as the
 model widens: at a fixed length the quadratic share is smaller for a wider model. Cross-check:
-without recomputation, a for llama-32b at t = 8 is within 1% of hydraulis's fitted ⟨8,1⟩ a
+without recomputation, a for llama-32b at t = 8 is within 1% of Hydraulis's fitted ⟨8,1⟩ a
 (2.125e-6 ms per 60-layer stage); b is 1.4× theirs (their fit implies ~63% sustained GEMM
 efficiency against our 45%, and overlapped collectives).
 
 Pipelines and memory. Micro-batches hold at most the context length (32768 tokens) for both
 methods, so both get the same memory budget; `stage_max_tokens` checks that every stage can hold
-it: hydraulis's state layout (fp32 master weights and Adam moments sharded over all N devices,
+it: Hydraulis's state layout (fp32 master weights and Adam moments sharded over all N devices,
 12 B/param/N; bf16 weights and gradients per pipeline, 4 B/param/t), full recomputation with
 sequence parallelism (each in-flight micro-batch keeps one bf16 block input per layer, 2h/t bytes
 per token; under 1F1B stage s holds PP − s of them), plus one block's working set
@@ -91,16 +91,16 @@ Length distributions (seq_len cap 32768):
   with each file split into pieces of at most 131072 bytes, and lengths converted to tokens at 4
   bytes per token (⌈bytes/4⌉, BPE on code averages 3–4 characters per token): a real long-tailed
   distribution (median ~1.7K tokens, files over 128 KiB give 32K pieces).
-The sampler (hydraulis's `LLaMAFixedTokenSampler`) takes a seeded shuffle of the dataset, in
+The sampler (Hydraulis's `LLaMAFixedTokenSampler`) takes a seeded shuffle of the dataset, in
 order, until the token budget is reached, and truncates the last sequence to meet it exactly;
 epochs reshuffle. Budgets: D × k × 32768 tokens, k full context-length micro-batches per pipeline:
-k = 2 is hydraulis's scale (100K–200K tokens per iteration on 64 GPUs; 131K for 70B on DP2), k = 8
+k = 2 is Hydraulis's scale (100K–200K tokens per iteration on 64 GPUs; 131K for 70B on DP2), k = 8
 gives every PP4 pipeline twice its depth in full micro-batches, where fill matters less. The same
 batches are drawn for the healthy and the straggler run of a configuration.
 
 Not covered: the simulator replays the cost model's per-micro-batch times (it checks the 1F1B
 order, p2p and the reduction the formula leaves out, not the cost model itself); the
-measured-runtime part of issue #6 (CPU workers running the packed micro-batches) is separate.
+measured-runtime part (CPU workers running the packed micro-batches) is `malleus bench lengths-runtime`.
 """
 from __future__ import annotations
 
@@ -119,17 +119,17 @@ from typing import Sequence
 
 import numpy as np
 
-from ..config.presets import ModelShape, preset
-from ..costmodel.analytic import MB, DeviceSpec, _allreduce_seconds, block_seconds, comm_costs
-from ..lengths import (Coeffs, LengthCost, PipelineSpec, StageSpec, analytic_bytes_per_token_per_layer, dispatch,
-                       first_fit_decreasing, max_tokens_per_stage, pack, predicted_time)
+from malleus_svc.config.presets import ModelShape, preset
+from malleus_svc.costmodel.analytic import MB, DeviceSpec, _allreduce_seconds, block_seconds, comm_costs
+from malleus_svc.lengths import (Coeffs, LengthCost, PipelineSpec, StageSpec, analytic_bytes_per_token_per_layer,
+                                 dispatch, first_fit_decreasing, max_tokens_per_stage, pack, predicted_time)
 
 CONTEXT = 32768                      # seq_len cap and the micro-batch capacity of both methods
 BUDGETS = (2, 8)                     # token budget = D × this × CONTEXT (full micro-batches per pipeline)
-UTIL_LEN = {1: 384, 2: 512, 4: 768, 8: 1024, 16: 1280}   # hydraulis's UtilLen per TP degree [C]: V <= Σl/UtilLen
+UTIL_LEN = {1: 384, 2: 512, 4: 768, 8: 1024, 16: 1280}   # Hydraulis's UtilLen per TP degree (their code): V <= Σl/UtilLen
 DEVICE = DeviceSpec()                # A100/A800-80GB class
 GPU_MEMORY_MB = 81252
-RESERVED_MB = 5000                   # CUDA/NCCL context (hydraulis's code: 5000 MiB on A800)
+RESERVED_MB = 5000                   # CUDA/NCCL context (Hydraulis's code: 5000 MiB on A800)
 SAFETY_MB = 4096
 RECOMPUTE_FACTOR = 4.0 / 3.0         # forward recomputed once: (2 + 2 + 4) / (2 + 4) FLOPs
 KERNELS_PER_LAYER = 80               # launches per block and micro-batch: ~20 fwd, 40 bwd, 20 recompute
@@ -138,7 +138,7 @@ COLLECTIVES_PER_LAYER = 6            # TP all-reduce equivalents: 2 fwd, 2 bwd, 
 COLLECTIVE_LATENCY_S = 20e-6
 BYTES_PER_TOKEN_PYTHON = 4
 STRAGGLER_RATE = 2.5
-HYDRAULIS_SPEEDUP = (1.32, 2.66)     # over the best baseline, end to end (hydraulis.md §9.1)
+HYDRAULIS_SPEEDUP = (1.32, 2.66)     # over the best baseline, end to end (Hydraulis §8)
 HYDRAULIS_GAP_OURS = (0.02, 0.10)    # slowest/fastest rank gap, Fig. 12(b)
 HYDRAULIS_GAP_FIXED = (0.36, 0.65)
 
@@ -197,9 +197,9 @@ class Setup:
 
 
 SETUPS = {s.name: s for s in (
-    Setup("32b-32gpu", "llama-32b", 4, 4, 2, 4),     # malleus.md §5 layout (simulate.scenarios)
+    Setup("32b-32gpu", "llama-32b", 4, 4, 2, 4),     # the Malleus paper's evaluation layout (simulate.scenarios)
     Setup("70b-32gpu", "llama-70b", 4, 2, 4, 4),
-    Setup("70b-64gpu", "llama-70b", 8, 2, 8, 4),     # malleus.md §5 layout
+    Setup("70b-64gpu", "llama-70b", 8, 2, 8, 4),     # the Malleus paper's evaluation layout
     Setup("70b-64gpu-dp4", "llama-70b", 8, 4, 4, 4),
 )}
 DISTS = ("synthetic", "python")
@@ -276,9 +276,9 @@ def sim_setup(setup: Setup, pipes: Sequence[PipelineSpec], cost: LengthCost) -> 
     the scenarios use (`costmodel.analytic.comm_costs` for a CONTEXT-token micro-batch, converted to
     seconds), the optimizer step at the simulator's default 0.05 t0 per full-TP block (t0 of the
     preset's sequence length, as in `malleus simulate`)."""
-    from ..plan import Stage
-    from ..planner.problem import CommCosts, MemoryProfile, PlannerProblem
-    from ..simulate import SimOptions
+    from malleus_svc.plan import Stage
+    from malleus_svc.planner.problem import CommCosts, MemoryProfile, PlannerProblem
+    from malleus_svc.simulate import SimOptions
 
     shape = preset(setup.model)
     ctx = dataclasses.replace(shape, seq_len=CONTEXT)
@@ -309,8 +309,8 @@ def simulate_plan(plan: Plan, lengths: Sequence[int], ss: SimSetup) -> tuple[flo
     timeline: micro-batch k's compute is its LengthCost time per layer (× each stage's layers and
     rate, done by the simulator), its p2p the boundary's time × its tokens / CONTEXT. A pipeline
     given no sequence runs one empty micro-batch (work 0): it still takes part in the reduction."""
-    from ..plan import Pipeline, Plan as SimPlan
-    from ..simulate import simulate
+    from malleus_svc.plan import Pipeline, Plan as SimPlan
+    from malleus_svc.simulate import simulate
 
     mbs = [[[lengths[i] for i in mb] for mb in p] or [[]] for p in plan]
     sp = SimPlan(ss.problem.num_devices, ss.problem.num_layers, 1,
@@ -329,11 +329,11 @@ def describe_pipeline(p: PipelineSpec) -> str:
 def dataset_lengths(dist: str) -> tuple[np.ndarray, str]:
     """Token lengths of every sequence of the dataset, capped at CONTEXT, and how they were made."""
     if dist == "synthetic":
-        from ..runtime.datasets import SyntheticVarLen
+        from malleus_svc.runtime.datasets import SyntheticVarLen
         ds = SyntheticVarLen(num_samples=200_000, seq_len=CONTEXT - 1, vocab=2, seed=0, mean_len=4096, sigma=1.3)
         return np.asarray(ds.lengths, dtype=np.int64), "SyntheticVarLen(200000, seq_len 32767, mean 4096, σ 1.3)"
     if dist == "python":
-        from ..runtime.datasets import PythonSourceCorpus
+        from malleus_svc.runtime.datasets import PythonSourceCorpus
         k = BYTES_PER_TOKEN_PYTHON
         ds = PythonSourceCorpus(seq_len=k * CONTEXT - 1, mode="documents")
         toks = -(-np.asarray(ds.lengths, dtype=np.int64) // k)
@@ -687,16 +687,16 @@ def summary(configs: Sequence[Config]) -> tuple[str, dict]:
     lines = [
         f"- Speedup of length-aware over the oblivious baselines (ratio of mean iteration times at a fixed token "
         f"budget): {min(sp):.2f}–{max(sp):.2f}× over sampler-order packing, {min(sf):.2f}–{max(sf):.2f}× over FFD, "
-        f"{min(best):.2f}–{max(best):.2f}× over the better of the two per configuration (hydraulis reports "
+        f"{min(best):.2f}–{max(best):.2f}× over the better of the two per configuration (Hydraulis reports "
         f"{HYDRAULIS_SPEEDUP[0]}–{HYDRAULIS_SPEEDUP[1]}× end to end over the best baseline, with per-iteration "
         f"heterogeneous strategies, which this fixed layout does not use).",
-        f"- Where it comes from (ablation, hydraulis §8.4 (a)→(b)): length-aware packing of the oblivious assignment "
+        f"- Where it comes from (ablation, Hydraulis §8.4 (a)→(b)): length-aware packing of the oblivious assignment "
         f"alone gives {min(packing):.2f}–{max(packing):.2f}× over sampler-order; dispatching the raw sequences first "
         f"adds {min(disp):.2f}–{max(disp):.2f}×. Within one pipeline packing can only move the 1F1B fill/drain and "
         f"V·c (with varlen attention the summed work is fixed): smaller micro-batches fill faster.",
         f"- Slowest-to-fastest pipeline gap, mean over all {n} iterations: sampler-order {g['sampler']:.3f}, "
         f"FFD {g['ffd']:.3f}, sampler-order + pack {g['repack']:.3f}, aware {g['aware']:.3f} "
-        f"(hydraulis Fig. 12(b): {HYDRAULIS_GAP_FIXED[0]}–"
+        f"(Hydraulis Fig. 12(b): {HYDRAULIS_GAP_FIXED[0]}–"
         f"{HYDRAULIS_GAP_FIXED[1]} for fixed-length packing, {HYDRAULIS_GAP_OURS[0]}–{HYDRAULIS_GAP_OURS[1]} for theirs).",
         f"- Planning (dispatch + packing of every pipeline, one process): at most {100 * ratio:.1f}% of the iteration "
         f"time on average per configuration, {100 * worst_plan:.1f}% in the worst iteration.",
@@ -752,7 +752,7 @@ def plot(configs: Sequence[Config], path: Path) -> Path:
         for k, m in enumerate(("sampler", "ffd", "repack")):
             ax1.plot(x + (k - 1) * w, [c.speedup(m, True) for c in group], "kx", ms=6,
                      label="event simulator" if k == 0 else None)
-        ax1.axhspan(*HYDRAULIS_SPEEDUP, color="grey", alpha=0.15, label="hydraulis end to end (1.32–2.66×)")
+        ax1.axhspan(*HYDRAULIS_SPEEDUP, color="grey", alpha=0.15, label="Hydraulis end to end (1.32–2.66×)")
         ax1.axhline(1.0, color="black", lw=0.8)
         ax1.set_xticks(x, labels, fontsize=6.5)
         ax1.set_ylim(0.9, max(2.0, max(c.speedup(m, sim) for c in group for m in ("sampler", "ffd")
@@ -772,8 +772,8 @@ def plot(configs: Sequence[Config], path: Path) -> Path:
             ax2.plot([], [], color=colors[m], lw=6, alpha=0.6, label=LABELS[m])
             ax2.plot(x + (k - 1.5) * w, [statistics.mean(c.gaps(m, True)) for c in group], "kx", ms=5,
                      label="event simulator (mean)" if k == 0 else None)
-        ax2.axhspan(*HYDRAULIS_GAP_FIXED, color="tab:red", alpha=0.08, label="hydraulis: fixed packing")
-        ax2.axhspan(*HYDRAULIS_GAP_OURS, color="tab:green", alpha=0.12, label="hydraulis: theirs")
+        ax2.axhspan(*HYDRAULIS_GAP_FIXED, color="tab:red", alpha=0.08, label="Hydraulis: fixed packing")
+        ax2.axhspan(*HYDRAULIS_GAP_OURS, color="tab:green", alpha=0.12, label="Hydraulis: theirs")
         ax2.set_xticks(x, labels, fontsize=6.5)
         ax2.set_ylim(0, 0.8)
         ax2.set(ylabel="(max − min) / max", title=f"b{b}: slowest-to-fastest pipeline gap per iteration "
@@ -787,16 +787,15 @@ def plot(configs: Sequence[Config], path: Path) -> Path:
 
 # ----------------------------------------------------------------------------- markdown section
 MARKER = "bench:lengths"
-HEADING = """## Length-aware data assignment at paper scale (issue #6, simulator part)
+HEADING = """## Length-aware data assignment at paper scale
 
 Length-oblivious packing (next-fit to 32K in sampler order, contiguous slices per pipeline; and FFD
 dealt round-robin) against the length-aware planner (`lengths.dispatch` + `lengths.pack`; ablation:
 the sampler-order assignment re-packed by `lengths.pack` alone) on token-budget global batches,
 with per-layer costs a·Σl² + b·Σl + c from the analytic FLOP model of an A100/A800-class device.
 Every plan is scored by the cost model's own 1F1B pipeline formula and replayed in the event
-simulator (p2p, gradient reduction and optimizer step included); the measured-runtime part of
-issue #6 is not in this section. Derivations and assumptions:
-`malleus_svc/bench/lengths.py`. Plot: `benchmarks/plots/lengths.png`."""
+simulator (p2p, gradient reduction and optimizer step included); the measured-runtime part is
+the next section. Derivations and assumptions: `benchmarks/lengths.py`. Plot: `benchmarks/plots/lengths.png`."""
 
 
 def write_markdown(markdown: str, path: Path) -> None:
@@ -883,7 +882,7 @@ def execute(args: argparse.Namespace) -> tuple[list[Config], str]:
         f"Device: {DEVICE.peak_tflops:g} bf16 TFLOP/s at {100 * DEVICE.efficiency:.0f}% sustained, NVLink "
         f"{DEVICE.intra_node_gbps:g} GB/s; full recomputation; micro-batches of at most {CONTEXT} tokens for both "
         f"methods. Token budget per iteration: D × budget × {CONTEXT} (b2: two full micro-batches per pipeline, the "
-        f"scale of hydraulis's 100K–200K tokens on 64 GPUs; b8: eight, 2× the pipeline depth). Straggler: one "
+        f"scale of Hydraulis's 100K–200K tokens on 64 GPUs; b8: eight, 2× the pipeline depth). Straggler: one "
         f"device of pipeline 0's second stage at {args.rate:g}×, that pipeline's layers re-balanced (layers@rate "
         f"below). Distributions: {dist_notes}. Aware: dispatch MILP limit {args.ilp_time_limit:g} s (greedy "
         f"incumbent, 20 restarts), packing MILP {args.pack_time_limit:g} s per V and {args.pack_total:g} s per "
@@ -908,7 +907,7 @@ def execute(args: argparse.Namespace) -> tuple[list[Config], str]:
         cmd = ("malleus bench lengths " + " ".join(args.argv)).strip()
         stamp = time.strftime("%Y-%m-%d")
         load = "/".join(f"{x:.1f}" for x in os.getloadavg())
-        write_markdown(f"Command: `{cmd}` — {stamp}, 2-core CPU machine shared with other jobs (load average "
+        write_markdown(f"Command: `{cmd}` — {stamp}, {os.cpu_count()}-core CPU machine (load average "
                        f"{load} at the end), one process; {elapsed:.0f} s. Planning seconds are wall time under "
                        f"that load.\n\n{md}", Path(args.write))
     _log(f"done in {elapsed:.0f} s")

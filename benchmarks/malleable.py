@@ -34,6 +34,7 @@ from pathlib import Path
 
 from .planner import write_section
 
+WORKERS = 8            # the demo's job: one CPU worker actor per device; DDP runs as many
 SLOW_RANK = 3
 
 
@@ -153,7 +154,7 @@ def run_ddp(job: dict, steps: int, shift: int, factor: float, skip: int) -> dict
         train_loop_config={"job": job, "steps": steps, "shift_at": shift, "factor": factor,
                            "slow_rank": SLOW_RANK, "skip": skip},
         torch_config=TorchConfig(backend="gloo"),
-        scaling_config=ScalingConfig(num_workers=8, use_gpu=False),
+        scaling_config=ScalingConfig(num_workers=WORKERS, use_gpu=False),
         run_config=RunConfig(name="malleus-bench-ddp", storage_path=storage),
     )
     t0 = time.perf_counter()
@@ -218,7 +219,7 @@ def table(s: dict) -> str:
         f"healthy {f(s['static_healthy_tokens_per_second'])} tok/s before the shift |",
         f"| (b) malleus-svc | {f(s['malleable_tokens_per_second'])} | {share(s['malleable_tokens_per_second'])} | "
         f"{mal_note} |",
-        f"| (c) Ray Train TorchTrainer, DDP ×8 | {f(ddp and ddp['slowed_tokens_per_second'])} | "
+        f"| (c) Ray Train TorchTrainer, DDP ×{s['workers']} | {f(ddp and ddp['slowed_tokens_per_second'])} | "
         f"{share(ddp and ddp['slowed_tokens_per_second'])} | {ddp_note} |",
         f"| (d) capacity bound | {f(bound)} | 100% | healthy {f(s['healthy_tokens_per_second'])} tok/s × "
         f"Σ(1/x)/N = {s['capacity_fraction']:.3f} |",
@@ -267,9 +268,10 @@ def details(s: dict) -> str:
                      f"{s['malleable_over_static']:.2f}×"
                      + (f"; malleus-svc / DDP = {s['malleable_over_ddp']:.2f}×." if s.get("malleable_over_ddp") else "."))
     if s.get("malleable_over_static") and s["malleable_over_static"] < 1.0:
-        lines.append("- In this run the unchanged plan was faster than malleus-svc over the slowed steps: with 8 "
-                     "workers on 2 cores a sleeping straggler hands its CPU to its peers, so it costs the unchanged "
-                     "plan little, and the re-plan paid a migration, 3 iterations of reaction and 2 warm-up "
+        crowded = (f"with {s['workers']} workers on {s['host_cores']} cores a sleeping straggler hands its CPU to "
+                   "its peers, so it costs the unchanged plan little, and " if s["host_cores"] < s["workers"] else "")
+        lines.append("- In this run the unchanged plan was faster than malleus-svc over the slowed steps: " + crowded
+                     + "the re-plan paid a migration, 3 iterations of reaction and 2 warm-up "
                      "iterations of the new engines out of the slowed steps.")
     lines.append("- Final loss (sanity): " + ", ".join(f"{k} {v:.3f}" for k, v in s["last_loss"].items()) + ".")
     lines.append(
@@ -332,9 +334,9 @@ def main(argv: list[str]) -> int:
     load0 = os.getloadavg()
     t_start = time.perf_counter()
     view = View(False, out=sys.stderr)
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {"PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
-    start_local_ray(8, log_to_driver=False, runtime_env={"env_vars": env})
+    start_local_ray(WORKERS, log_to_driver=False, runtime_env={"env_vars": env})
     runs, ddp, walls = {}, None, {}
     try:
         for name, static in (("static", True), ("malleable", False)):
@@ -345,7 +347,7 @@ def main(argv: list[str]) -> int:
             runs[name] = run_one(name, job, args.steps, static, view)
             walls[name] = time.perf_counter() - t0
         if ddp_version is not None:
-            print(f"[ray-ddp] TorchTrainer, 8 workers, worker {SLOW_RANK} x{args.factor:g} from step {shift}",
+            print(f"[ray-ddp] TorchTrainer, {WORKERS} workers, worker {SLOW_RANK} x{args.factor:g} from step {shift}",
                   file=sys.stderr, flush=True)
             t0 = time.perf_counter()
             ddp = run_ddp(job_dict("bench-ddp", 1, args.global_batch, args.steps, emulate), args.steps, shift,
@@ -357,7 +359,7 @@ def main(argv: list[str]) -> int:
     mal = runs["malleable"]
     # healthy: malleus's steps after the skipped ones and before the shift (the initial plan, as static)
     healthy = window_throughput(mal, skip, shift)
-    fraction = (8 - 1 + 1 / args.factor) / 8
+    fraction = (WORKERS - 1 + 1 / args.factor) / WORKERS
     bound = healthy * fraction if healthy else None
     lat = next((x for x in latencies(mal, emulate) if x["shift_step"] == shift), {})
     migrations = [{"step": h["step"], "option": (h.get("decision") or {}).get("option"),
@@ -367,7 +369,7 @@ def main(argv: list[str]) -> int:
                   for h in mal["history"] if h["outcome"] == "applied"]
     s = {
         "command": "malleus bench malleable " + " ".join(argv),
-        "date": time.strftime("%Y-%m-%d %H:%M"), "workers": 8, "host_cores": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M"), "workers": WORKERS, "host_cores": os.cpu_count() or 1,
         "load_average": " / ".join(f"{x:.1f}" for x in load0),
         "model": "small", "data": "python-stdlib", "global_batch": args.global_batch, "micro_batch": 2,
         "steps": args.steps, "shift_at": shift, "factor": args.factor, "slow_device": SLOW_RANK,

@@ -1,7 +1,7 @@
 """`malleus bench planner`: planning time and plan quality from 16 to 1024 devices.
 
 For each cluster size, several random straggler situations (1-3 stragglers per 16 devices at
-rates drawn from {1.5, 2.5, 5, 12}); for each, the objective (malleus.md §1.3, units of t0) of:
+rates drawn from {1.5, 2.5, 5, 12}); for each, the objective (the Malleus paper's, units of t0) of:
   ideal      - the straggler-free plan,
   unchanged  - the healthy baseline plan run as is under the stragglers (Megatron-style static 3D),
   data-only  - the baseline's groups and layers with re-balanced micro-batches,
@@ -14,6 +14,7 @@ BENCHMARKS.md between markers (--write) and plotted (--plot).
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -21,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import Scenario
+from malleus_svc.config import Scenario
 
 RATES = (1.5, 2.5, 5.0, 12.0)
 SYSTEMS = ("unchanged", "data-only", "no-split", "authors", "malleus")
@@ -64,7 +65,7 @@ class Case:
 
 
 def run_case(num_devices: int, seed: int) -> Case:
-    from ..planner import authors_plan, baseline_plan, evaluate, plan, plan_without_split, rebalance_data
+    from malleus_svc.planner import authors_plan, baseline_plan, evaluate, plan, plan_without_split, rebalance_data
 
     scenario = scenario_for(num_devices)
     rates = draw_rates(num_devices, random.Random(seed))
@@ -122,7 +123,8 @@ def plot(cases: list[Case], path: Path) -> None:
     ax1.legend()
     for s in ("authors", "malleus"):
         ax2.plot(sizes, [max(c.seconds[s] for c in cases if c.devices == n) for n in sizes], marker="o", label=f"{s} (max)")
-    ax2.set(xscale="log", yscale="log", xlabel="devices", ylabel="planning seconds", title="Planning time (2-core machine)")
+    ax2.set(xscale="log", yscale="log", xlabel="devices", ylabel="planning seconds",
+            title=f"Planning time ({os.cpu_count()}-core machine)")
     ax2.set_xticks(sizes, [str(n) for n in sizes])
     ax2.legend()
     fig.tight_layout()
@@ -171,6 +173,6 @@ def main(argv: list[str]) -> int:
     if args.write:
         cmd = "malleus bench planner " + " ".join(argv)
         stamp = time.strftime("%Y-%m-%d")
-        write_section(f"Command: `{cmd.strip()}` — {stamp}, 2-core CPU machine, one process.\n\n{md}",
+        write_section(f"Command: `{cmd.strip()}` — {stamp}, {os.cpu_count()}-core CPU machine, one process.\n\n{md}",
                       Path(args.write), "bench:planner")
     return 0

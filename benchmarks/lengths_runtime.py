@@ -1,12 +1,12 @@
 """`malleus bench lengths-runtime`: length-oblivious against length-aware data assignment in the
-real CPU runtime (issue #6, runtime part; the simulator part is `malleus bench lengths`).
+real CPU runtime (the simulator-scale part is `malleus bench lengths`).
 
 One job (the tiny CPU model with a 256-token context, 4 workers as DP2×PP2, global batch 32 in
 micro-batches of 2 sequences) trains with `data.assignment` fixed and length-aware (two ways of
 scheduling the planning, below), on
 
   lognormal  the runtime's SyntheticVarLen at seq_len 255: lognormal lengths, mean 64, σ 1,
-             clipped to [8, 256] (median 38, p90 137): hydraulis's 32K tail scaled to the
+             clipped to [8, 256] (median 38, p90 137): Hydraulis's 32K tail scaled to the
              256-token context the CPU cost model is swept over (`lengths/sweep.py`);
   python     the bundled Python-source corpus (the first 400 stdlib files), one sequence per
              256-byte piece of each file (corpus_split: documents): mostly full pieces, and each
@@ -24,20 +24,20 @@ differ only in how they use the lengths.
   aware, planned ahead     `control.assign.assign` (dispatch + packing on the cost model the
                            coordinator fits, `lengths.run_sweep(shape, layers=2, repeats=9)`),
                            computed for the whole block before it runs, as a pool of planners
-                           working several steps ahead would (hydraulis App. E): the step runs
+                           working several steps ahead would (Hydraulis, App. E): the step runs
                            with its assignment ready, and the planning time is reported beside it;
   aware, 1-step lookahead  the same, computed for step t+1 on a thread while step t trains, as
                            the coordinator's `Lookahead` does: here the thread competes with the
                            workers for the cores, and a plan not ready in time is waited for.
 
 Steps go straight to the `WorkerGroup` (the calls the coordinator makes, without its re-planning
-loop, so no migration or rate noise lands in a timed step). Noise control on a shared 2-core
-machine: each assignment has its own sampler with the same seed, so step k of every assignment
-trains the same global batch, and they take turns step by step, in reversed order every other
-step (ABC CBA), inside every block of (dataset, straggler); blocks are re-ordered every round;
-`--rounds` rounds; each block's first `--warmup` steps are not timed. A sample of length l
-trains l − 1 tokens (inputs seq[:-1]): `assign` gets those counts, so two full pieces fill a
-510-token micro-batch, as in the fixed split.
+loop, so no migration or rate noise lands in a timed step). Noise control on a shared host with
+fewer cores than workers: each assignment has its own sampler with the same seed, so step k of
+every assignment trains the same global batch, and they take turns step by step, in reversed
+order every other step (ABC CBA), inside every block of (dataset, straggler); blocks are
+re-ordered every round; `--rounds` rounds; each block's first `--warmup` steps are not timed. A
+sample of length l trains l − 1 tokens (inputs seq[:-1]): `assign` gets those counts, so two full
+pieces fill a 510-token micro-batch, as in the fixed split.
 
 Reported per variant (aware/fixed from the same paired steps: ratio of sums, and the range of the
 per-round ratios):
@@ -71,6 +71,7 @@ DATASETS = {
 }
 FIXED, AHEAD, LOOKAHEAD = "fixed", "aware, planned ahead", "aware, 1-step lookahead"
 ASSIGNMENTS = (FIXED, AHEAD, LOOKAHEAD)
+WORKERS = 4            # one CPU worker actor per device of the DP2×PP2 job
 STRAGGLER = 1          # device 1: pipeline 0's second stage in the healthy DP2×PP2 plan
 PLOT = "benchmarks/plots/lengths_runtime.png"
 MARKER = "bench:lengths-runtime"
@@ -79,10 +80,10 @@ MARKER = "bench:lengths-runtime"
 def job_config(dataset: str, assignment: str = "length-aware", global_batch: int = 32, micro: int = 2):
     """The bench's job (its `data.assignment` is what the coordinator would read; the bench drives
     the same calls itself, the fixed split and `assign`, and runs all assignments on one group)."""
-    from ..config.job import JobConfig
+    from malleus_svc.config.job import JobConfig
     return JobConfig.from_dict({
         "name": f"lengths-{dataset}-{assignment}", "model": MODEL,
-        "cluster": {"nodes": 1, "gpus_per_node": 4, "gpu_memory_mb": 16000},
+        "cluster": {"nodes": 1, "gpus_per_node": WORKERS, "gpu_memory_mb": 16000},
         "parallel": {"dp": 2, "tp": 1, "pp": 2}, "batch": {"global": global_batch, "micro": micro},
         "data": {**DATASETS[dataset], "assignment": assignment}, "train": {"seed": 0, "lr": 1e-3},
         "metrics": {"enabled": False}})
@@ -120,7 +121,7 @@ class Variant:
 
 
 def pipeline_busy(rec, plan) -> list[float]:
-    from ..control.workload import busy_seconds
+    from malleus_svc.control.workload import busy_seconds
     return [max(busy_seconds(rec.devices[d]) for st in p.stages for d in st.devices) for p in plan.pipelines]
 
 
@@ -143,12 +144,12 @@ def run(rounds: int = 4, steps: int = 8, warmup: int = 1, factor: float = 3.0, d
         global_batch: int = 32, sweep_repeats: int = 9, time_limit_s: float | None = None, log=print) -> dict:
     """Measure every variant (module docstring); Ray must be initialised. Returns variants and setup.
     `time_limit_s`: assign()'s MILP limit; None: the coordinator's, from the last iteration's time."""
-    from ..control.assign import assign, planning_time_limit
-    from ..lengths import run_sweep
-    from ..planner import plan as solve
-    from ..runtime.cluster import WorkerGroup
-    from ..runtime.data import GlobalSampler
-    from ..runtime.trainer import check_plan_for_job, make_plan, optim_config
+    from malleus_svc.control.assign import assign, planning_time_limit
+    from malleus_svc.lengths import run_sweep
+    from malleus_svc.planner import plan as solve
+    from malleus_svc.runtime.cluster import WorkerGroup
+    from malleus_svc.runtime.data import GlobalSampler
+    from malleus_svc.runtime.trainer import check_plan_for_job, make_plan, optim_config
 
     jobs = {ds: job_config(ds, "length-aware", global_batch) for ds in datasets}
     job = jobs[datasets[0]]
@@ -303,7 +304,7 @@ def plot(rows: list[dict], path: Path) -> Path:
         ax.set_xticks(list(xs), names)
         ax.set_title(title)
     axes[0].legend()
-    fig.suptitle("Length-aware vs fixed assignment, 4 CPU workers (DP2×PP2), tiny model, 256-token context")
+    fig.suptitle(f"Length-aware vs fixed assignment, {WORKERS} CPU workers (DP2×PP2), tiny model, 256-token context")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -317,6 +318,7 @@ def render(result: dict, rows: list[dict], command: str, date: str, seconds: flo
     lo, hi = result["time_limit_s"]
     mb = lambda p: "/".join(str(q.micro_batches) for q in p.pipelines)   # noqa: E731
     load = "/".join(f"{x:.1f}" for x in os.getloadavg())
+    cores = os.cpu_count() or 1
     ahead = [r for r in rows if r["assignment"] == AHEAD]
     per_data = "; ".join(f"{r['dataset']} {'straggler' if r['straggler'] else 'healthy'}: "
                          f"{r['planning_s']:.2f} s, {r['planning_s'] / r['iteration_s']:.1f}× its iteration"
@@ -326,11 +328,11 @@ def render(result: dict, rows: list[dict], command: str, date: str, seconds: flo
            f"{r['wall_ratio'][0]:.3f}, busy {r['busy_ratio'][0]:.3f}"
            for r in ahead if abs(r["wall_ratio"][0] - r["busy_ratio"][0]) > 0.05]
     return "\n".join([
-        "## Length-aware data assignment in the CPU runtime (issue #6, runtime part)", "",
-        f"Command: `{command}` — {date}, {os.cpu_count()}-core CPU machine shared with other jobs (load average "
-        f"{load} at the end), {seconds:.0f} s. Setup, pairing and metrics: `malleus_svc/bench/lengths_runtime.py`."
+        "## Length-aware data assignment in the CPU runtime", "",
+        f"Command: `{command}` — {date}, {cores}-core CPU machine (load average {load} at the end), "
+        f"{seconds:.0f} s. Setup, pairing and metrics: `benchmarks/lengths_runtime.py`."
         + (f" Plot: `{plot_path}`." if plot_path else ""), "",
-        f"Job: tiny model with a 256-token context ({MODEL}), 4 CPU worker actors over gloo as DP2×PP2, global "
+        f"Job: tiny model with a 256-token context ({MODEL}), {WORKERS} CPU worker actors over gloo as DP2×PP2, global "
         f"batch {result['global_batch']}, fixed micro-batches of 2 sequences; every assignment keeps micro-batches "
         f"to at most 510 tokens (the fixed split's memory bound). Micro-batches per pipeline: healthy "
         f"{mb(plans[False])}; with device 1 at {result['factor']:g}× the planner's plan {mb(plans[True])} "
@@ -352,10 +354,12 @@ def render(result: dict, rows: list[dict], command: str, date: str, seconds: flo
         "plans one step ahead on one thread, which hides planning only when it is shorter than the iteration; "
         "here the thread also takes CPU from the workers, so the 1-step lookahead rows are what the coordinator "
         "as built would get on this machine, and the planned-ahead rows what the assignment itself is worth "
-        "when planning keeps up (hydraulis plans 10 iterations ahead in 10 processes).", "",
-        "What limits the gain here: 4 workers time-slice 2 cores shared with other jobs, so wall time follows "
-        "the total CPU work more than the slowest pipeline (a waiting device, or the straggler's emulated sleep, "
-        "frees a core for the others); at a 256-token context a micro-batch's fixed costs (c and the runtime's "
+        "when planning keeps up (Hydraulis plans 10 iterations ahead in 10 processes).", "",
+        "What limits the gain here: "
+        + (f"{WORKERS} workers time-slice {cores} cores, so wall time follows the total CPU work more than the "
+           "slowest pipeline (a waiting device, or the straggler's emulated sleep, frees a core for the others); "
+           if cores < WORKERS else "")
+        + "at a 256-token context a micro-batch's fixed costs (c and the runtime's "
         "per-micro-batch work, which the cost model does not see: the head, p2p, collation) outweigh attention's "
         "Σl², so most of the gain comes from fewer, fuller micro-batches rather than from balance; the "
         "python corpus is mostly full 256-byte pieces, which leaves little to re-arrange; and every step carries "
@@ -391,11 +395,11 @@ def main(argv: list[str]) -> int:
         ap.error(f"--datasets: choose from {', '.join(DATASETS)}")
     import ray
 
-    from ..runtime.cluster import start_local_ray
+    from malleus_svc.runtime.cluster import start_local_ray
 
     own = not ray.is_initialized()
     if own:
-        start_local_ray(4, include_dashboard=False, log_to_driver=False)
+        start_local_ray(WORKERS, include_dashboard=False, log_to_driver=False)
     t0 = time.perf_counter()
     try:
         result = run(args.rounds, args.steps, args.warmup, args.factor, datasets, args.global_batch,

@@ -17,6 +17,7 @@ Tables are printed as markdown, optionally written to BENCHMARKS.md between
 from __future__ import annotations
 
 import argparse
+import os
 import multiprocessing as mp
 import statistics
 import sys
@@ -24,10 +25,10 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..simulate import SYSTEMS, Costs, IterationClock, make_systems, run_trace, simulate
-from ..simulate.baselines import static_plan
-from ..simulate.scenarios import (SETUPS, SINGLE_DEVICE, STRAGGLER_SITUATIONS, dynamic_trace, large_scenario,
-                                  paper_scenario)
+from malleus_svc.simulate import SYSTEMS, Costs, IterationClock, make_systems, run_trace, simulate
+from malleus_svc.simulate.baselines import static_plan
+from malleus_svc.simulate.scenarios import (SETUPS, SINGLE_DEVICE, STRAGGLER_SITUATIONS, dynamic_trace,
+                                            large_scenario, paper_scenario)
 from .planner import write_section
 
 PAPER_BAND = (2.63, 5.28)
@@ -67,7 +68,7 @@ def healthy_throughput(setup: str) -> float:
 
 
 def run_situations(setups, situations) -> list[Row]:
-    from ..simulate import memory_report
+    from malleus_svc.simulate import memory_report
 
     rows = []
     systems = make_systems()
@@ -159,8 +160,8 @@ def traces_table(traces: list[tuple[str, dict]]) -> str:
 
 # ----------------------------------------------------------------------------- part 3: large clusters
 def _plan_in_child(which: str, num_devices: int, seed: int, queue) -> None:
-    from ..planner import authors_plan, plan
-    from ..simulate.baselines import full
+    from malleus_svc.planner import authors_plan, plan
+    from malleus_svc.simulate.baselines import full
     sc = large_scenario(num_devices, seed)
     p = sc.problem()
     t = time.perf_counter()
@@ -170,7 +171,7 @@ def _plan_in_child(which: str, num_devices: int, seed: int, queue) -> None:
 
 def _timed_plan(which: str, num_devices: int, seed: int, timeout: float):
     """(plan or None, seconds) with the planner in a child process we can stop at `timeout`."""
-    from ..plan import Plan
+    from malleus_svc.plan import Plan
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -200,7 +201,7 @@ class LargeRow:
 
 
 def run_large(sizes, timeout: float) -> list[LargeRow]:
-    from ..simulate.baselines import data_only_plan, full
+    from malleus_svc.simulate.baselines import data_only_plan, full
 
     rows = []
     for n in sizes:
@@ -292,7 +293,7 @@ def plot(rows: list[Row], traces, large: list[LargeRow], directory: Path) -> lis
         ax.scatter(xs, ys, label="malleus")
         xa = [r.devices for r in large if not r.timed_out["authors"]]
         ax.scatter(xa, [r.planning_s["authors"] for r in large if not r.timed_out["authors"]], marker="x", label="authors")
-        ax.set(xscale="log", yscale="log", xlabel="devices", ylabel="planning seconds (2-core machine)",
+        ax.set(xscale="log", yscale="log", xlabel="devices", ylabel=f"planning seconds ({os.cpu_count()}-core machine)",
                title="Planning time against cluster size")
         ax.legend()
         fig.tight_layout()
@@ -354,7 +355,7 @@ def main(argv: list[str]) -> int:
     if args.write:
         cmd = ("malleus bench simulate " + " ".join(argv)).strip()
         stamp = time.strftime("%Y-%m-%d")
-        write_section(f"Command: `{cmd}` — {stamp}, 2-core CPU machine, one process (planners on large clusters "
-                      f"in a child process); {elapsed:.0f} s.\n\n{md}", Path(args.write), "bench:simulate")
+        write_section(f"Command: `{cmd}` — {stamp}, {os.cpu_count()}-core CPU machine, one process (planners on "
+                      f"large clusters in a child process); {elapsed:.0f} s.\n\n{md}", Path(args.write), "bench:simulate")
     _log(f"done in {elapsed:.0f} s")
     return 0

@@ -1,7 +1,7 @@
 """`malleus bench calibrate`: fit the simulator's cost coefficients on the real runtime, then
 compare its predicted iteration time with the measured one for several hand-built plans.
 
-Set-up: 2 CPU workers (one logical node of 2 devices, one core each), the `small` preset
+Set-up: 2 CPU workers (one logical node of 2 devices, one logical CPU each), the `small` preset
 (8 blocks), padded fixed-length synthetic data (every micro-batch is `micro × seq_len` tokens, so
 compute per micro-batch is constant). The scenario's baseline layout is TP2, so t0 is one block
 fwd+bwd for one micro-batch on the TP2 group and tp_alpha = (1, t(TP1) / t(TP2)).
@@ -9,12 +9,12 @@ fwd+bwd for one micro-batch on the TP2 group and tp_alpha = (1, t(TP1) / t(TP2))
 What a pipeline hand-off costs here (measured, see BENCHMARKS.md): the runtime posts an isend and
 goes on; the receiver blocks in irecv until the tensor is there. One hand-off of a 128 KiB
 activation costs a fraction of a millisecond end to end. What made PP2 (and DP2) slower than
-single-device runs predict is not the hand-off but the host: with both cores computing, every
-other thread on the machine (Ray's, the OS's, other jobs') is taken out of a worker's compute,
-while a single-device run leaves the second core to them. A replay of measured PP2 steps
-(instrumented workers, quiet machine) through the 1F1B graph with each op's measured wall time
-and zero hand-off reproduces the measured schedule to 0.5-4%; with each op's thread CPU time it
-is 4-21% short.
+single-device runs predict is not the hand-off but the host: with both devices computing, every
+other thread on the host (Ray's, the OS's, other jobs') is taken out of a worker's compute, while
+a single-device run leaves a core to them (measured on a host with as many cores as devices). A
+replay of measured PP2 steps (instrumented workers, quiet machine) through the 1F1B graph with
+each op's measured wall time and zero hand-off reproduces the measured schedule to 0.5-4%; with
+each op's thread CPU time it is 4-21% short.
 
 So the simulator has two physical terms besides compute and gradient reduction, each measured
 directly or fitted on runs that are not the evaluated plans:
@@ -68,7 +68,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..plan import Pipeline, Plan, Stage
+from malleus_svc.plan import Pipeline, Plan, Stage
 from .planner import write_section
 
 LAYERS = 8       # the `small` preset
@@ -223,9 +223,9 @@ def build_problem(fit: ComputeFit, mbs: int, seq_len: int, terms: Terms = Terms(
     """(PlannerProblem, SimOptions) carrying the fitted coefficients (in t0 units)."""
     import dataclasses
 
-    from ..config.scenario import Scenario
-    from ..planner.problem import CommCosts
-    from ..simulate.timeline import SimOptions
+    from malleus_svc.config.scenario import Scenario
+    from malleus_svc.planner.problem import CommCosts
+    from malleus_svc.simulate.timeline import SimOptions
 
     sc = Scenario.from_dict(scenario_dict(fit, mbs, seq_len))
     t0 = fit.t2
@@ -237,7 +237,7 @@ def build_problem(fit: ComputeFit, mbs: int, seq_len: int, terms: Terms = Terms(
 
 
 def sim_seconds(plan: Plan, fit: ComputeFit, mbs: int, seq_len: int, terms: Terms = Terms()) -> float:
-    from ..simulate.timeline import simulate
+    from malleus_svc.simulate.timeline import simulate
 
     problem, opts = build_problem(fit, mbs, seq_len, terms)
     return simulate(plan, problem, options=opts).iteration_seconds
@@ -443,7 +443,7 @@ def measure_links(sizes: Sequence[int], repeats: int, grad_floats: int,
 
 def model_floats(shape) -> int:
     """Parameters (= gradient elements) of the whole model: what a DP2 plan of TP1 stages all-reduces."""
-    from ..geometry import model_parts, part_tensors
+    from malleus_svc.geometry import model_parts, part_tensors
 
     return sum(t.numel for p in model_parts(shape.layers) for t in part_tensors(shape, p))
 
@@ -454,9 +454,9 @@ def boundary_bytes(mbs: int, seq_len: int, hidden: int, itemsize: int = 4) -> in
 
 
 def run(steps: int, rounds: int, mbs: int, seq_len: int, repeats: int = 100) -> tuple[dict, list[dict]]:
-    from ..config.presets import PRESETS
-    from ..runtime.cluster import WorkerGroup
-    from ..runtime.engine import OptimConfig
+    from malleus_svc.config.presets import PRESETS
+    from malleus_svc.runtime.cluster import WorkerGroup
+    from malleus_svc.runtime.engine import OptimConfig
 
     def log(msg: str) -> None:
         print(f"[bench calibrate] {msg}", file=sys.stderr, flush=True)
@@ -626,7 +626,7 @@ def main(argv: list[str]) -> int:
         ap.error("--steps and --rounds must be >= 1")
     import ray
 
-    from ..runtime.cluster import start_local_ray
+    from malleus_svc.runtime.cluster import start_local_ray
 
     load0 = os.getloadavg()
     start_local_ray(DEVICES, include_dashboard=False, log_to_driver=False)
@@ -647,7 +647,7 @@ def main(argv: list[str]) -> int:
         cmd = ("malleus bench calibrate " + " ".join(argv)).strip()
         worst = max(rows, key=lambda r: abs(r["error"]))
         write_section(f"Command: `{cmd}` — {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()}-core CPU machine, "
-                      f"2 CPU worker actors (one per core), `small` preset, padded seq_len {args.seq_len}, "
+                      f"{DEVICES} CPU worker actors, `small` preset, padded seq_len {args.seq_len}, "
                       f"micro-batch {args.micro}, {args.rounds} interleaved rounds × {args.steps} timed steps per "
                       f"plan; load average (1/5/15 min) {load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f} at the start, "
                       f"{load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f} at the end; worst fit-A error "

@@ -1,0 +1,17 @@
+"""Benchmarks behind `malleus bench ...` (or `python -m benchmarks ...`) in a source checkout: each
+prints a table and can write BENCHMARKS.md and plots. Not part of the installed package."""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHES = ("planner", "runtime", "simulate", "malleable", "calibrate", "lengths", "lengths-runtime")
+
+
+def main(argv: list[str] | None = None, prog: str = "malleus bench") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description="Benchmarks that print tables and write BENCHMARKS.md "
+                                 f"rows; `{prog} NAME --help` for each one's options.")
+    ap.add_argument("what", choices=BENCHES, metavar="NAME", help="one of: " + ", ".join(BENCHES))
+    ap.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
+    args = ap.parse_args(argv)
+    return importlib.import_module(f"{__name__}.{args.what.replace('-', '_')}").main(args.rest)
