@@ -143,7 +143,7 @@ class ComputeFit:
 
 @dataclass(frozen=True)
 class Terms:
-    """The simulator's terms besides compute, in seconds (converted to t0 units in build_problem)."""
+    """The simulator's terms besides compute, in seconds (converted to t0 units in calibrated_problem)."""
     handoff: tuple[float, float] = (0.0, 0.0)   # s per micro-batch per boundary: (activation, gradient)
     corun: float = 0.0                           # κ, dimensionless
     sync: float = 0.0                            # s per block: all-reduce of a whole block's gradient
@@ -219,19 +219,17 @@ def scenario_dict(fit: ComputeFit, mbs: int, seq_len: int) -> dict:
             "profile": {"tp_alpha": [1.0, fit.t1 / fit.t2], "t0_seconds": fit.t2}}
 
 
-def build_problem(fit: ComputeFit, mbs: int, seq_len: int, terms: Terms = Terms()):
+def calibrated_problem(fit: ComputeFit, mbs: int, seq_len: int, terms: Terms = Terms()):
     """(PlannerProblem, SimOptions) carrying the fitted coefficients (in t0 units)."""
-    import dataclasses
-
     from malleus_svc.config.scenario import Scenario
-    from malleus_svc.planner.problem import CommCosts
+    from malleus_svc.costmodel.profile import CommCosts
+    from malleus_svc.planner.build import build_problem
     from malleus_svc.simulate.timeline import SimOptions
 
     sc = Scenario.from_dict(scenario_dict(fit, mbs, seq_len))
     t0 = fit.t2
-    sc = dataclasses.replace(sc, comm=CommCosts(p2p_intra_node=terms.p2p / t0, p2p_inter_node=terms.p2p / t0,
-                                                grad_sync_per_block=terms.sync / t0))
-    return sc.problem(), SimOptions(optimizer_per_block=max(0.0, fit.opt_per_block) / t0,
+    comm = CommCosts(p2p_intra_node=terms.p2p / t0, p2p_inter_node=terms.p2p / t0, grad_sync_per_block=terms.sync / t0)
+    return build_problem(sc, comm=comm), SimOptions(optimizer_per_block=max(0.0, fit.opt_per_block) / t0,
                                     handoff=(terms.handoff[0] / t0, terms.handoff[1] / t0),
                                     corun_slowdown=terms.corun)
 
@@ -239,7 +237,7 @@ def build_problem(fit: ComputeFit, mbs: int, seq_len: int, terms: Terms = Terms(
 def sim_seconds(plan: Plan, fit: ComputeFit, mbs: int, seq_len: int, terms: Terms = Terms()) -> float:
     from malleus_svc.simulate.timeline import simulate
 
-    problem, opts = build_problem(fit, mbs, seq_len, terms)
+    problem, opts = calibrated_problem(fit, mbs, seq_len, terms)
     return simulate(plan, problem, options=opts).iteration_seconds
 
 

@@ -7,7 +7,7 @@ scheduling the planning, below), on
 
   lognormal  the runtime's SyntheticVarLen at seq_len 255: lognormal lengths, mean 64, σ 1,
              clipped to [8, 256] (median 38, p90 137): Hydraulis's 32K tail scaled to the
-             256-token context the CPU cost model is swept over (`lengths/sweep.py`);
+             256-token context the CPU cost model is swept over (`runtime/length_sweep.py`);
   python     the bundled Python-source corpus (the first 400 stdlib files), one sequence per
              256-byte piece of each file (corpus_split: documents): mostly full pieces, and each
              file's short remainder;
@@ -22,7 +22,7 @@ differ only in how they use the lengths.
                            micro-batch, the plan's micro-batch count per pipeline (fixed-length
                            packing);
   aware, planned ahead     `control.assign.assign` (dispatch + packing on the cost model the
-                           coordinator fits, `lengths.run_sweep(shape, layers=2, repeats=9)`),
+                           coordinator fits, `runtime.length_sweep.run_sweep(shape, layers=2, repeats=9)`),
                            computed for the whole block before it runs, as a pool of planners
                            working several steps ahead would (Hydraulis, App. E): the step runs
                            with its assignment ready, and the planning time is reported beside it;
@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .planner import write_section
+from malleus_svc.planner.build import build_problem
 
 MODEL = {"layers": 4, "hidden": 64, "heads": 4, "ffn": 128, "vocab": 256, "seq_len": 256}  # tiny, 256-token context
 DATASETS = {
@@ -145,7 +146,7 @@ def run(rounds: int = 4, steps: int = 8, warmup: int = 1, factor: float = 3.0, d
     """Measure every variant (module docstring); Ray must be initialised. Returns variants and setup.
     `time_limit_s`: assign()'s MILP limit; None: the coordinator's, from the last iteration's time."""
     from malleus_svc.control.assign import assign, planning_time_limit
-    from malleus_svc.lengths import run_sweep
+    from malleus_svc.runtime.length_sweep import run_sweep
     from malleus_svc.planner import plan as solve
     from malleus_svc.runtime.cluster import WorkerGroup
     from malleus_svc.runtime.data import GlobalSampler
@@ -160,7 +161,7 @@ def run(rounds: int = 4, steps: int = 8, warmup: int = 1, factor: float = 3.0, d
         f"{sweep['test_max_abs_error']:.1%}")
     healthy = make_plan(job)
     slow = {STRAGGLER: factor}
-    plans = {False: healthy, True: check_plan_for_job(solve(job.scenario.problem(rates=slow), previous=healthy).plan, job)}
+    plans = {False: healthy, True: check_plan_for_job(solve(build_problem(job.scenario, rates=slow), previous=healthy).plan, job)}
     budget = healthy.micro_batch_size * job.data.seq_len   # the fixed split's micro-batch tokens (memory)
     variants = {(ds, s, a): Variant(ds, s, a) for ds in datasets for s in (False, True) for a in ASSIGNMENTS}
     samplers: dict = {}

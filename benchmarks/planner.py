@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from malleus_svc.config import Scenario
+from malleus_svc.planner.build import build_problem
 
 RATES = (1.5, 2.5, 5.0, 12.0)
 SYSTEMS = ("unchanged", "data-only", "no-split", "authors", "malleus")
@@ -69,8 +70,8 @@ def run_case(num_devices: int, seed: int) -> Case:
 
     scenario = scenario_for(num_devices)
     rates = draw_rates(num_devices, random.Random(seed))
-    problem = scenario.problem(rates=rates)
-    healthy = scenario.problem(rates={})
+    problem = build_problem(scenario, rates=rates)
+    healthy = build_problem(scenario, rates={})
     objectives, seconds = {}, {}
 
     def timed(name, fn):

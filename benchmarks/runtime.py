@@ -25,6 +25,7 @@ import sys
 import time
 
 from .planner import write_section
+from malleus_svc.planner.build import build_problem
 
 LAYOUTS = {2: (1, 1, 2), 4: (2, 1, 2), 8: (2, 2, 2)}   # workers -> (dp, tp, pp)
 
@@ -81,7 +82,7 @@ def run_row(model: str, workers: int, steps: int, cores: int) -> dict:
     seq_len = 64 if model == "tiny" else 128
     job = JobConfig.from_dict(job_dict(model, workers, 16, seq_len))
     sc = job.scenario
-    plan = baseline_plan(sc.problem())
+    plan = baseline_plan(build_problem(sc))
     sampler = GlobalSampler(4096, sc.global_batch, seed=0)
     batches = [sampler.next_global_batch() for _ in range(steps + 1)]
     with WorkerGroup(sc.num_devices, sc.gpus_per_node) as group:

@@ -30,6 +30,7 @@ from malleus_svc.simulate.baselines import static_plan
 from malleus_svc.simulate.scenarios import (SETUPS, SINGLE_DEVICE, STRAGGLER_SITUATIONS, dynamic_trace,
                                             large_scenario, paper_scenario)
 from .planner import write_section
+from malleus_svc.planner.build import build_problem
 
 PAPER_BAND = (2.63, 5.28)
 EFFICIENCY_TARGET = 0.90
@@ -59,7 +60,7 @@ class Row:
 
 def healthy_throughput(setup: str) -> float:
     sc = paper_scenario(setup, "healthy")
-    p = sc.problem()
+    p = build_problem(sc)
     best = 0.0
     for s in make_systems(names=("static", "malleus")):
         plan = s.decide(p, None).plan
@@ -76,7 +77,7 @@ def run_situations(setups, situations) -> list[Row]:
         healthy = healthy_throughput(setup)
         for sit in situations:
             sc = paper_scenario(setup, sit)
-            p = sc.problem()
+            p = build_problem(sc)
             row = Row(setup, sit, sum(1.0 / x for x in p.rates) / len(p.rates), healthy)
             current = static_plan(p)
             for s in systems:
@@ -163,7 +164,7 @@ def _plan_in_child(which: str, num_devices: int, seed: int, queue) -> None:
     from malleus_svc.planner import authors_plan, plan
     from malleus_svc.simulate.baselines import full
     sc = large_scenario(num_devices, seed)
-    p = sc.problem()
+    p = build_problem(sc)
     t = time.perf_counter()
     r = plan(full(p)) if which == "malleus" else authors_plan(replace(p, objective="paper"))
     queue.put((r.plan.to_json(), time.perf_counter() - t))
@@ -206,8 +207,8 @@ def run_large(sizes, timeout: float) -> list[LargeRow]:
     rows = []
     for n in sizes:
         sc = large_scenario(n)
-        p = sc.problem()
-        healthy = sc.problem(rates={})
+        p = build_problem(sc)
+        healthy = build_problem(sc, rates={})
         base = static_plan(p)
         ideal_sps = base.global_batch / simulate(static_plan(healthy), healthy).iteration_seconds
         cap = sum(1.0 / x for x in p.rates) / len(p.rates)

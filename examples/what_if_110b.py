@@ -12,6 +12,7 @@ from malleus_svc.config import load_scenario
 from malleus_svc.planner import baseline_plan, plan
 from malleus_svc.planner.describe import plan_table, summary_line
 from malleus_svc.simulate import BUNDLED, simulate
+from malleus_svc.planner.build import build_problem
 
 
 def main() -> None:
@@ -23,7 +24,7 @@ def main() -> None:
     rates = {int(d): float(r) for d, r in rates.items()}
 
     scenario = load_scenario(BUNDLED / "llama110b-64gpu.yaml")   # 80 layers, hidden 8192, FFN 49152
-    problem = scenario.problem(rates=rates, objective="full")     # full: bubbles, p2p, gradient reduction
+    problem = build_problem(scenario, rates=rates, objective="full")     # full: bubbles, p2p, gradient reduction
 
     result = plan(problem)                                        # the bi-level planner (ILPs on HiGHS)
     print(plan_table(result.plan, problem))

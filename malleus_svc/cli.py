@@ -15,6 +15,7 @@ from .config import ConfigError, load_scenario, validate_rates
 from .plan import Plan, PlanError
 from .service import commands
 from .service.commands import parse_rate_assignments
+from .planner.build import build_problem
 
 BUNDLED = Path(__file__).parent / "scenarios"
 
@@ -39,7 +40,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     rates = dict(scenario.rates)
     rates.update(validate_rates(parse_rate_assignments(args.rate, "--rate"), scenario.num_devices, field_name="--rate"))
     overrides = {"objective": args.objective} if args.objective else {}
-    problem = scenario.problem(rates=rates, **overrides)
+    problem = build_problem(scenario, rates=rates, **overrides)
     previous = Plan.load(args.previous) if args.previous else None
     if previous is not None and (previous.num_devices, previous.num_layers) != (problem.num_devices, problem.num_layers):
         raise PlanError(f"--previous plan is for {previous.num_devices} devices and {previous.num_layers} layers, "

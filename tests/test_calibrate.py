@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import BENCHES
-from benchmarks.calibrate import (LAYERS, ComputeFit, Handoff, Samples, Terms, boundary_bytes, build_problem,
+from benchmarks.calibrate import (LAYERS, ComputeFit, Handoff, Samples, Terms, boundary_bytes, calibrated_problem,
                                   calibrate_from, fit_compute, fit_corun, fit_handoff, fit_line, fit_monotone,
                                   measure_rounds, model_floats, one_way, pp2, profile_plans, rescore, sim_seconds,
                                   table, validation_plans)
@@ -132,7 +132,7 @@ def test_model_floats_count_the_whole_gradient():
 
 def test_problem_carries_fitted_coefficients():
     fit = ComputeFit(**TRUE, residual_rms=0.0)
-    problem, opts = build_problem(fit, 1, 128, Terms(handoff=(0.0004, 0.0002), corun=0.3, sync=0.002))
+    problem, opts = calibrated_problem(fit, 1, 128, Terms(handoff=(0.0004, 0.0002), corun=0.3, sync=0.002))
     assert problem.t0_seconds == pytest.approx(TRUE["t2"])
     assert problem.tp_alpha == pytest.approx((1.0, TRUE["t1"] / TRUE["t2"]))
     assert problem.comm.p2p_intra_node == 0.0

@@ -7,6 +7,7 @@ from hypothesis import given, settings, strategies as st
 from malleus_svc.config import ConfigError, PRESETS, Scenario, load_scenario
 from malleus_svc.costmodel import analytic
 from malleus_svc.cli import BUNDLED
+from malleus_svc.planner.build import build_problem
 
 GOOD = {
     "cluster": {"nodes": 2, "gpus_per_node": 8, "gpu_memory_mb": 81920},
@@ -22,13 +23,13 @@ def test_bundled_scenarios_load_and_build_problems():
     assert {"paper-fig4-16gpu", "llama70b-64gpu", "llama110b-64gpu"} <= set(names)
     for name in names:
         s = load_scenario(BUNDLED / f"{name}.yaml")
-        p = s.problem()
+        p = build_problem(s)
         assert len(p.rates) == s.num_devices == p.num_devices
         assert p.num_micro_batches * p.micro_batch_size == s.global_batch
 
 
 def test_fig4_scenario_matches_the_worked_example():
-    p = load_scenario(BUNDLED / "paper-fig4-16gpu.yaml").problem()
+    p = build_problem(load_scenario(BUNDLED / "paper-fig4-16gpu.yaml"))
     assert p.tp_alpha == (1.0, 2.0, 4.0) and p.memory.budget_mb == 40536 - 4096 - 4500
     assert p.rates[5] == 8.0 and p.rates[10] == 2.0 and p.rates[13] == 5.0 and p.rates[0] == 1.0
     assert p.memory.per_layer_mb(4) == 1500 and p.memory.per_layer_mb(1) == 810
@@ -36,18 +37,18 @@ def test_fig4_scenario_matches_the_worked_example():
 
 def test_defaults_come_from_the_model_shape():
     s = Scenario.from_dict(GOOD)
-    p = s.problem()
+    p = build_problem(s)
     assert p.rates[3] == 2.5 and p.rates[12] == 1.5
     # Halving a TP group roughly doubles block time (less TP communication makes it a bit less).
     assert p.tp_alpha[0] == 1.0 and 1.5 < p.tp_alpha[1] < 2.0 and p.tp_alpha[1] < p.tp_alpha[2]
     # More micro-batches in flight need more memory; the list is for d = pp..1.
     assert list(p.memory.layer_mb) == sorted(p.memory.layer_mb, reverse=True)
     assert p.t0_seconds == pytest.approx(analytic.block_seconds(PRESETS["llama-32b"], 4, 1, analytic.DeviceSpec()))
-    assert s.state_sizes.block == PRESETS["llama-32b"].block_params() * 12
+    assert p.state_sizes.block == PRESETS["llama-32b"].block_params() * 12
 
 
 def test_memory_extrapolates_beyond_the_listed_depths():
-    p = load_scenario(BUNDLED / "paper-fig4-16gpu.yaml").problem()
+    p = build_problem(load_scenario(BUNDLED / "paper-fig4-16gpu.yaml"))
     step = 1500 - 1270
     assert p.memory.per_layer_mb(6) == 1500 + 2 * step
 
@@ -127,4 +128,4 @@ def test_fuzzed_fields_give_config_errors_only(path, value):
     except ConfigError as e:
         assert e.field and str(e)
     else:
-        s.problem()  # whatever parses must also build a problem
+        build_problem(s)  # whatever parses must also build a problem

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from malleus_svc.config.job import JobConfig
+from malleus_svc.planner.build import build_problem
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = {"layers": 8, "hidden": 128, "heads": 4, "ffn": 384, "vocab": 256, "seq_len": 128}
@@ -41,7 +42,7 @@ def test_common_mode_slowdown_is_not_a_straggler_but_a_straggler_still_is():
     from malleus_svc.planner import plan as solve
 
     job = job_config("pure")
-    plan = solve(job.scenario.problem()).plan
+    plan = solve(build_problem(job.scenario)).plan
     work = device_work(plan, job.scenario)
     assert set(work) == set(range(8)) and all(w > 0 for w in work.values())
     est = RateEstimator(window=5, common_mode_quantile=0.25)

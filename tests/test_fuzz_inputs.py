@@ -18,6 +18,7 @@ from malleus_svc.config.job import JobConfig
 from malleus_svc.config.scenario import Scenario
 from malleus_svc.control.coordinator import JobCoordinator, MalleusError
 from malleus_svc.service.commands import parse_rate_assignments
+from malleus_svc.planner.build import build_problem
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = yaml.safe_load((REPO / "examples/tiny_job.yaml").read_text())
@@ -88,7 +89,7 @@ def test_scenarios_either_load_and_plan_or_name_the_field(doc):
     from malleus_svc.planner import InfeasibleError
     scenario_doc = {k: v for k, v in doc.items() if k not in ("data", "train", "emulate", "ray", "metrics", "checkpoint")}
     try:
-        problem = Scenario.from_dict(scenario_doc).problem()
+        problem = build_problem(Scenario.from_dict(scenario_doc))
     except ConfigError as e:
         assert e.field and e.accepted, e
         return

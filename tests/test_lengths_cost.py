@@ -170,7 +170,7 @@ def test_analytic_bytes_per_token():
 
 # ------------------------------------------------------------------ real CPU sweep
 def test_cpu_sweep_predicts_heldout_micro_batches_within_15_percent():
-    from malleus_svc.lengths.sweep import run_sweep
+    from malleus_svc.runtime.length_sweep import run_sweep
     model, report = run_sweep("tiny", layers=2, repeats=21, seed=0)
     c = model.at(1)
     detail = "; ".join(f"{r['lengths']}: measured {r['measured_s'] * 1e3:.2f} ms, predicted "

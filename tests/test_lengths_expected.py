@@ -1,5 +1,5 @@
 """lengths.expected: the planner's per-micro-batch time, communication and memory under an observed
-length distribution, and Scenario.problem(lengths=...) taking it (planner integration)."""
+length distribution, and `planner.build.build_problem(scenario, lengths=...)` taking it (planner integration)."""
 from __future__ import annotations
 
 import math
@@ -13,6 +13,7 @@ from malleus_svc.lengths.expected import analytic_cost
 from malleus_svc.planner import evaluate, plan
 from malleus_svc.planner.problem import CommCosts, MemoryProfile, PlannerProblem
 from malleus_svc.simulate.scenarios import paper_scenario
+from malleus_svc.planner.build import build_problem, length_profile
 
 
 def lognormal(seq_len: int, n: int = 5000, seed: int = 0) -> list[int]:
@@ -49,15 +50,15 @@ def test_fixed_lengths_are_exactly_the_planner_assumption():
             p = expected_micro_batch(observed, cost, micro_batch_size=mbs, seq_len=4096, global_batch=gb)
             assert p.is_fixed and (p.time_ratio, p.count_ratio, p.token_ratio, p.memory_ratio) == (1, 1, 1, 1)
     sc = paper_scenario("70b-64gpu", "severe")
-    prof = sc.length_profile([sc.shape.seq_len] * 100)
-    assert prof.is_fixed and sc.problem(lengths=prof) == sc.problem()
+    prof = length_profile(sc, [sc.shape.seq_len] * 100)
+    assert prof.is_fixed and build_problem(sc, lengths=prof) == build_problem(sc)
 
 
 def test_long_tail_cheaper_per_slot_and_histogram_agrees_with_lengths():
     sc = paper_scenario("70b-64gpu", "healthy")
     lens = lognormal(sc.shape.seq_len)
-    p = sc.length_profile(lens)
-    h = sc.length_profile(LengthHistogram.of(lens))
+    p = length_profile(sc, lens)
+    h = length_profile(sc, LengthHistogram.of(lens))
     # Fewer tokens per sample (mean ~L/4) and cheaper tokens (less attention): a slot costs ~a fifth of t0.
     assert 0.15 < p.work_ratio < 0.3 and p.token_ratio < 0.3 and p.count_ratio < 0.3
     assert p.time_ratio < 1.0 and p.work_ratio < p.token_ratio       # short sequences: less attention per token
@@ -88,8 +89,8 @@ def test_inputs_checked_and_nothing_observed():
                                       "profile": {"tp_alpha": [1], "layer_memory_mb": [100, 50],
                                                   "embedding_memory_mb": 10}})
     with pytest.raises(ConfigError, match="length cost"):
-        only_layers.length_profile([4])
-    assert only_layers.length_profile([4, 8], cost, seq_len=8).token_ratio == pytest.approx(0.75)
+        length_profile(only_layers, [4])
+    assert length_profile(only_layers, [4, 8], cost, seq_len=8).token_ratio == pytest.approx(0.75)
 
 
 # ------------------------------------------------------------------ what it does to the planner's problem
@@ -118,18 +119,18 @@ def test_long_tail_changes_the_planners_prediction_and_decision():
     weighs ~5× more against compute, so the planner trades data parallelism for depth (fewer pipelines
     reducing gradients), and that plan is better than the fixed-length one under the observed lengths."""
     sc = paper_scenario("70b-64gpu", "severe")
-    prof = sc.length_profile(lognormal(sc.shape.seq_len))
-    fixed_prof = sc.length_profile([sc.shape.seq_len] * 64)
+    prof = length_profile(sc, lognormal(sc.shape.seq_len))
+    fixed_prof = length_profile(sc, [sc.shape.seq_len] * 64)
 
-    paper = plan(sc.problem(objective="paper")).plan
-    paper_lt = plan(sc.problem(objective="paper", lengths=prof)).plan
+    paper = plan(build_problem(sc, objective="paper")).plan
+    paper_lt = plan(build_problem(sc, objective="paper", lengths=prof)).plan
     assert paper_lt.plan_id == paper.plan_id
     assert paper_lt.predicted_iteration_seconds == pytest.approx(paper.predicted_iteration_seconds * prof.work_ratio)
 
-    full_problem, full_lt_problem = sc.problem(objective="full"), sc.problem(objective="full", lengths=prof)
+    full_problem, full_lt_problem = build_problem(sc, objective="full"), build_problem(sc, objective="full", lengths=prof)
     full = plan(full_problem).plan
     full_lt = plan(full_lt_problem).plan
-    assert plan(sc.problem(objective="full", lengths=fixed_prof)).plan.plan_id == full.plan_id
+    assert plan(build_problem(sc, objective="full", lengths=fixed_prof)).plan.plan_id == full.plan_id
     assert len(full_lt.pipelines) < len(full.pipelines)
     assert full_lt.predicted_iteration_seconds < 0.5 * full.predicted_iteration_seconds
     assert evaluate(full_lt_problem, full_lt) < evaluate(full_lt_problem, full)
@@ -144,10 +145,10 @@ def test_few_tokens_per_iteration_lower_the_memory_rows():
                              "model": "llama-32b", "parallel": {"dp": 1, "tp": 2, "pp": 4},
                              "batch": {"global": 32, "micro": 8}})
     L = sc.shape.seq_len
-    assert sc.length_profile([L // 4] * 32).memory_ratio == 1.0
-    prof = sc.length_profile([L // 32] * 32)
+    assert length_profile(sc, [L // 4] * 32).memory_ratio == 1.0
+    prof = length_profile(sc, [L // 32] * 32)
     assert prof.memory_tokens == L and prof.memory_ratio == 1 / 8 and prof.count_ratio == 1 / 4
-    base, lt = sc.problem(), sc.problem(lengths=prof)
+    base, lt = build_problem(sc), build_problem(sc, lengths=prof)
     for d in range(1, 5):
         assert lt.memory.per_layer_mb(d) < base.memory.per_layer_mb(d)
     from malleus_svc.planner.lower import layer_caps

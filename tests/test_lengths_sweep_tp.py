@@ -1,4 +1,4 @@
-"""The length sweep per TP degree (malleus_svc.lengths.sweep): TP 2 timed on a real gloo group of
+"""The length sweep per TP degree (malleus_svc.runtime.length_sweep): TP 2 timed on a real gloo group of
 two processes running the runtime's sharded blocks, fitted, merged with TP 1, and checked on
 held-out packs. The fitted cost model should be within 15%: TP 1 holds it in every run. TP 2 on
 this machine does on average (mean 4-10%), but its worst held-out pack missed by 9-21% across
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from malleus_svc.lengths import LengthError
-from malleus_svc.lengths.sweep import run_sweeps, time_micro_batches
+from malleus_svc.runtime.length_sweep import run_sweeps, time_micro_batches
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
 """Lower level of the planner (ILP-1 layers, ILP-2 micro-batches): hand checks, oracles, regressions.
 
 Oracles: the worked example (top plans, memory check), brute-force enumeration on tiny instances,
-and HiGHS (raw model output, read straight from `planner.highs`) on larger random ones.
+and HiGHS (raw model output, read straight from `planner.ilp`) on larger random ones.
 """
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from malleus_svc.planner import highs
+from malleus_svc.planner import ilp
 from malleus_svc.planner.lower import (
-    DataSolution, LayerSolution, PlannerInternalError, SolverError, layer_caps, solve_layers,
+    DataSolution, LayerSolution, PlannerInternalError, layer_caps, solve_layers,
     solve_micro_batches,
 )
-from malleus_svc.planner.problem import MemoryProfile
+from malleus_svc.costmodel.profile import MemoryProfile
+from malleus_svc.highs import SolverError
 
 # The worked example: K for d = 4..1, E, X0, C, delta  ->  C - delta = 36440, budget C - delta - X0 = 31940
 GPT_MEM = MemoryProfile(layer_mb=(1500, 1270, 1040, 810), embedding_mb=600, reserved_mb=4500,
@@ -204,7 +205,7 @@ def test_micro_batches_closed_form_against_brute_force(inst):
 def test_layers_closed_form_against_highs(inst):
     y, h, L, mem, e = inst
     ee = e or [0.0] * len(y)
-    raw = highs.solve_layers_model(y, h, L, mem, ee, time_limit_s=10.0, mip_gap=0.0)
+    raw = ilp.solve_layers_model(y, h, L, mem, ee, time_limit_s=10.0, mip_gap=0.0)
     sol = solve_layers(y, h, L, mem, extra=e)
     assert (raw is None) == (sol is None)
     if sol is not None:
@@ -220,7 +221,7 @@ def test_micro_batches_closed_form_against_highs(inst):
     z, s, M, obj = inst
     lower = list(s) if obj == "paper" else [1] * len(z)
     offsets = [0.0] * len(z) if obj == "paper" else [(si - 1) * zi for si, zi in zip(s, z)]
-    raw = highs.solve_micro_batches_model(z, offsets, lower, M, time_limit_s=10.0, mip_gap=0.0)
+    raw = ilp.solve_micro_batches_model(z, offsets, lower, M, time_limit_s=10.0, mip_gap=0.0)
     sol = solve_micro_batches(z, s, M, obj)
     assert (raw is None) == (sol is None)
     if sol is not None:
@@ -308,8 +309,8 @@ def test_fault_3_twelve_stages_and_pipelines_keep_their_order(solver):
     assert solve_layers(y, [1] * n, sum(expected), ROOMY, solver=solver) == LayerSolution(27720.0, expected)
     assert solve_micro_batches(y, [1] * n, sum(expected), solver=solver) == DataSolution(27720.0, expected)
     # The raw HiGHS output, before any canonicalisation, is in index order too.
-    assert highs.solve_layers_model(y, [1] * n, sum(expected), ROOMY, [0.0] * n, 10.0, 0.0) == list(expected)
-    assert highs.solve_micro_batches_model(y, [0.0] * n, [1] * n, sum(expected), 10.0, 0.0) == list(expected)
+    assert ilp.solve_layers_model(y, [1] * n, sum(expected), ROOMY, [0.0] * n, 10.0, 0.0) == list(expected)
+    assert ilp.solve_micro_batches_model(y, [0.0] * n, [1] * n, sum(expected), 10.0, 0.0) == list(expected)
 
 
 # ------------------------------------------------------------------ errors and cost

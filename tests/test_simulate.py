@@ -17,6 +17,7 @@ from malleus_svc.simulate import (Costs, Phase, SimOptions, Trace, make_systems,
                                   one_f_one_b, run_trace, simulate, simulate_cli)
 from malleus_svc.simulate.baselines import data_only_plan, restart_plan, static_plan, straggler_nodes
 from malleus_svc.simulate.memory import device_peak_mb
+from malleus_svc.planner.build import build_problem
 
 NO_OPT = SimOptions(optimizer_per_block=0.0, record_ops=True)
 MEM = MemoryProfile(layer_mb=(1500, 1270, 1040, 810), embedding_mb=600, reserved_mb=4500,
@@ -326,7 +327,7 @@ def small_scenario(rates, nodes=2) -> Scenario:
 
 
 def test_static_and_data_only_plans():
-    p = small_scenario({3: 5.0}).problem()
+    p = build_problem(small_scenario({3: 5.0}))
     base = static_plan(p)
     assert [[s.devices for s in pp.stages] for pp in base.pipelines] == [[(0, 1, 2, 3), (4, 5, 6, 7)],
                                                                          [(8, 9, 10, 11), (12, 13, 14, 15)]]
@@ -338,7 +339,7 @@ def test_static_and_data_only_plans():
 
 def test_restart_drops_straggler_nodes_and_pays_once():
     sc = small_scenario({3: 5.0}, nodes=4)
-    p = sc.problem()
+    p = build_problem(sc)
     assert straggler_nodes(p) == {0}
     new = restart_plan(p)
     assert not {d for d in new.active_devices if d < 8} and new.active_devices and new.global_batch == 64
@@ -348,7 +349,7 @@ def test_restart_drops_straggler_nodes_and_pays_once():
     again = restart.decide(p, d.plan)
     assert again.plan.plan_id == new.plan_id and again.stall_seconds == 0
     # Stragglers on every node: nothing to restart on, the static plan keeps running.
-    everywhere = small_scenario({3: 5.0, 12: 5.0}).problem()
+    everywhere = build_problem(small_scenario({3: 5.0, 12: 5.0}))
     assert restart_plan(everywhere).plan_id == static_plan(everywhere).plan_id
 
 
@@ -366,7 +367,7 @@ def test_migration_seconds_by_hand():
 
 
 def test_authors_and_ours_migrate_from_the_plan_in_force():
-    p = small_scenario({5: 8.0, 10: 2.0, 13: 5.0}).problem()
+    p = build_problem(small_scenario({5: 8.0, 10: 2.0, 13: 5.0}))
     base = static_plan(p)
     for s in make_systems(names=("authors", "malleus")):
         d = s.decide(p, base)
@@ -381,7 +382,7 @@ GRID = [{}, {5: 8.0, 10: 2.0, 13: 5.0}, {3: 1.5}, {3: 5.0}, {0: 12.53, 9: 2.57},
 
 @pytest.mark.parametrize("rates", GRID)
 def test_ours_never_slower_than_any_baseline(rates):
-    p = small_scenario(rates).problem()
+    p = build_problem(small_scenario(rates))
     base = static_plan(p)
     t = {s.name: simulate(s.decide(p, base).plan, p).iteration_t0 for s in make_systems()}
     assert all(t["malleus"] <= v * (1 + 1e-9) for v in t.values()), t
@@ -394,8 +395,8 @@ def test_trace_charges_switches():
     costs = Costs(restart_seconds=300, checkpoint_interval_seconds=600)
     res = {s.name: run_trace(sc, trace, s, costs) for s in make_systems(costs)}
     assert res["static"].switches == 0 and res["static"].stall_seconds == 0
-    healthy_s = simulate(static_plan(sc.problem()), sc.problem()).iteration_seconds
-    slow_s = simulate(static_plan(sc.problem()), sc.problem(rates={3: 5.0})).iteration_seconds
+    healthy_s = simulate(static_plan(build_problem(sc)), build_problem(sc)).iteration_seconds
+    slow_s = simulate(static_plan(build_problem(sc)), build_problem(sc, rates={3: 5.0})).iteration_seconds
     assert res["static"].samples == pytest.approx(600 / healthy_s * 32 + 3600 / slow_s * 32)
     assert res["restart"].stall_seconds == 300 and res["restart"].lost_samples == pytest.approx(300 / healthy_s * 32)
     assert res["malleus"].switches == 1 and 0 < res["malleus"].stall_seconds < 60

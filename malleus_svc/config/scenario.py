@@ -1,4 +1,7 @@
-"""Scenario files: a cluster, a model, a baseline layout, a batch, rates -> a PlannerProblem.
+"""Scenario files: a cluster, a model, a baseline layout, a batch, rates; validated, nothing derived.
+
+`planner.build` turns a scenario into the planner's input; `costmodel.scenario` fills in the profile
+terms a scenario leaves out.
 
 Format (YAML or JSON; see README "Scenario format"):
 
@@ -26,9 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..costmodel import analytic
-from ..planner.problem import OBJECTIVES, CommCosts, MemoryProfile, PlannerProblem
-from ..plan import StateSizes
+from .device import DeviceSpec
 from .errors import ConfigError
 from .fields import Section, check_float
 from .presets import PRESETS, ModelShape
@@ -36,6 +37,21 @@ from .presets import PRESETS, ModelShape
 SCENARIO_KEYS = ("name", "cluster", "model", "parallel", "batch", "profile", "device", "rates",
                  "excluded", "planner")
 _SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelShape))
+OBJECTIVES = ("paper", "bubble", "full")          # the planner's objectives (planner.problem)
+SOLVERS = ("closed_form", "highs", "both")        # how the planner's lower level is solved (planner.lower)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The `profile:` section as given; None means "derive it from the model" (costmodel.scenario)."""
+
+    tp_alpha: tuple[float, ...] | None = None
+    layer_memory_mb: tuple[float, ...] | None = None
+    embedding_memory_mb: float | None = None
+    reserved_memory_mb: float = 4500.0
+    safety_margin_mb: float = 4096.0
+    t0_seconds: float | None = None
+    tp_weight: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -51,16 +67,11 @@ class Scenario:
     pp: int
     global_batch: int
     micro_batch: int
-    memory: MemoryProfile
-    tp_alpha: tuple[float, ...]
-    t0_seconds: float
-    comm: CommCosts
-    state_sizes: StateSizes
+    profile: Profile = Profile()
     rates: Mapping[int, float] = field(default_factory=dict)
     excluded: frozenset[int] = frozenset()
-    tp_weight: tuple[float, ...] | None = None
     planner: Mapping[str, Any] = field(default_factory=dict)
-    device: analytic.DeviceSpec = field(default_factory=analytic.DeviceSpec)   # what the defaults were computed for
+    device: DeviceSpec = field(default_factory=DeviceSpec)   # what the derived profile terms assume
 
     @property
     def num_devices(self) -> int:
@@ -73,39 +84,6 @@ class Scenario:
     def rate_vector(self, rates: Mapping[int, float] | None = None) -> tuple[float, ...]:
         r = self.rates if rates is None else rates
         return tuple(float(r.get(d, 1.0)) for d in range(self.num_devices))
-
-    def problem(self, rates: Mapping[int, float] | None = None, excluded=None, lengths=None,
-                **overrides: Any) -> PlannerProblem:
-        """The planner's input under these (or other) rates and exclusions; with `lengths` (a
-        `lengths.expected.LengthProfile`, see `length_profile`), its per-micro-batch time,
-        communication and memory terms follow that length distribution instead of fixed-length
-        micro-batches (`LengthProfile.apply`)."""
-        if rates is not None:
-            rates = validate_rates(rates, self.num_devices)
-        kw = dict(self.planner)
-        kw.update(overrides)
-        problem = PlannerProblem(
-            num_nodes=self.nodes, gpus_per_node=self.gpus_per_node, num_layers=self.num_layers,
-            dp=self.dp, tp=self.tp, pp=self.pp, num_micro_batches=self.num_micro_batches,
-            micro_batch_size=self.micro_batch, rates=self.rate_vector(rates), tp_alpha=self.tp_alpha,
-            memory=self.memory, excluded=frozenset(self.excluded if excluded is None else excluded),
-            comm=self.comm, t0_seconds=self.t0_seconds, tp_weight=self.tp_weight,
-            state_sizes=self.state_sizes, **kw)
-        return problem if lengths is None else lengths.apply(problem)
-
-    def length_profile(self, observed, cost=None, *, seq_len: int | None = None, quantile: float = 1.0):
-        """`lengths.expected.expected_micro_batch` of the observed lengths (a `LengthHistogram` or a
-        list) for this scenario's batch: micro-batches of `micro` samples of `seq_len` tokens
-        (default: the model's), `global` samples per iteration. `cost` (a `LengthCost`) defaults to
-        the analytic block time the scenario's own t0 comes from. None when nothing was observed."""
-        from ..lengths.expected import analytic_cost, expected_micro_batch
-        if self.shape is None and (cost is None or seq_len is None):
-            raise ConfigError("model", self.num_layers, "a model shape, or both a length cost and seq_len, to "
-                                                        "price variable-length micro-batches")
-        cost = cost or analytic_cost(self.shape, self.tp, self.device)
-        return expected_micro_batch(observed, cost, micro_batch_size=self.micro_batch,
-                                    seq_len=seq_len or self.shape.seq_len, global_batch=self.global_batch,
-                                    tp=self.tp, quantile=quantile)
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -154,13 +132,11 @@ class Scenario:
         if tp_alpha is None:
             if shape is None:
                 raise ConfigError("profile.tp_alpha", None, "required when the model gives only `layers`", source)
-            tp_alpha = analytic.tp_alpha(shape, tp, mb, dev)
         elif len(tp_alpha) < n_alpha:
             raise ConfigError("profile.tp_alpha", list(tp_alpha), f"needs {n_alpha} values, for group sizes "
                               f"{', '.join(str(tp >> r) for r in range(n_alpha))}", source)
         elif abs(tp_alpha[0] - 1.0) > 1e-9:
             raise ConfigError("profile.tp_alpha", list(tp_alpha), "the first value (full-size group) must be 1", source)
-        tp_alpha = tuple(tp_alpha[:n_alpha])
         reserved = prof.float("reserved_memory_mb", 4500.0, minimum=0)
         safety = prof.float("safety_margin_mb", 4096.0, minimum=0)
         layer_mb = prof.float_list("layer_memory_mb", None, minimum=0, exclusive=True)
@@ -169,18 +145,13 @@ class Scenario:
             for key, v in (("layer_memory_mb", layer_mb), ("embedding_memory_mb", emb)):
                 if v is None:
                     raise ConfigError(f"profile.{key}", None, "required when the model gives only `layers`", source)
-        else:
-            auto = analytic.memory_profile(shape, tp, pp, mb, mem_mb, reserved, safety, dev)
-            layer_mb = auto.layer_mb if layer_mb is None else layer_mb
-            emb = auto.embedding_mb if emb is None else emb
-        memory = MemoryProfile(layer_mb=tuple(layer_mb), embedding_mb=emb, reserved_mb=reserved,
-                               safety_margin_mb=safety, gpu_memory_mb=mem_mb)
-        default_t0 = analytic.block_seconds(shape, tp, mb, dev) if shape is not None else 1.0
-        t0 = prof.float("t0_seconds", default_t0, minimum=0, exclusive=True)
+        t0 = prof.float("t0_seconds", minimum=0, exclusive=True) if prof.has("t0_seconds") else None
         tp_weight = prof.float_list("tp_weight", None, minimum=0, exclusive=True)
         prof.done()
-        comm = analytic.comm_costs(shape, tp, dp, mb, dev) if shape is not None else CommCosts()
-        sizes = analytic.state_sizes(shape) if shape is not None else StateSizes()
+        profile = Profile(tp_alpha=None if tp_alpha is None else tuple(tp_alpha[:n_alpha]),
+                          layer_memory_mb=None if layer_mb is None else tuple(layer_mb), embedding_memory_mb=emb,
+                          reserved_memory_mb=reserved, safety_margin_mb=safety, t0_seconds=t0,
+                          tp_weight=None if tp_weight is None else tuple(tp_weight))
 
         n = nodes * gpn
         rates = validate_rates(root.raw("rates", {}) or {}, n, source=source)
@@ -188,9 +159,8 @@ class Scenario:
         planner = _parse_planner(root.section("planner"))
         root.done()
         return cls(name=name, nodes=nodes, gpus_per_node=gpn, gpu_memory_mb=mem_mb, num_layers=num_layers,
-                   shape=shape, dp=dp, tp=tp, pp=pp, global_batch=gb, micro_batch=mb, memory=memory,
-                   tp_alpha=tp_alpha, t0_seconds=t0, comm=comm, state_sizes=sizes, rates=rates,
-                   excluded=frozenset(excluded), tp_weight=tp_weight, planner=planner, device=dev)
+                   shape=shape, dp=dp, tp=tp, pp=pp, global_batch=gb, micro_batch=mb, profile=profile,
+                   rates=rates, excluded=frozenset(excluded), planner=planner, device=dev)
 
 
 def _parse_model(root: Section, source: str | None) -> tuple[ModelShape | None, int]:
@@ -226,10 +196,10 @@ def _parse_model(root: Section, source: str | None) -> tuple[ModelShape | None, 
     return shape, shape.layers
 
 
-def _parse_device(s: Section) -> analytic.DeviceSpec:
-    d = analytic.DeviceSpec()
-    spec = analytic.DeviceSpec(**{f.name: s.float(f.name, getattr(d, f.name), minimum=0, exclusive=True)
-                                  for f in dataclasses.fields(analytic.DeviceSpec)})
+def _parse_device(s: Section) -> DeviceSpec:
+    d = DeviceSpec()
+    spec = DeviceSpec(**{f.name: s.float(f.name, getattr(d, f.name), minimum=0, exclusive=True)
+                         for f in dataclasses.fields(DeviceSpec)})
     s.done()
     return spec
 
@@ -239,7 +209,7 @@ def _parse_planner(s: Section) -> dict[str, Any]:
     if s.has("objective"):
         out["objective"] = s.choice("objective", OBJECTIVES)
     if s.has("solver"):
-        out["solver"] = s.choice("solver", ("closed_form", "highs", "both"))
+        out["solver"] = s.choice("solver", SOLVERS)
     if s.has("straggler_threshold"):
         out["straggler_threshold"] = s.float("straggler_threshold", minimum=1.0)
     if s.has("time_limit_s"):

@@ -50,7 +50,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from malleus_svc.config.job import JobConfig
+from malleus_svc.costmodel.scenario import scenario_costs
 from malleus_svc.plan import Plan
+from malleus_svc.planner.build import build_problem, length_profile
 
 from malleus_svc.runtime.cluster import WorkerGroupError
 
@@ -275,7 +277,7 @@ class JobCoordinator:
         """(lock held) Fit the per-layer time of a micro-batch from its sequence lengths on this
         machine (lengths.sweep through the runtime's own blocks, on real TP groups for TP > 1), for
         `assign`. Every TP degree up to the job's: a re-plan may split TP groups into smaller ones."""
-        from malleus_svc.lengths.sweep import run_sweeps
+        from malleus_svc.runtime.length_sweep import run_sweeps
         from malleus_svc.geometry import tp_divisibility_error
 
         from .assign import Lookahead
@@ -658,7 +660,7 @@ class JobCoordinator:
 
     def _problem(self, rates: Mapping[int, float], excluded: set[int]):
         snapped = {d: (r if r >= self.policy.threshold else 1.0) for d, r in rates.items() if d not in excluded}
-        return self.job.scenario.problem(rates=snapped, excluded=frozenset(excluded), lengths=self._length_profile())
+        return build_problem(self.job.scenario, rates=snapped, excluded=frozenset(excluded), lengths=self._length_profile())
 
     def _length_profile(self):
         """The planner's view of the sampled lengths (lengths/expected.py): what a packed micro-batch
@@ -673,7 +675,7 @@ class JobCoordinator:
             key = (id(hist), hist.count)
             if key != self._profile_key:
                 try:
-                    self._profile = self.job.scenario.length_profile(hist, self._length_cost,
+                    self._profile = length_profile(self.job.scenario, hist, self._length_cost,
                                                                      seq_len=self.job.data.seq_len)
                 except Exception as e:   # never let the length view stop planning: plan at fixed length
                     log.warning("length profile unavailable (%s); planning with fixed-length micro-batches", e)
@@ -722,7 +724,7 @@ class JobCoordinator:
         """(bytes, seconds) of switching from old to new."""
         if old.plan_id == new.plan_id:
             return 0.0, 0.0
-        nbytes = Plan.diff(old, new, self.job.scenario.state_sizes).moved_bytes
+        nbytes = Plan.diff(old, new, scenario_costs(self.job.scenario).state_sizes).moved_bytes
         zero = [s for b, s in self._migrations if b <= 0]
         with_bytes = [(s - (statistics.median(zero) if zero else 0.0)) / b for b, s in self._migrations if b > 0]
         overhead = statistics.median(zero) if zero else (
@@ -743,7 +745,7 @@ class JobCoordinator:
                 last_it = self.records[-1]["iteration_seconds"] if self.records else None
             if unit is None:  # no measurement yet: the plan in force's last iteration, else the profile's t0
                 obj = evaluate(problem, current)
-                unit = (last_it / obj) if (last_it and obj > 0) else self.job.scenario.t0_seconds
+                unit = (last_it / obj) if (last_it and obj > 0) else scenario_costs(self.job.scenario).t0_seconds
             with self._lock:
                 remaining = max(self.steps_total - self.step - 1, 0)
             membership = set(current.excluded) != set(rnd.excluded)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config.device import DeviceSpec
 from ..config.presets import ModelShape
 from ..plan import StateSizes
-from ..planner.problem import CommCosts, MemoryProfile
+from .profile import CommCosts, MemoryProfile
 
 MB = 1024.0 * 1024.0
 
@@ -20,21 +21,6 @@ MB = 1024.0 * 1024.0
 TRAIN_STATE_BYTES_PER_PARAM = 18.0
 # What migrates at an iteration boundary: fp32 master weights and the two Adam moments.
 MIGRATED_BYTES_PER_PARAM = 12.0
-
-
-@dataclass(frozen=True)
-class DeviceSpec:
-    """Sustained speeds of one accelerator and its links (defaults: an A800/A100-80GB class node)."""
-
-    peak_tflops: float = 312.0          # dense bf16
-    efficiency: float = 0.45            # sustained fraction of peak for transformer blocks
-    intra_node_gbps: float = 200.0      # NVLink, per direction, GB/s
-    inter_node_gbps: float = 25.0       # 200 Gb/s InfiniBand per GPU, GB/s
-    act_bytes: float = 2.0              # bf16 activations
-
-    @property
-    def flops_per_second(self) -> float:
-        return self.peak_tflops * 1e12 * self.efficiency
 
 
 def _allreduce_seconds(nbytes: float, ranks: int, gbps: float) -> float:

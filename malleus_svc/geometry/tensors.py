@@ -12,14 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
+from ..config.presets import ModelShape
 from .shards import WHOLE, Span, rows_of, shard_of
-
-# ModelShape is only read here. Importing it at run time would run malleus_svc.config's package
-# imports (scenario, cost model), which import plan, which imports this module.
-if TYPE_CHECKING:
-    from malleus_svc.config.presets import ModelShape
 
 Part = int | str
 EMBEDDING = "embedding"

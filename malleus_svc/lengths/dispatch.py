@@ -203,9 +203,9 @@ def dispatch(lengths: Sequence[float], pipelines: Sequence[PipelineSpec], cost: 
     g_times = [t.estimate([lengths[i] for i in a]) for t, a in zip(terms, g_assign)]
     g_obj = max(g_times)
 
-    from . import _highs
-    use_ilp = solver == "ilp" or (solver == "auto" and len(lengths) > 0 and _highs.available())
-    if solver == "ilp" and not _highs.available():
+    from .. import highs
+    use_ilp = solver == "ilp" or (solver == "auto" and len(lengths) > 0 and highs.available())
+    if solver == "ilp" and not highs.available():
         raise LengthError("solver", solver, "'greedy' or 'auto': HiGHS (highspy) is not installed")
     ilp_assign, status, bound, ilp_secs = None, "skipped", None, 0.0
     if use_ilp:
@@ -245,7 +245,7 @@ def _classes(lengths, reach, bucket) -> list[tuple[float, list[int], tuple[int, 
 def _solve_milp(lengths, reach, pipelines, costs, terms: list[_PipeTerms], g_assign, time_limit_s, mip_gap, bucket):
     import pyomo.environ as pyo
 
-    from . import _highs
+    from .. import highs
 
     classes = _classes(lengths, reach, bucket)
     d = len(pipelines)
@@ -318,7 +318,7 @@ def _solve_milp(lengths, reach, pipelines, costs, terms: list[_PipeTerms], g_ass
     m.z.value = ub
     m.upper = pyo.Constraint(expr=m.z <= ub * (1 + 1e-9) + 1e-12)
 
-    out = _highs.solve(m, time_limit_s, mip_gap)
+    out = highs.solve(m, time_limit_s, mip_gap)
     bound = out.bound if bucket == 1 else None
     if not out.loaded:
         return None, out.status, bound, out.seconds

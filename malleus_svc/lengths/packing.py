@@ -216,7 +216,7 @@ def _milp(lengths, model: _Model, v: int, cap: float, start: list[list[int]] | N
     """Exactly v non-empty bins, min of the objective written linearly; (bins or None, optimal?)."""
     import pyomo.environ as pyo
 
-    from . import _highs
+    from .. import highs
 
     counts = Counter(lengths)
     classes = sorted(counts, reverse=True)
@@ -263,7 +263,7 @@ def _milp(lengths, model: _Model, v: int, cap: float, start: list[list[int]] | N
                 m.t[b].value = max(taus[b])
             m.fill.value = max(sum(t) - t[ref] for t in taus)
 
-    out = _highs.solve(m, time_limit_s, mip_gap)
+    out = highs.solve(m, time_limit_s, mip_gap)
     if not out.loaded:
         return None, out.status == "infeasible"   # proven infeasible counts as settled
     pools = {x: list(members[x]) for x in classes}

@@ -64,7 +64,7 @@ last bit. A slot counts as "<= v" when a * n + b <= v + 1e-9 * max(1, |v|) (rela
 recomputed from the chosen integers, so it is exactly max_j (a_j * x_j + b_j) of what is returned.
 
 Solvers. 'closed_form' (default) is the above. 'highs' builds the Pyomo model (memory rows written
-out as in the memory model; `malleus_svc.planner.highs`, imported lazily) and lets HiGHS find the optimum v;
+out as in the memory model; `malleus_svc.planner.ilp`, imported lazily) and lets HiGHS find the optimum v;
 its integer vector is checked against the model and the returned vector is then chosen by the
 same tie-break at HiGHS's v, so the solver never changes the layout. 'both' runs the two and
 raises PlannerInternalError unless they agree on feasibility and on v within HiGHS's own
@@ -78,18 +78,15 @@ import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
-from .problem import OBJECTIVES, MemoryProfile
+from ..config.scenario import OBJECTIVES, SOLVERS
+from ..costmodel.profile import MemoryProfile
+from ..highs import SolverError
 
 REL_TOL = 1e-9      # relative tolerance when comparing a slot value a*n+b with a bottleneck v
-SOLVERS = ("closed_form", "highs", "both")
 
 
 class PlannerInternalError(RuntimeError):
     """An internal invariant broke (e.g. the closed form and HiGHS disagree): a bug, not bad input."""
-
-
-class SolverError(RuntimeError):
-    """HiGHS could not answer: error status, or a limit was hit before any feasible solution."""
 
 
 @dataclass(frozen=True)
@@ -224,8 +221,8 @@ def solve_micro_batches(z: Sequence[float], stages: Sequence[int], num_micro_bat
 
 
 def _highs():
-    from . import highs  # lazy: Pyomo costs ~0.3 s to import and is not needed on the closed-form path
-    return highs
+    from . import ilp  # lazy: Pyomo costs ~0.3 s to import and is not needed on the closed-form path
+    return ilp
 
 
 def _solve_min_max(a, b, lo, hi, total, pref, solver, mip_gap, run_highs, what, detail, infeasible=False):

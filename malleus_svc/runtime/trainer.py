@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from malleus_svc.config.job import JobConfig
 from malleus_svc.plan import Plan, PlanError
+from malleus_svc.planner.build import build_problem
 
 
 def optim_config(job: JobConfig):
@@ -36,4 +37,4 @@ def make_plan(job: JobConfig) -> Plan:
     """The planner's plan for the scenario (its rates and exclusions)."""
     from malleus_svc.planner import plan as solve
 
-    return check_plan_for_job(solve(job.scenario.problem()).plan, job, "the planner's plan")
+    return check_plan_for_job(solve(build_problem(job.scenario)).plan, job, "the planner's plan")

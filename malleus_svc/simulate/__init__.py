@@ -21,6 +21,7 @@ from .baselines import SYSTEMS, Costs, Decision, System, make_systems, migration
 from .memory import MemoryReport, StageMemory, memory_report
 from .timeline import SimOptions, SimResult, SimulationError, simulate
 from .trace import IterationClock, Phase, Trace, TraceResult, run_trace, trace_from_dict
+from ..planner.build import build_problem
 
 __all__ = ["SYSTEMS", "Costs", "Decision", "System", "make_systems", "migration_seconds", "restart_plan",
            "MemoryReport", "StageMemory", "memory_report", "SimOptions", "SimResult", "SimulationError",
@@ -117,7 +118,7 @@ def simulate_cli(argv: list[str]) -> int:
             if not sep:
                 raise ConfigError("--rate", item, "expected DEVICE=RATE, e.g. --rate 5=3.0")
         rates = validate_rates(rates, scenario.num_devices, field_name="--rate")
-        problem = scenario.problem(rates=rates)
+        problem = build_problem(scenario, rates=rates)
         options = SimOptions(backward_ratio=args.backward_ratio, p2p=args.p2p)
         if args.plan:
             decisions = [("plan file", Decision(Plan.load(args.plan)))]
@@ -128,7 +129,7 @@ def simulate_cli(argv: list[str]) -> int:
                          for s in make_systems(Costs(), options, names)]
         print(f"{scenario.name}: {scenario.num_devices} devices, {scenario.num_layers} blocks, "
               f"{scenario.num_micro_batches} micro-batches; true rates "
-              f"{ {d: x for d, x in sorted(rates.items()) if x != 1.0} or 'all 1.0'}; t0 = {scenario.t0_seconds * 1e3:.1f} ms; "
+              f"{ {d: x for d, x in sorted(rates.items()) if x != 1.0} or 'all 1.0'}; t0 = {problem.t0_seconds * 1e3:.1f} ms; "
               f"p2p {options.p2p}, backward = {options.backward_ratio:g} x forward")
         summary = []
         for name, dec in decisions:

@@ -23,6 +23,7 @@ from ..config import Scenario
 from ..plan import Plan
 from .baselines import Costs, System
 from .timeline import SimOptions, simulate
+from ..planner.build import build_problem
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class IterationClock:
     def seconds(self, plan: Plan, rates: Mapping[int, float]) -> float:
         key = (plan.plan_id, tuple(sorted(rates.items())))
         if key not in self._memo:
-            problem = self.scenario.problem(rates=rates)
+            problem = build_problem(self.scenario, rates=rates)
             self._memo[key] = simulate(plan, problem, options=self.options).iteration_seconds
         return self._memo[key]
 
@@ -83,7 +84,7 @@ def run_trace(scenario: Scenario, trace: Trace, system: System, costs: Costs = C
     gb = scenario.global_batch
     res = TraceResult(system.name, trace.seconds)
     first = trace.phases[0]
-    current = system.decide(scenario.problem(rates=first.rates), None).plan
+    current = system.decide(build_problem(scenario, rates=first.rates), None).plan
     debt = 0.0     # seconds of a switch that spilled over from the previous phase (no progress)
     for k, phase in enumerate(trace.phases):
         left = phase.seconds
@@ -93,7 +94,7 @@ def run_trace(scenario: Scenario, trace: Trace, system: System, costs: Costs = C
         if k > 0:
             prev_t = clock.seconds(current, trace.phases[k - 1].rates)
             # 1 + 2: detection and planning, training on the old plan meanwhile.
-            decision = system.decide(scenario.problem(rates=phase.rates), current)
+            decision = system.decide(build_problem(scenario, rates=phase.rates), current)
             res.planning_seconds += decision.planning_seconds
             react = costs.detect_iterations * t_new + decision.planning_seconds
             run = min(left, react)

@@ -53,7 +53,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .cost import LengthCost, LengthError, nnls
+from ..lengths.cost import LengthCost, LengthError, nnls
 
 Mix = Sequence[int]
 
@@ -87,8 +87,8 @@ def heldout_mixes(count: int = 10, seed: int = 1, max_tokens: int = MAX_TOKENS, 
 
 
 def _make_blocks(shape, layers: int, seed: int, tp=None):
-    from ..runtime.model import StageModel
-    from ..runtime.tensor_parallel import SINGLE
+    from .model import StageModel
+    from .tensor_parallel import SINGLE
     if layers > shape.layers:
         shape = dataclasses.replace(shape, layers=layers)
     model = StageModel(shape, (0, layers), has_embedding=False, has_head=False, tp=tp or SINGLE)
@@ -207,12 +207,12 @@ def _rank_times(mixes, shape, layers, repeats, warmup, seed, threads, clock, tp=
 
 
 def _tp_rank_main(argv: list[str]) -> None:
-    """One TP rank, run as `python -m malleus_svc.lengths.sweep RANK SIZE PORT DIR` by
+    """One TP rank, run as `python -m malleus_svc.runtime.length_sweep RANK SIZE PORT DIR` by
     `_group_times`: join the gloo group, time (arguments pickled in DIR/args), rank 0 writes the
     group's times to DIR/times."""
     import torch.distributed as dist
 
-    from ..runtime.tensor_parallel import TensorParallel
+    from .tensor_parallel import TensorParallel
     rank, size, port, folder = int(argv[0]), int(argv[1]), int(argv[2]), Path(argv[3])
     args = pickle.loads((folder / "args").read_bytes())
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)

@@ -1,4 +1,4 @@
-"""Pyomo + HiGHS models of ILP-1 and ILP-2 of the Malleus lower level.
+"""Pyomo models of ILP-1 and ILP-2 of the Malleus lower level, solved on HiGHS (`malleus_svc.highs`).
 
 Used by `lower.solve_layers` / `lower.solve_micro_batches` with solver='highs' (HiGHS answers)
 or 'both' (HiGHS cross-checks the closed form). Imported lazily: Pyomo takes ~0.3 s to import
@@ -12,7 +12,8 @@ The functions return the integer solution as a list in stage / pipeline order, r
 from the indexed variable (never by sorted variable name: the authors' PuLP code read
 `model.variables()`, which sorts 'l_10' before 'l_2' and scrambled pipelines of >= 10 stages).
 They return None when HiGHS proves the model infeasible, and raise `SolverError` when it stops
-without a feasible solution for any other reason (time limit, numerical trouble, ...).
+without a feasible solution for any other reason (time limit, numerical trouble, ...); a time
+limit with an incumbent returns the incumbent, with a warning.
 """
 from __future__ import annotations
 
@@ -20,20 +21,11 @@ import logging
 from typing import Sequence
 
 import pyomo.environ as pyo
-from pyomo.opt import SolutionStatus, TerminationCondition
 
-from .lower import SolverError
-from .problem import MemoryProfile
+from ..costmodel.profile import MemoryProfile
+from ..highs import SolverError, solve
 
 logger = logging.getLogger(__name__)
-
-# Proven infeasible. Our models are bounded (every integer variable has finite bounds and the
-# objective variable is bounded below by them), so 'infeasible or unbounded' means infeasible.
-_INFEASIBLE = {TerminationCondition.infeasible, TerminationCondition.infeasibleOrUnbounded}
-# Stopped by a limit: the incumbent, if there is one, is feasible but maybe not optimal.
-_LIMITS = {TerminationCondition.maxTimeLimit, TerminationCondition.maxIterations,
-           TerminationCondition.maxEvaluations, TerminationCondition.minFunctionValue,
-           TerminationCondition.minStepLength}
 
 
 def solve_layers_model(rates: Sequence[float], mem_factors: Sequence[float], num_layers: int,
@@ -78,32 +70,18 @@ def solve_micro_batches_model(z: Sequence[float], offsets: Sequence[float], lowe
 
 
 def _solve(model, var, n: int, time_limit_s: float, mip_gap: float, what: str) -> list[int] | None:
-    solver = pyo.SolverFactory("appsi_highs")
-    if not solver.available(exception_flag=False):
-        raise SolverError(f"{what}: the HiGHS solver (Pyomo 'appsi_highs', package highspy) is not available")
-    # mip_abs_gap defaults to 1e-6 in HiGHS; an exact request (gap 0) should be exact in both senses.
-    options = {"mip_rel_gap": mip_gap}
-    if mip_gap == 0:
-        options["mip_abs_gap"] = 0.0
-    # The legacy interface resets config.time_limit from its `timelimit` argument on every call.
-    res = solver.solve(model, load_solutions=False, timelimit=time_limit_s, options=options)
-    tc = res.solver.termination_condition
-    has_solution = len(res.solution) > 0 and res.solution(0).status != SolutionStatus.infeasible
-    if tc in _INFEASIBLE:
+    out = solve(model, time_limit_s, mip_gap, warm_start=False)
+    if out.status == "infeasible":
         return None
-    if tc == TerminationCondition.optimal:
-        pass
-    elif tc in _LIMITS and has_solution:
-        logger.warning("%s: HiGHS stopped (%s) after %.3g s limit; using its best feasible solution, "
-                       "which may not be optimal", what, tc, time_limit_s)
-    elif tc in _LIMITS:
-        raise SolverError(f"{what}: HiGHS stopped ({tc}) within the {time_limit_s} s time limit before "
-                          f"finding any feasible solution; raise time_limit_s or use solver='closed_form'")
-    else:
-        raise SolverError(f"{what}: HiGHS ended with termination condition {tc} "
-                          f"({res.solver.termination_message}); no solution was loaded")
-    model.solutions.load_from(res)
+    if out.status == "time_limit" and not out.loaded:
+        raise SolverError(f"{what}: HiGHS stopped at the {time_limit_s} s time limit before finding any feasible "
+                          f"solution; raise time_limit_s or use solver='closed_form'")
+    if not out.loaded:
+        raise SolverError(f"{what}: HiGHS failed (status {out.status!r}); no solution was loaded")
+    if out.status == "time_limit":
+        logger.warning("%s: HiGHS stopped at its %.3g s time limit; using its best feasible solution, which may "
+                       "not be optimal", what, time_limit_s)
     values = [var[i].value for i in range(n)]          # by index: stage / pipeline order
     if any(v is None for v in values):
-        raise SolverError(f"{what}: HiGHS reported {tc} but returned no value for some variables")
+        raise SolverError(f"{what}: HiGHS reported {out.status} but returned no value for some variables")
     return [int(round(v)) for v in values]

@@ -1,11 +1,12 @@
-"""One way to run a Pyomo MILP on HiGHS for this package: hard time limit, MIP start, no surprises.
+"""The one way this package runs a Pyomo MILP on HiGHS: hard time limit, MIP start, no surprises.
 
-Why not `SolverFactory('appsi_highs')` as `planner/highs.py` does: that legacy wrapper resets
-`config.time_limit` from its `timelimit` argument on each call (a 30 s limit was seen
-ignored for 13 minutes when set on the config) and has no MIP-start argument. The APPSI class
-itself takes both on its config: `time_limit` goes straight to HiGHS's `time_limit` option and
-`warmstart` hands the variables' current values to `Highs.setSolution` as an incumbent.
-Imported lazily by the solvers (Pyomo takes ~0.3 s to import).
+Used by the planner's lower level (`planner.ilp`) and the length dispatch and packing MILPs. It
+drives Pyomo's APPSI `Highs` class directly, not `SolverFactory('appsi_highs')`: that legacy
+wrapper resets `config.time_limit` from its `timelimit` argument on each call (a 30 s limit was
+seen ignored for 13 minutes when set on the config) and has no MIP-start argument; the APPSI class
+takes both on its config (`time_limit` goes straight to HiGHS, `warmstart` hands the variables'
+current values to HiGHS as an incumbent). Pyomo is imported inside the functions: it takes ~0.3 s
+and the closed-form paths never need it.
 """
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ import time
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
+
+
+class SolverError(RuntimeError):
+    """HiGHS could not answer: error status, or a limit was hit before any feasible solution."""
 
 
 @dataclass(frozen=True)
@@ -40,7 +45,7 @@ def solve(model, time_limit_s: float, mip_gap: float = 0.0, warm_start: bool = T
     from pyomo.contrib.appsi.solvers import Highs
 
     opt = Highs()
-    opt.config.time_limit = max(float(time_limit_s), 1e-3)
+    opt.config.time_limit = float(time_limit_s)
     opt.config.mip_gap = float(mip_gap)
     opt.config.load_solution = False
     opt.config.warmstart = warm_start
