@@ -37,3 +37,10 @@ def ray_cluster():
 @pytest.fixture(scope="session")
 def python_exe() -> str:
     return sys.executable
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The random order's seed also under -q (pytest-randomly prints it only in the header)."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if isinstance(seed, int) and getattr(config.option, "randomly_reorganize", False):
+        terminalreporter.write_line(f"test order: --randomly-seed={seed} reproduces it (-p no:randomly: file order)")

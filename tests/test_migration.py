@@ -2,6 +2,7 @@
 thing on a local Ray cluster (8 workers, 2 logical nodes of 4), checked bitwise."""
 from __future__ import annotations
 
+import copy
 import random
 from collections import Counter
 from fractions import Fraction
@@ -231,7 +232,6 @@ def group(ray_cluster):
         g.shutdown()
 
 
-
 def _optim():
     from malleus_svc.runtime.engine import OptimConfig
 
@@ -240,7 +240,11 @@ def _optim():
 
 @pytest.fixture(scope="module")
 def migrated(group):
-    """Train 3 steps under A, migrate to B (small buckets: many buckets and rounds)."""
+    """Train 3 steps under A, migrate to B (small buckets: many buckets and rounds). Everything the
+    tests check about the migration is taken here, right after it: the group itself goes on to be
+    stepped and re-planned by test_training_continues_as_if_started_under_the_new_plan."""
+    import ray
+
     from malleus_svc.runtime.data import GlobalSampler
 
     spec = {"source": "synthetic", "seq_len": 32, "num_samples": 96, "vocab": 256, "seed": 5}
@@ -255,7 +259,8 @@ def migrated(group):
     report = group.migrate(PLAN_B, bucket_bytes=bucket_bytes)
     after = group.full_state()
     return {"before": before, "after": after, "report": report, "sampler": sampler, "pids": pids,
-            "bucket_bytes": bucket_bytes}
+            "bucket_bytes": bucket_bytes, "infos_after": ray.get([w.info.remote() for w in group.workers]),
+            "plan_after": group.plan}
 
 
 def _assert_bitwise(a, b):
@@ -265,16 +270,14 @@ def _assert_bitwise(a, b):
 
 
 @pytest.mark.ray
-def test_migration_is_bitwise_and_restarts_nothing(group, migrated):
-    import ray
-
+def test_migration_is_bitwise_and_restarts_nothing(migrated):
     before, after, report = migrated["before"], migrated["after"], migrated["report"]
     assert int(before["blocks.0.attn.wq:step"]) == 3
     _assert_bitwise(before, after)   # every parameter, both Adam moments and every step count
-    infos = ray.get([w.info.remote() for w in group.workers])
+    infos = migrated["infos_after"]
     assert [i["pid"] for i in infos] == migrated["pids"]                   # no worker restarted
     assert [i["has_engine"] for i in infos] == [d != 2 for d in range(8)]  # 2 suspended, 7 back
-    assert {i["plan_id"] for i in infos} == {PLAN_B.plan_id} and group.plan == PLAN_B
+    assert {i["plan_id"] for i in infos} == {PLAN_B.plan_id} and migrated["plan_after"] == PLAN_B
     assert report.old_plan_id == PLAN_A.plan_id and report.new_plan_id == PLAN_B.plan_id
     assert report.per_device[2]["sent_bytes"] > 0 and report.per_device[2]["received_bytes"] == 0
     assert report.per_device[7]["sent_bytes"] == 0 and report.per_device[7]["received_bytes"] > 0
@@ -307,7 +310,8 @@ def test_reported_bytes_equal_the_planned_totals(migrated):
 @pytest.mark.ray
 def test_training_continues_as_if_started_under_the_new_plan(group, migrated):
     """k steps after the migration == k steps of fresh B engines loaded with the pre-migration state."""
-    sampler, k = migrated["sampler"], 3
+    assert group.plan == migrated["plan_after"], "the group is no longer where the migration left it"
+    sampler, k = copy.deepcopy(migrated["sampler"]), 3   # the fixture's stays where the migration left it
     batches = [sampler.next_global_batch() for _ in range(k)]
     migrated_losses = [group.step(ids).loss for ids in batches]
     migrated_full = group.full_state()

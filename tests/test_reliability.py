@@ -117,7 +117,8 @@ def test_coordinator_killed_during_a_migration_never_loads_a_torn_state(referenc
 
 def kill_worker_at_step(device: int, step: int, sig=None):
     """SIGKILL a worker's process while a step is in flight (a crash, not a polite ray.kill);
-    SIGSTOP freezes it instead (a hang: alive, holding its peers in their collectives)."""
+    SIGSTOP freezes it instead (a hang: alive, holding its peers in their collectives). The fault
+    returns every worker's pid as it was just before the signal."""
     def fault(h):
         import os
         import signal
@@ -129,7 +130,7 @@ def kill_worker_at_step(device: int, step: int, sig=None):
             if st["step"] >= step:
                 time.sleep(0.02)   # into the next step
                 os.kill(st["workers"]["pids"][str(device)], sig or signal.SIGKILL)
-                return
+                return st["workers"]["pids"]
             time.sleep(0.01)
     return fault
 
@@ -145,10 +146,10 @@ def test_worker_lost_mid_iteration_is_replaced_from_a_replica(reference, tmp_pat
 
     import ray
 
-    status = {}
+    status, pids_before = {}, {}
 
     def fault(h):
-        kill_worker_at_step(3, 5, signal.SIGSTOP if how == "hang" else signal.SIGKILL)(h)
+        pids_before.update(kill_worker_at_step(3, 5, signal.SIGSTOP if how == "hang" else signal.SIGKILL)(h))
         deadline = time.monotonic() + 120
         while not (st := ray.get(h.status.remote()))["failures"]:
             assert time.monotonic() < deadline and st["state"] not in ("done", "failed"), st
@@ -160,8 +161,10 @@ def test_worker_lost_mid_iteration_is_replaced_from_a_replica(reference, tmp_pat
     failure = status["failures"][0]
     print(f"\nRELIABILITY worker {how}: {failure}")
     assert failure["lost"] == [3] and failure["source"] == "replicas", failure
-    before = {d: p for d, p in status["workers"]["pids"].items() if d != "3"}
-    assert all(p == before[d] for d, p in status["workers"]["pids"].items() if d != "3"), "survivors restarted"
+    after = status["workers"]["pids"]    # taken once the recovery is recorded
+    assert set(after) == set(pids_before) == {"0", "1", "2", "3"}, (pids_before, after)
+    assert all(after[d] == pids_before[d] for d in after if d != "3"), ("survivors restarted", pids_before, after)
+    assert after["3"] != pids_before["3"], "device 3 was not replaced by a new process"
     check_history(lines, reference, rtol=1e-6)
 
 

@@ -199,31 +199,34 @@ def test_straggler_emulation_slows_wall_time_not_compute(group):
         recs = [group.step(ids).devices[0] for _ in range(reps)]
         return (min(r["wall_seconds"] for r in recs), min(r["compute_seconds"] for r in recs), recs[-1])
 
-    run(1.0, reps=1)  # warm-up
-    wall1, comp1, healthy = run(1.0)
-    wall3, comp3, slow = run(3.0)
-    assert healthy["injected_seconds"] == 0.0
-    assert slow["injected_seconds"] == pytest.approx(2.0 * slow["compute_seconds"], rel=0.05)
-    print(f"healthy wall {wall1:.3f}s compute {comp1:.3f}s; x3 wall {wall3:.3f}s compute {comp3:.3f}s")
-    # Loose: after each sleep the next compute starts with cold caches, so it costs a bit more.
-    assert 2.0 < wall3 / wall1 < 6.0, (wall1, wall3)
-    assert 0.5 < comp3 / comp1 < 2.5, (comp1, comp3)
+    try:
+        run(1.0, reps=1)  # warm-up
+        wall1, comp1, healthy = run(1.0)
+        wall3, comp3, slow = run(3.0)
+        assert healthy["injected_seconds"] == 0.0
+        assert slow["injected_seconds"] == pytest.approx(2.0 * slow["compute_seconds"], rel=0.05)
+        print(f"healthy wall {wall1:.3f}s compute {comp1:.3f}s; x3 wall {wall3:.3f}s compute {comp3:.3f}s")
+        # Loose: after each sleep the next compute starts with cold caches, so it costs a bit more.
+        assert 2.0 < wall3 / wall1 < 6.0, (wall1, wall3)
+        assert 0.5 < comp3 / comp1 < 2.5, (comp1, comp3)
 
-    # The control is reachable while a step runs (the worker's control thread): start a step at a
-    # huge factor, turn it off mid-step; the answer is immediate and the rest of the step runs healthy.
-    big = 400.0
-    group.set_slowdown(0, big)
-    mbs = [ids[i:i + SOLO.micro_batch_size] for i in range(0, len(ids), SOLO.micro_batch_size)]
-    ref = group.workers[0].train_step.remote(mbs, group.count_tokens(ids)[1])
-    time.sleep(0.3)
-    t0 = time.perf_counter()
-    assert ray.get(group.workers[0].set_slowdown.remote(1.0), timeout=30) == 1.0
-    answered = time.perf_counter() - t0
-    still_running = not ray.wait([ref], timeout=0)[0]
-    mid = ray.get(ref)
-    assert answered < 1.0 and still_running, (answered, still_running)
-    assert mid["slowdown"] == 1.0
-    assert mid["injected_seconds"] < 0.5 * (big - 1.0) * mid["compute_seconds"], mid
+        # The control is reachable while a step runs (the worker's control thread): start a step at a
+        # huge factor, turn it off mid-step; the answer is immediate and the rest of the step runs healthy.
+        big = 400.0
+        group.set_slowdown(0, big)
+        mbs = [ids[i:i + SOLO.micro_batch_size] for i in range(0, len(ids), SOLO.micro_batch_size)]
+        ref = group.workers[0].train_step.remote(mbs, group.count_tokens(ids)[1])
+        time.sleep(0.3)
+        t0 = time.perf_counter()
+        assert ray.get(group.workers[0].set_slowdown.remote(1.0), timeout=30) == 1.0
+        answered = time.perf_counter() - t0
+        still_running = not ray.wait([ref], timeout=0)[0]
+        mid = ray.get(ref)
+        assert answered < 1.0 and still_running, (answered, still_running)
+        assert mid["slowdown"] == 1.0
+        assert mid["injected_seconds"] < 0.5 * (big - 1.0) * mid["compute_seconds"], mid
+    finally:   # the group is shared: leave device 0 healthy even when an assertion failed
+        group.set_slowdown(0, 1.0)
 
 
 @pytest.mark.ray
