@@ -196,3 +196,17 @@ def test_failure_policy_restores_from_replicas_else_checkpoint_else_says_why():
         f.restore_from(RecoveryReport([1], "none", 0.1), False, "no replica")
     assert FailurePolicy.planned_around(RecoveryReport([1], "replicas", 0.1, [1], "p2"), "p1")
     assert not f.rejoin_due(set()) and f.rejoin_due({1}) and not f.rejoin_due({1})   # then every 60 s
+
+
+def test_the_control_section_parses_with_defaults_and_names_a_bad_field():
+    from malleus_svc.config import ConfigError
+    from malleus_svc.config.job import ControlConfig, JobConfig
+    job = _job()
+    assert job.control == ControlConfig(window=5, band=0.3)        # the example shows the defaults
+    d = {"name": "x", "cluster": {"nodes": 1, "gpus_per_node": 4}, "model": "tiny",
+         "parallel": {"dp": 2, "tp": 1, "pp": 2}, "batch": {"global": 8, "micro": 2}}
+    assert JobConfig.from_dict({**d, "control": {"band": 0.5}}).control.band == 0.5
+    for bad, field in (({"band": 0}, "control.band"), ({"windows": 3}, "control.windows"),
+                       ({"threshold": "x"}, "control.threshold")):
+        with pytest.raises(ConfigError, match=field):
+            JobConfig.from_dict({**d, "control": bad})
