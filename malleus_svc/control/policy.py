@@ -28,7 +28,7 @@ from malleus_svc.plan import Plan
 
 @dataclass(frozen=True)
 class Trigger:
-    reason: str      # "rates", "membership", "request", "length-drift"
+    reason: str      # a RequestKind value (the rate trigger: "rates")
     detail: str
 
 
