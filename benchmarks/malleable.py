@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from malleus_svc.config.job import ControlConfig
+
 from .planner import write_section
 
 WORKERS = 8            # the demo's job: one CPU worker actor per device; DDP runs as many
@@ -308,9 +310,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--summary-out", metavar="JSON", help="write all numbers as JSON")
     args = ap.parse_args(argv)
     shift = args.shift_at if args.shift_at is not None else max(9, args.steps // 3)
-    from malleus_svc.control.coordinator import JobCoordinator
-    skip = JobCoordinator.__init__.__kwdefaults__["skip"]
-    warmup = JobCoordinator.__init__.__kwdefaults__["warmup"]
+    skip, warmup = ControlConfig().skip, ControlConfig().warmup
     if shift < skip + warmup + 1:
         ap.error(f"--shift-at must be >= {skip + warmup + 1} (healthy warm-up and calibration come first)")
     if args.steps < shift + 6:
@@ -394,8 +394,7 @@ def main(argv: list[str]) -> int:
         if ddp and ddp.get("slowed_tokens_per_second"):
             s["malleable_over_ddp"] = s["malleable_tokens_per_second"] / ddp["slowed_tokens_per_second"]
     if lat.get("new_plan_step") is not None and bound:
-        s["steady_from"] = lat["new_plan_step"] + JobCoordinator(JobConfig.from_dict(
-            job_dict("x", 1, args.global_batch, args.steps, []))).skip_after_migration
+        s["steady_from"] = lat["new_plan_step"] + ControlConfig().skip_after_migration
         if s["steady_from"] < args.steps:
             s["malleable_steady_tokens_per_second"] = window_throughput(mal, s["steady_from"])
     s["load_average_end"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())

@@ -4,7 +4,9 @@ import random
 import pytest
 
 from malleus_svc.control.measure import RateEstimator, WorkSample
-from malleus_svc.control.policy import Option, ReplanPolicy, choose
+from malleus_svc.control.policy import MigrationCost, Observation, Option, Planner, ReplanPolicy, StaticPolicy, choose
+from malleus_svc.plan import Plan
+from malleus_svc.planner.build import build_problem
 
 
 def feed(est, true_rates, work, steps, jitter, rng, t0=0.01):
@@ -126,3 +128,85 @@ def test_calibration_measures_a_majority_of_stragglers():
     slow = {d: (2.0 if d < 5 else 1.0) for d in range(8)}
     feed(est, slow, work, 5, 0.0, rng)
     assert [round(est.rates()[d], 6) for d in range(8)] == [2.0] * 5 + [1.0] * 3
+
+
+# --------------------------------------------------------------------------- decide, without Ray
+
+
+def _job():
+    import yaml
+    from pathlib import Path
+
+    from malleus_svc.config.job import JobConfig
+    d = yaml.safe_load((Path(__file__).resolve().parent.parent / "examples/tiny_job.yaml").read_text())
+    return JobConfig.from_dict(d)
+
+
+def _observe(job, rates, remaining=1000, **kw):
+    from malleus_svc.runtime.trainer import make_plan
+    policy = ReplanPolicy()
+    problem = build_problem(job.scenario, rates=policy.snap(rates))
+    return Observation(make_plan(job), problem, remaining, 0.01, problem.state_sizes, **kw)
+
+
+def test_migration_cost_starts_conservative_and_learns_from_migrations():
+    m = MigrationCost(overhead_s=2.0, seconds_per_byte=1e-8)
+    assert m.predict(1e8) == pytest.approx(3.0)
+    m.observe(0, 0.5)          # a migration that moved nothing: the fixed cost
+    m.observe(1e8, 1.5)        # 1 s for 1e8 bytes beyond it
+    assert m.predict(2e8) == pytest.approx(0.5 + 2.0)
+
+
+def test_decide_replans_around_a_straggler_and_keeps_when_moving_costs_too_much():
+    job = _job()
+    planner = Planner.default()
+    d = ReplanPolicy().decide(_observe(job, {3: 3.0}), planner)
+    assert d.option in ("replan", "rebalance") and d.plan is not None
+    assert d.options[d.option]["time_to_finish"] < d.options["keep"]["time_to_finish"]
+    costly = ReplanPolicy(migration=MigrationCost(overhead_s=1e9))
+    assert costly.decide(_observe(job, {3: 3.0}), planner).option == "keep"
+    forced = costly.decide(_observe(job, {3: 3.0}, forced=True), planner)
+    assert forced.option != "keep" and forced.plan is not None           # the override
+    assert costly.decide(_observe(job, {3: 1.1}), planner).option == "keep"   # below the threshold: healthy
+
+
+def test_static_policy_never_replans():
+    job, static = _job(), StaticPolicy()
+    assert static.decide(_observe(job, {3: 3.0}, forced=True), Planner.default()).plan is None
+    plan = _observe(job, {}).current
+    assert static.trigger({}, {3: 3.0}, plan, 100, None) is None and not static.replans
+
+
+def test_trigger_waits_for_min_interval_after_a_change():
+    job = _job()
+    plan: Plan = _observe(job, {}).current
+    policy = ReplanPolicy(min_interval=3)
+    assert policy.trigger({}, {3: 3.0}, plan, step=10, last_replan_step=9) is None
+    assert policy.trigger({}, {3: 3.0}, plan, step=12, last_replan_step=9) is not None
+
+
+def test_failure_policy_restores_from_replicas_else_checkpoint_else_says_why():
+    from malleus_svc.control.failure import FailurePolicy, Restore
+    from malleus_svc.control.requests import MalleusError
+    from malleus_svc.runtime.cluster import RecoveryReport
+    f = FailurePolicy(rejoin_check_s=60)
+    assert f.restore_from(RecoveryReport([1], "replicas", 0.1), False, None) is Restore.REPLICAS
+    assert f.restore_from(RecoveryReport([1], "none", 0.1), True, "no replica") is Restore.CHECKPOINT
+    with pytest.raises(MalleusError, match="no checkpoint"):
+        f.restore_from(RecoveryReport([1], "none", 0.1), False, "no replica")
+    assert FailurePolicy.planned_around(RecoveryReport([1], "replicas", 0.1, [1], "p2"), "p1")
+    assert not f.rejoin_due(set()) and f.rejoin_due({1}) and not f.rejoin_due({1})   # then every 60 s
+
+
+def test_the_control_section_parses_with_defaults_and_names_a_bad_field():
+    from malleus_svc.config import ConfigError
+    from malleus_svc.config.job import ControlConfig, JobConfig
+    job = _job()
+    assert job.control == ControlConfig(window=5, band=0.3)        # the example shows the defaults
+    d = {"name": "x", "cluster": {"nodes": 1, "gpus_per_node": 4}, "model": "tiny",
+         "parallel": {"dp": 2, "tp": 1, "pp": 2}, "batch": {"global": 8, "micro": 2}}
+    assert JobConfig.from_dict({**d, "control": {"band": 0.5}}).control.band == 0.5
+    for bad, field in (({"band": 0}, "control.band"), ({"windows": 3}, "control.windows"),
+                       ({"threshold": "x"}, "control.threshold")):
+        with pytest.raises(ConfigError, match=field):
+            JobConfig.from_dict({**d, "control": bad})

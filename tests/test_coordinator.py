@@ -1,11 +1,10 @@
 """The malleable loop on a real local Ray cluster: measure → decide → plan → migrate.
 
-Two coordinators (8 CPU workers each) share the session's Ray cluster:
-  * `loop`: noise causes no re-plan, a 3× straggler is detected and planned around within a few
-    iterations, a healed device is taken back (tests run in file order on one job: cheaper than
-    three start-ups, and each still fails on its own condition);
-  * `ctl`: a slow planner and a slow migration (test hooks) to show requests coalescing, and the
-    client API from a separate driver process.
+One end-to-end test per behaviour, each on a coordinator of its own (8 CPU workers) on the
+session's Ray cluster: noise causes no re-plan, a 3× straggler is detected and planned around
+within a few iterations, a healed device is taken back; with a slow planner and a slow migration
+(test hooks), requests coalesce; the client API from a separate driver process. The same logic
+without Ray, on a fake cluster: test_coordinator_logic.py.
 The model is a small custom shape (8 blocks, hidden 128) whose per-device compute (~30 ms) is long
 enough for thread CPU time to be a stable measure on 2 shared cores.
 """
@@ -84,7 +83,7 @@ def migrations(history):
     return [h for h in history if h["outcome"] == "applied"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def loop(ray_cluster):
     import ray
 
@@ -112,6 +111,7 @@ def test_noise_alone_causes_no_replan(loop):
 @pytest.mark.ray
 def test_straggler_detected_and_planned_around_within_three_iterations(loop):
     import ray
+    wait_step(ray, loop, 3 + 3 + 2)   # calibrated on healthy devices first
     ray.get(loop.emulate.remote({3: 3.0}, jitter=0.0))
     old_plan = ray.get(loop.status.remote())["plan_id"]
     wait_for(ray, loop, lambda s: s["migrations"] >= 1 and s["plan_id"] != old_plan, 60, "a new plan")
@@ -138,6 +138,9 @@ def test_straggler_detected_and_planned_around_within_three_iterations(loop):
 @pytest.mark.ray
 def test_healed_device_is_taken_back(loop):
     import ray
+    wait_step(ray, loop, 3 + 3)                                 # calibrated
+    ray.get(loop.emulate.remote({3: 3.0}, jitter=0.0))          # this test's own straggler
+    wait_for(ray, loop, lambda s: s["migrations"] >= 1, 60, "the straggler's re-plan")
     st = wait_step(ray, loop, ray.get(loop.status.remote())["step"] + 4)  # rate window settles at 3x
     n = st["migrations"]
     ray.get(loop.emulate.remote({3: 1.0}))
@@ -157,7 +160,7 @@ def test_healed_device_is_taken_back(loop):
 
 
 # --------------------------------------------------------------------------- coalescing and the client
-@pytest.fixture(scope="module")
+@pytest.fixture
 def ctl(ray_cluster):
     import ray
 

@@ -86,18 +86,16 @@ def test_a_drift_of_the_sampled_lengths_asks_for_a_re_plan():
     import random
 
     from malleus_svc.control.coordinator import JobCoordinator
-    from malleus_svc.runtime.trainer import make_plan
 
     cfg = job("drift", "fixed")
-    c = JobCoordinator(cfg)
-    c.plan, c.state = make_plan(cfg), "training"
-    c._start_round = lambda: None          # keep requests queued (no planner thread): we inspect them
+    c = JobCoordinator(cfg)    # not set up: no plan in force, so requests stay queued for inspection
     rng = random.Random(0)
     for _ in range(20):
         c._observe_lengths([int(rng.lognormvariate(3.0, 0.5)) + 1 for _ in range(16)])
-    assert not c._pending and c.last_drift is None
+    assert not c.rounds.pending and c.lengths.last_drift is None
     for _ in range(8):
         c._observe_lengths([2 * int(rng.lognormvariate(3.0, 0.5)) + 1 for _ in range(16)])
-    kinds = [r.kind for r in c._pending]
+    kinds = [r.kind.value for r in c.rounds.pending]
     assert kinds == ["lengths"], kinds
-    assert c.last_drift["drifted"] and ("p90" in c.last_drift["reason"] or "p99" in c.last_drift["reason"])
+    drift = c.lengths.last_drift
+    assert drift["drifted"] and ("p90" in drift["reason"] or "p99" in drift["reason"])

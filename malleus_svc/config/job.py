@@ -14,6 +14,11 @@ Format (YAML or JSON); every scenario section (see scenario.py) plus:
     checkpoint: {dir: null, every: 0, keep: 3}
              # plan-agnostic checkpoints every `every` steps under `dir` (null/0: none); a job that finds
              # one there resumes from it, and its coordinator restarts from it if it dies
+    control: {window: 5, skip: 3, warmup: 3, skip_after_migration: 2, band: 0.3, threshold: 1.2,
+              confirm: 2, min_interval: 3, grace: 0.1, migration_overhead_s: 2.0,
+              seconds_per_byte: 2.0e-8, bucket_mb: 64, collective_timeout_s: 120, replace_timeout_s: 60,
+              rejoin_check_s: 5, length_window: 50}
+             # the coordinator's knobs (control/): measuring, when to re-plan, migration cost, failures
 
 Unknown keys and bad values raise ConfigError naming the field, the value and what is accepted.
 This module knows nothing of Ray or torch; the runtime turns `DataConfig` into a dataset spec.
@@ -28,7 +33,7 @@ from .errors import ConfigError
 from .fields import Section
 from .scenario import SCENARIO_KEYS, Scenario, read_mapping
 
-JOB_KEYS = ("data", "train", "emulate", "ray", "metrics", "checkpoint")
+JOB_KEYS = ("data", "train", "emulate", "ray", "metrics", "checkpoint", "control")
 DATA_SOURCES = ("synthetic", "python-stdlib")
 # How samples become a micro-batch (datasets.collate): "pack" concatenates variable-length samples
 # into one row (no padding), "pad" pads every sample to seq_len.
@@ -108,6 +113,31 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class ControlConfig:
+    """The coordinator's knobs; these defaults are the only ones."""
+    window: int = 5                      # iterations in a device's rate window (median of them)
+    skip: int = 3                        # first iterations not measured (allocator, caches warm up)
+    warmup: int = 3                      # measured iterations that calibrate the healthy unit time
+    skip_after_migration: int = 2        # new engines warm up too: their first iterations are not measured
+    band: float = 0.3                    # a rate must move this much to trigger a re-plan
+    threshold: float = 1.2               # rates below it are healthy (1.0) for the planner
+    confirm: int = 2                     # checks in a row a shift below twice the band must persist
+    min_interval: int = 3                # iterations between re-plans triggered by rates
+    grace: float = 0.1                   # a boundary waits up to grace x an iteration for a plan being made
+    migration_overhead_s: float = 2.0    # fixed cost of a migration until one was measured
+    seconds_per_byte: float = 2e-8       # 50 MB/s: conservative until a migration was measured
+    bucket_mb: int = 64                  # migration transfer bucket
+    collective_timeout_s: float = 120.0  # a collective slower than this is a failure
+    replace_timeout_s: float = 60.0      # a lost device with no new worker by then is gone
+    rejoin_check_s: float = 5.0          # while devices are gone, how often to look for them
+    length_window: int = 50              # batches of length statistics kept
+
+    def with_overrides(self, overrides: dict[str, Any], source: str | None = "overrides") -> "ControlConfig":
+        """These knobs with some replaced (checked like the job file's `control` section)."""
+        return parse_control(Section({**self.__dict__, **overrides}, "control", source))
+
+
+@dataclass(frozen=True)
 class JobConfig:
     name: str
     scenario: Scenario
@@ -117,6 +147,7 @@ class JobConfig:
     ray: RayConfig = RayConfig()
     metrics: MetricsConfig = MetricsConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    control: ControlConfig = ControlConfig()
     source: str | None = None
 
     @property
@@ -147,8 +178,10 @@ class JobConfig:
         ray_cfg = _parse_ray(Section(d.get("ray"), "ray", source))
         metrics = parse_metrics(Section(d.get("metrics"), "metrics", source))
         checkpoint = parse_checkpoint(Section(d.get("checkpoint"), "checkpoint", source))
+        control = parse_control(Section(d.get("control"), "control", source))
         return cls(name=scenario.name if "name" in d else "job", scenario=scenario, data=data, train=train,
-                   emulate=emulate, ray=ray_cfg, metrics=metrics, checkpoint=checkpoint, source=source)
+                   emulate=emulate, ray=ray_cfg, metrics=metrics, checkpoint=checkpoint, control=control,
+                   source=source)
 
 
 def load_job_config(path: str | Path) -> JobConfig:
@@ -271,5 +304,29 @@ def parse_checkpoint(s: Section) -> CheckpointConfig:
     if every and path is None:
         raise s.error("every", every, "0 unless checkpoint.dir is set (where would they go?)")
     cfg = CheckpointConfig(dir=path, every=every, keep=s.int("keep", d.keep, minimum=1))
+    s.done()
+    return cfg
+
+
+def parse_control(s: Section) -> ControlConfig:
+    d = ControlConfig()
+    cfg = ControlConfig(
+        window=s.int("window", d.window, minimum=1),
+        skip=s.int("skip", d.skip, minimum=0),
+        warmup=s.int("warmup", d.warmup, minimum=1),
+        skip_after_migration=s.int("skip_after_migration", d.skip_after_migration, minimum=0),
+        band=s.float("band", d.band, minimum=0, exclusive=True),
+        threshold=s.float("threshold", d.threshold, minimum=1.0),
+        confirm=s.int("confirm", d.confirm, minimum=1),
+        min_interval=s.int("min_interval", d.min_interval, minimum=0),
+        grace=s.float("grace", d.grace, minimum=0),
+        migration_overhead_s=s.float("migration_overhead_s", d.migration_overhead_s, minimum=0),
+        seconds_per_byte=s.float("seconds_per_byte", d.seconds_per_byte, minimum=0),
+        bucket_mb=s.int("bucket_mb", d.bucket_mb, minimum=1),
+        collective_timeout_s=s.float("collective_timeout_s", d.collective_timeout_s, minimum=0, exclusive=True),
+        replace_timeout_s=s.float("replace_timeout_s", d.replace_timeout_s, minimum=0, exclusive=True),
+        rejoin_check_s=s.float("rejoin_check_s", d.rejoin_check_s, minimum=0),
+        length_window=s.int("length_window", d.length_window, minimum=1),
+    )
     s.done()
     return cfg

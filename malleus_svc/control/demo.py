@@ -207,8 +207,8 @@ def run_demo(argv: Sequence[str] | None = None) -> int:
 
 
 def summarize(runs: dict, emulate: list[dict], args, wall: float) -> dict:
-    from .coordinator import JobCoordinator
-    first = JobCoordinator.__init__.__kwdefaults__["skip"]   # warm-up iterations, not measured by either run
+    from malleus_svc.config.job import ControlConfig
+    first = ControlConfig().skip   # warm-up iterations, not measured by either run
     mal = runs["malleable"]
     healthy = mal["status"]["healthy_tokens_per_second"]
     fractions = [sum(1.0 / x for x in true_factors(emulate, s)) / 8 for s in range(first, args.steps)]

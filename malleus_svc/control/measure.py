@@ -119,3 +119,89 @@ class RateEstimator:
             if ps and base and d not in out:
                 out[d] = max(1.0, _robust_median(list(ps), self.mad_limit) / base)
         return out
+
+
+class Measurement:
+    """The coordinator's measuring, fed once per iteration and asked for rates.
+
+    Skips the first `skip` iterations (and `skip_after_migration` after every plan change: new
+    engines warm up too), calibrates the healthy unit time over the next `warmup`, keeps the
+    seconds per planner objective unit (to turn a plan's objective into seconds), and lets
+    external rates (set_rates) take precedence over measured ones, device by device. Emulation
+    factors are never read: rates come from timings only.
+    """
+
+    def __init__(self, window: int = 5, skip: int = 3, warmup: int = 3, skip_after_migration: int = 2):
+        # common-mode correction: a machine-wide slowdown of one iteration is not a straggler
+        self.estimator = RateEstimator(window=window, common_mode_quantile=0.25)
+        self.skip, self.warmup, self.skip_after_migration = skip, warmup, skip_after_migration
+        self.calibrated = False
+        self.healthy_tokens_per_second: float | None = None   # throughput over the calibration iterations
+        self.external: dict[int, float] = {}
+        self.unit_seconds: deque[float] = deque(maxlen=5)
+        self._start_step, self._measure_from = 0, skip
+
+    def begin_at(self, step: int) -> None:
+        """Training starts at `step` (0, or a checkpoint's): warm-up counts from here."""
+        self._start_step, self._measure_from = step, step + self.skip
+
+    def restart_after(self, step: int, devices=()) -> None:
+        """The plan or the workers changed at `step`: skip the warm-up, forget `devices`' history."""
+        self._measure_from = max(self._measure_from, step + self.skip_after_migration)
+        for d in devices:
+            self.estimator.forget(d)
+
+    def measures(self, step: int) -> bool:
+        return step >= self._measure_from
+
+    def observe(self, samples: list[WorkSample], probes: dict[int, float]) -> None:
+        """One iteration: the active devices' work samples and the idle devices' probe seconds."""
+        self.estimator.observe(samples)
+        m = self.estimator.last_common_mode   # the same machine-wide factor applies to the probes
+        for d, s in probes.items():
+            self.estimator.observe_probe(d, s / m)
+
+    def observe_step(self, plan, job, devices: dict[int, dict], probes: list[dict]) -> None:
+        """One iteration's per-device reports (active: busy over work in t0 units) and probes."""
+        from .workload import busy_seconds, device_work
+        tokens = {d: int(s.get("tokens") or 0) for d, s in devices.items()}
+        work = device_work(plan, job.scenario, tokens, job.data.seq_len)
+        self.observe([WorkSample(d, busy_seconds(s), work[d]) for d, s in devices.items() if d in work],
+                     {r["device"]: busy_seconds(r) for r in probes})
+
+    def observe_unit(self, iteration_seconds: float, objective: float) -> None:
+        if self.calibrated and objective > 0:
+            self.unit_seconds.append(iteration_seconds / objective)
+
+    def seconds_per_unit(self) -> float | None:
+        return statistics.median(self.unit_seconds) if self.unit_seconds else None
+
+    def calibrate_if_due(self, next_step: int, records: list[dict]) -> bool:
+        """Freeze the healthy unit time once the warm-up iterations were measured, and the healthy
+        throughput over them (`records`: metrics lines); True when it did."""
+        if self.calibrated or next_step != self._start_step + self.skip + self.warmup:
+            return False
+        self.estimator.calibrate()
+        self.calibrated = True
+        recent = records[-self.warmup:]
+        secs = sum(r["iteration_seconds"] for r in recent)
+        self.healthy_tokens_per_second = sum(r["tokens"] for r in recent) / secs if secs > 0 else None
+        return True
+
+    def set_probe_baselines(self, baselines: dict[int, float]) -> None:
+        for d, s in baselines.items():
+            self.estimator.set_probe_baseline(d, s)
+
+    def set_external(self, rates: dict[int, float | None]) -> None:
+        for d, r in rates.items():
+            if r is None:
+                self.external.pop(d, None)
+            else:
+                self.external[d] = r
+
+    def measured(self) -> dict[int, float]:
+        return dict(self.estimator.rates()) if self.calibrated else {}
+
+    def effective(self) -> dict[int, float]:
+        """Measured rates with external ones taking precedence."""
+        return {**self.measured(), **self.external}

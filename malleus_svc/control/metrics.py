@@ -207,3 +207,20 @@ def _node_ip() -> str:
         return ray.util.get_node_ip_address()
     except Exception:
         return "127.0.0.1"
+
+
+def serve_job_metrics(job, plan, plan_version: int) -> JobMetrics | None:
+    """Serve a job's metrics as its `metrics` section says (None when disabled); a port that cannot
+    be bound fails the job at start-up, with the reason, rather than leaving it running unobserved."""
+    cfg = job.metrics
+    if not cfg.enabled:
+        return None
+    from .requests import MalleusError
+    m = JobMetrics(job.name, job.scenario.gpus_per_node)
+    try:
+        m.serve(cfg.host, cfg.port, cfg.sd_dir or default_sd_dir())
+    except OSError as e:
+        raise MalleusError(f"metrics: cannot serve on {cfg.host}:{cfg.port} ({e}); set metrics.port to a free "
+                           "port, or 0 for any") from None
+    m.on_plan(plan, plan_version)
+    return m

@@ -9,27 +9,113 @@ Beyond the authors: a shift smaller than twice the band must persist for `confir
 checks (large ones act at once), a re-plan needs `min_interval` iterations since the last one,
 and a candidate plan is adopted only if its predicted gain over the remaining iterations exceeds
 its predicted migration time, with data-only re-balancing (no state moves) preferred when it wins.
+
+Decision (`ReplanPolicy.decide`): the options keep / rebalance (data only) / replan (the planner
+with previous = the plan in force), each with its predicted time to finish = remaining iterations
+x evaluate() x measured seconds per objective unit + predicted migration seconds (MigrationCost:
+a fixed cost + moved bytes x seconds per byte, conservative defaults until migrations were seen).
+A forced round (a user's force, or a membership change) takes the best option that moves.
+`StaticPolicy` never re-plans. The policies decide; the coordinator carries out.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from malleus_svc.plan import Plan
 
 
 @dataclass(frozen=True)
 class Trigger:
-    reason: str      # "rates", "membership", "request", "length-drift"
+    reason: str      # a RequestKind value (the rate trigger: "rates")
     detail: str
 
 
+class MigrationCost:
+    """Predicted seconds of a migration: a fixed cost + bytes x seconds per byte, both refitted
+    from the migrations measured so far (the defaults until then are conservative)."""
+
+    def __init__(self, overhead_s: float = 2.0, seconds_per_byte: float = 2e-8):
+        self.default_overhead_s, self.default_seconds_per_byte = overhead_s, seconds_per_byte
+        self.seen: list[tuple[float, float]] = []   # (bytes, seconds)
+
+    def observe(self, nbytes: float, seconds: float) -> None:
+        self.seen.append((float(nbytes), float(seconds)))
+
+    def predict(self, nbytes: float) -> float:
+        zero = [s for b, s in self.seen if b <= 0]
+        fixed = statistics.median(zero) if zero else 0.0
+        per_byte = [(s - fixed) / b for b, s in self.seen if b > 0]
+        overhead = fixed if zero else (statistics.median(s for _, s in self.seen) * 0.5 if self.seen
+                                       else self.default_overhead_s)
+        spb = max(statistics.median(per_byte), 0.0) if per_byte else self.default_seconds_per_byte
+        return overhead + nbytes * spb
+
+
+@dataclass(frozen=True)
+class Planner:
+    """The planner calls a decision needs (malleus_svc.planner by default)."""
+    evaluate: Callable[[Any, Plan], float]     # (problem, plan) -> objective units per iteration
+    rebalance: Callable[[Any, Plan], Plan]     # data only: same stages, new micro-batch split
+    replan: Callable[[Any, Plan], Plan]        # (problem, previous) -> the planner's plan
+
+    @classmethod
+    def default(cls) -> "Planner":
+        from malleus_svc.planner import evaluate, plan, rebalance_data
+        return cls(evaluate, rebalance_data, lambda problem, previous: plan(problem, previous=previous).plan)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What a round decides on."""
+    current: Plan
+    problem: Any                          # the planner's problem under the round's rates and exclusions
+    remaining: int                        # iterations left after this one
+    seconds_per_unit: float               # measured seconds per planner objective unit
+    state_sizes: Any                      # for Plan.diff: bytes each move carries
+    membership: bool = False              # the set of devices changed: the current plan cannot stay
+    forced: bool = False                  # a user asked to adopt the planner's plan
+
+
+@dataclass
+class Decision:
+    option: str                           # "keep", "rebalance" or "replan"
+    plan: Plan | None                     # the plan to migrate to (None: keep)
+    options: dict[str, dict] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)   # what could not be considered, and why
+
+    def to_dict(self, remaining: int, seconds_per_unit: float) -> dict:
+        keep_s = self.options.get("keep", {}).get("time_to_finish")
+        mine = self.options.get(self.option, {}).get("time_to_finish")
+        return {"option": self.option, "options": self.options, "remaining_iterations": remaining,
+                "seconds_per_unit": seconds_per_unit,
+                "predicted_gain_seconds": keep_s - mine if keep_s is not None and mine is not None else None}
+
+
 class ReplanPolicy:
-    def __init__(self, band: float = 0.3, threshold: float = 1.2, min_interval: int = 3, confirm: int = 2):
+    replans = True
+
+    def __init__(self, band: float = 0.3, threshold: float = 1.2, min_interval: int = 3, confirm: int = 2,
+                 migration: MigrationCost | None = None):
         if band <= 0:
             raise ValueError(f"band must be > 0, got {band}")
         if confirm < 1:
             raise ValueError(f"confirm must be >= 1 check, got {confirm}")
         self.band, self.threshold, self.min_interval, self.confirm = band, threshold, min_interval, confirm
+        self.migration = migration or MigrationCost()
+        self.last_change_step: int | None = None   # when the plan in force took effect (for min_interval)
         self._streak: dict[int, int] = {}
+
+    @classmethod
+    def from_config(cls, control) -> "ReplanPolicy":
+        """From the job file's `control` section (config/job.py ControlConfig)."""
+        return cls(control.band, control.threshold, control.min_interval, control.confirm,
+                   MigrationCost(control.migration_overhead_s, control.seconds_per_byte))
+
+    def snap(self, rates: Mapping[int, float]) -> dict[int, float]:
+        """The planner's view of rates: below the threshold a device counts as healthy."""
+        return {d: (r if r >= self.threshold else 1.0) for d, r in rates.items()}
 
     def rate_trigger(self, planned: Mapping[int, float], current: Mapping[int, float],
                      active: set[int], suspended: set[int]) -> Trigger | None:
@@ -57,6 +143,51 @@ class ReplanPolicy:
 
     def due(self, step: int, last_replan_step: int | None) -> bool:
         return last_replan_step is None or step - last_replan_step >= self.min_interval
+
+    def trigger(self, basis: Mapping[int, float], rates: Mapping[int, float], plan: Plan, step: int,
+                last_replan_step: int | None) -> Trigger | None:
+        """The rate trigger, if a re-plan is also due (once per iteration)."""
+        trig = self.rate_trigger(basis, rates, set(plan.active_devices), set(plan.suspended))
+        return trig if trig is not None and self.due(step, last_replan_step) else None
+
+    def decide(self, obs: Observation, planner: Planner) -> Decision:
+        """keep / rebalance / replan: the least predicted time to finish (or, forced, the best that moves)."""
+        notes: list[str] = []
+        candidates: dict[str, Plan] = {}
+        if not obs.membership:
+            candidates["keep"] = obs.current
+            try:
+                candidates["rebalance"] = planner.rebalance(obs.problem, obs.current)
+            except Exception as e:
+                notes.append(f"rebalance not possible: {e}")
+        candidates["replan"] = planner.replan(obs.problem, obs.current)
+        options, info = [], {}
+        for name, p in candidates.items():
+            if name != "keep" and p.plan_id == obs.current.plan_id:
+                continue
+            it = planner.evaluate(obs.problem, p) * obs.seconds_per_unit
+            nbytes = 0.0 if name == "keep" else Plan.diff(obs.current, p, obs.state_sizes).moved_bytes
+            mig = 0.0 if name == "keep" else self.migration.predict(nbytes)
+            options.append(Option(name, it, mig))
+            info[name] = {"plan_id": p.plan_id, "iteration_seconds": it, "migration_seconds": mig,
+                          "migration_bytes": nbytes, "time_to_finish": obs.remaining * it + mig}
+        if obs.membership or obs.forced:
+            movers = [o for o in options if o.name != "keep"]
+            pick = min(movers, key=lambda o: info[o.name]["time_to_finish"]).name if movers else "keep"
+        else:
+            pick = choose(options, obs.remaining).name
+        return Decision(pick, None if pick == "keep" else candidates[pick], info, notes)
+
+
+class StaticPolicy(ReplanPolicy):
+    """A fixed plan (--static): no trigger ever fires and no request is taken."""
+    replans = False
+
+    def trigger(self, basis, rates, plan, step, last_replan_step) -> Trigger | None:
+        return None
+
+    def decide(self, obs: Observation, planner: Planner) -> Decision:
+        return Decision("keep", None)
 
 
 @dataclass(frozen=True)

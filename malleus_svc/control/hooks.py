@@ -1,0 +1,68 @@
+"""Hooks the coordinator is given: straggler emulation and test delays (demos and tests only).
+
+Neither is read to decide anything: emulated slowdowns reach the rates only through the
+workers' timings, and delays only stretch the planner and migration phases (to exercise
+request coalescing)."""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+
+class Emulation:
+    """Slowdown factors per device: a schedule by step, manual factors (the `emulate` call) over
+    it, and an optional per-step jitter (each factor x U(1, 1 + 2 jitter)). Called under the
+    coordinator's lock; picklable, so a driver can hand one to the coordinator actor."""
+
+    def __init__(self, schedule: Iterable = (), jitter: float = 0.0, seed: int = 0):
+        from malleus_svc.runtime.straggler import EmulationSchedule
+        self.schedule = EmulationSchedule(tuple(schedule))
+        self.jitter = float(jitter)
+        self.manual: dict[int, float] = {}
+        self._rng = random.Random(seed)
+        self._applied: dict[int, float] = {}
+
+    def set(self, factors: dict[int, float], jitter: float | None) -> dict:
+        self.manual.update(factors)
+        if jitter is not None:
+            self.jitter = jitter
+        return {"factors": dict(self.manual), "jitter": self.jitter}
+
+    def changes(self, step: int, num_devices: int) -> dict[int, float]:
+        """Before an iteration: the factors the workers must be told (those that changed)."""
+        want = {**self.schedule.factors_at(step, range(num_devices)), **self.manual}
+        if self.jitter > 0:
+            want = {d: f * (1.0 + self._rng.uniform(0.0, 2.0 * self.jitter)) for d, f in want.items()}
+        changed = {d: f for d, f in want.items() if self._applied.get(d, 1.0) != f}
+        self._applied.update(changed)
+        return changed
+
+    def forget(self, devices: Iterable[int]) -> None:
+        """Fresh workers start unslowed: re-apply their factors."""
+        for d in devices:
+            self._applied.pop(d, None)
+
+
+class Delays:
+    """A slow planner and a slow migration, in seconds (tests only)."""
+
+    def __init__(self, plan_s: float = 0.0, migrate_s: float = 0.0):
+        self.plan_s, self.migrate_s = float(plan_s), float(migrate_s)
+
+    def before_plan(self) -> None:
+        time.sleep(self.plan_s)
+
+    def before_migrate(self) -> None:
+        time.sleep(self.migrate_s)
+
+
+@dataclass
+class Hooks:
+    """What the coordinator is given rather than decides: the cluster (a worker-group factory,
+    job -> group), the planner, and the demo/test hooks."""
+    workers: Callable[[Any], Any]
+    planner: Any
+    emulation: Emulation
+    delays: Delays

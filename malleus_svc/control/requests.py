@@ -1,0 +1,102 @@
+"""Client calls, checked: pure functions that return clean values or raise MalleusError (one line:
+what was wrong, what would be accepted). Nothing here touches the job; the coordinator applies
+what passed."""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+
+class MalleusError(ValueError):
+    """A client call the coordinator refuses; the message says why. Nothing changed."""
+
+
+def is_number(v: Any) -> bool:
+    """A finite real number (bools are not numbers here, though Python says they are)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
+
+
+def check_device(d: Any, num_devices: int, job: str) -> int:
+    # ASCII digits only: '²'.isdigit() is True, and int('²') raises
+    ascii_digits = isinstance(d, str) and d.strip().isascii() and d.strip().isdigit()
+    if isinstance(d, bool) or not (isinstance(d, int) or ascii_digits):
+        raise MalleusError(f"device ids are ints in 0..{num_devices - 1}, got {d!r}")
+    d = int(d)
+    if not 0 <= d < num_devices:
+        raise MalleusError(f"unknown device {d}: job {job!r} has devices 0..{num_devices - 1}")
+    return d
+
+
+def check_devices(devices: Any, what: str, num_devices: int, job: str) -> list[int]:
+    if isinstance(devices, (int, str)):
+        devices = [devices]
+    if not isinstance(devices, (list, tuple, set, frozenset)) or not devices:
+        raise MalleusError(f"{what} needs a non-empty list of device ids, got {devices!r}")
+    return sorted({check_device(d, num_devices, job) for d in devices})
+
+
+def check_reason(reason: Any) -> str:
+    if not isinstance(reason, str) or not reason.strip():
+        raise MalleusError(f"reason must be a non-empty string, got {reason!r}")
+    return reason.strip()
+
+
+def check_rates(rates: Any, num_devices: int, job: str) -> dict[int, float | None]:
+    """device -> straggling rate >= 1.0, or None to clear it."""
+    if not isinstance(rates, Mapping) or not rates:
+        raise MalleusError(f"set_rates needs a non-empty mapping of device -> rate (>= 1.0, or None to clear), "
+                           f"got {rates!r}")
+    clean: dict[int, float | None] = {}
+    for d, r in rates.items():
+        d = check_device(d, num_devices, job)
+        if r is None:
+            clean[d] = None
+            continue
+        if not is_number(r):
+            raise MalleusError(f"rate for device {d} must be a finite number >= 1.0 (or None to clear), got {r!r}")
+        if float(r) < 1.0:
+            raise MalleusError(f"rate for device {d} must be >= 1.0 (1.0 = healthy, 3.0 = three times slower), "
+                               f"got {r!r}")
+        clean[d] = float(r)
+    return clean
+
+
+def check_exclude(devices: list[int], excluded: set[int], gone: set[int], num_devices: int, job: str) -> None:
+    already = [d for d in devices if d in excluded]
+    if already:
+        raise MalleusError(f"devices {already} are already excluded (excluded now: {sorted(excluded)})")
+    if len(excluded | set(devices) | gone) >= num_devices:
+        raise MalleusError(f"excluding {devices} would leave no device for job {job!r}")
+
+
+def check_include(devices: list[int], excluded: set[int], gone: set[int]) -> None:
+    back = sorted(set(devices) & gone)
+    if back:
+        raise MalleusError(f"devices {back} are gone (their node left the cluster); they rejoin by "
+                           "themselves when Ray can place them again")
+    missing = [d for d in devices if d not in excluded]
+    if missing:
+        raise MalleusError(f"devices {missing} are not excluded (excluded now: {sorted(excluded)})")
+
+
+def check_emulation(factors: Any, jitter: Any, num_devices: int, job: str) -> tuple[dict[int, float], float | None]:
+    """EMULATION ONLY: slowdown factors (>= 1.0, 1.0 = off) and the per-step jitter in [0, 1]."""
+    if jitter is not None:
+        if not is_number(jitter) or not 0.0 <= float(jitter) <= 1.0:
+            raise MalleusError(f"jitter must be a number in [0, 1], got {jitter!r}")
+        jitter = float(jitter)
+    if factors is not None and not isinstance(factors, Mapping):
+        raise MalleusError(f"factors must be a mapping of device -> slowdown factor (>= 1.0), got {factors!r}")
+    clean = {}
+    for d, f in (factors or {}).items():
+        d = check_device(d, num_devices, job)
+        if not is_number(f) or float(f) < 1.0:
+            raise MalleusError(f"slowdown factor for device {d} must be a finite number >= 1.0, got {f!r}")
+        clean[d] = float(f)
+    return clean, jitter
+
+
+def check_steps(steps: Any) -> int:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise MalleusError(f"steps must be an integer >= 1, got {steps!r}")
+    return steps

@@ -1,0 +1,75 @@
+"""The coordinator's answers to status(), summary() and how plans read in one line."""
+from __future__ import annotations
+
+import os
+import time
+
+from malleus_svc.plan import Plan
+
+
+def plan_summary(plan: Plan) -> dict:
+    return {"pipelines": [{"micro_batches": p.micro_batches,
+                           "stages": [{"devices": list(s.devices), "layers": list(s.layers)} for s in p.stages]}
+                          for p in plan.pipelines],
+            "suspended": list(plan.suspended), "excluded": list(plan.excluded), "global_batch": plan.global_batch}
+
+
+def describe_plan(plan: Plan | dict) -> str:
+    """One line: pipelines as stage devices[layers] x micro-batches."""
+    d = plan.to_dict() if isinstance(plan, Plan) else plan
+    pipes = []
+    for p in d["pipelines"]:
+        st = " > ".join(f"{','.join(map(str, s['devices']))}[{s['layers'][0]}:{s['layers'][1]}]" for s in p["stages"])
+        pipes.append(f"({st})x{p['micro_batches']}")
+    extra = f" susp {list(d.get('suspended') or [])}" if d.get("suspended") else ""
+    extra += f" excl {list(d.get('excluded') or [])}" if d.get("excluded") else ""
+    return " ".join(pipes) + extra
+
+
+def workers_status(group) -> dict | None:
+    if group is None:
+        return None
+    return {"devices": group.num_devices, "cpus_per_worker": group.cpus_per_worker, "use_gpu": group.use_gpu,
+            "host_cores": os.cpu_count(), "pids": {str(i["device"]): i["pid"] for i in group.infos},
+            "nodes": {str(i["device"]): i["node_id"] for i in group.infos}}
+
+
+def status(c) -> dict:
+    """(the coordinator's lock held) Everything a client or `malleus status` shows."""
+    plan, hist, lengths = c.plan, c.history, c.lengths
+    last = hist.records[-1] if hist.records else None
+    elapsed = (time.perf_counter() - hist.t_start) if hist.t_start else 0.0
+    return {
+        "job": c.job.name, "state": c.state.value, "error": c.error, "static": not c.policy.replans,
+        "step": c.step, "steps": c.steps_total, "submission_id": c.origin["submission_id"],
+        "resumed_from": c.origin["resumed_from"], "restarted": c.origin["restarted"], "failures": list(hist.failures),
+        "plan_id": plan.plan_id if plan else None, "plan_version": hist.plan_version,
+        "plan": plan_summary(plan) if plan else None,
+        "excluded": sorted(c.excluded), "gone": sorted(c.gone()),
+        "rates": {str(d): r for d, r in sorted(c.measurement.effective().items())},
+        "external_rates": {str(d): r for d, r in sorted(c.measurement.external.items())},
+        "calibrated": c.measurement.calibrated,
+        "planning": c.rounds.status(),
+        "pending_requests": [r.to_dict() for r in c.rounds.pending],
+        "tokens_per_second": (last["tokens"] / last["iteration_seconds"]) if last else None,
+        "avg_tokens_per_second": hist.tokens_total / elapsed if elapsed > 0 else None,
+        "healthy_tokens_per_second": c.measurement.healthy_tokens_per_second,
+        "length_stats": lengths.last_stats, "length_drift": lengths.last_drift,
+        "history": len(hist.entries), "migrations": hist.migrations(),
+        "events": list(hist.events)[-10:],
+        "metrics_endpoint": c.metrics_export.endpoint if c.metrics_export else None,
+        "workers": workers_status(c.group),
+    }
+
+
+def summary(c) -> dict:
+    """(lock held) The run in numbers."""
+    recs = c.history.records
+    secs = sum(r["iteration_seconds"] for r in recs)
+    tokens = sum(r["tokens"] for r in recs)
+    return {"job": c.job.name, "state": c.state.value, "error": c.error, "steps": len(recs),
+            "first_loss": recs[0]["loss"] if recs else None, "last_loss": recs[-1]["loss"] if recs else None,
+            "tokens": tokens, "train_seconds": secs, "tokens_per_second": tokens / secs if secs > 0 else None,
+            "mean_iteration_seconds": secs / len(recs) if recs else None,
+            "migrations": c.history.migrations(),
+            "healthy_tokens_per_second": c.measurement.healthy_tokens_per_second}

@@ -1,0 +1,73 @@
+"""A fake of the cluster for driving the coordinator without Ray: the worker-group surface the
+coordinator uses (control/workers.py WorkerGroupLike), with per-device compute times the test
+controls through the coordinator's own emulation call. Deterministic: a device's busy time is
+`unit` seconds per t0 unit of its work under the plan in force, times its slowdown factor."""
+from __future__ import annotations
+
+from malleus_svc.control.workload import device_work
+from malleus_svc.costmodel.scenario import scenario_costs
+from malleus_svc.plan import Plan
+from malleus_svc.runtime.cluster import MigrationReport, StepRecord
+
+UNIT = 0.01       # seconds per t0 unit on a healthy device
+PROBE = 0.05      # a healthy device's probe seconds
+
+
+class FakeWorkers:
+    def __init__(self, job):
+        self.job, self.num_devices = job, job.num_devices
+        self.plan: Plan | None = None
+        self.gone: set[int] = set()
+        self.dataset = None
+        self.infos = [{"device": d, "pid": 0, "node_id": "fake"} for d in range(self.num_devices)]
+        self.cpus_per_worker, self.use_gpu, self.last_recovery_error = 1.0, False, None
+        self.slowdown: dict[int, float] = {}
+        self.migrated: list[tuple[str, str]] = []     # (old plan id, new plan id)
+
+    @property
+    def live(self) -> list[int]:
+        return [d for d in range(self.num_devices) if d not in self.gone]
+
+    def start(self):
+        return self
+
+    def shutdown(self) -> None:
+        pass
+
+    def set_data(self, spec: dict, mode: str, seq_len: int) -> int:
+        return int(spec["num_samples"])
+
+    def apply_plan(self, plan: Plan, shape, *, seed: int = 0, optim=None) -> list:
+        self.plan = plan
+        return []
+
+    def set_slowdowns(self, factors: dict[int, float]) -> None:
+        self.slowdown.update(factors)
+
+    def step(self, sample_ids, assignment=None) -> StepRecord:
+        work = device_work(self.plan, self.job.scenario)
+        devices = {d: {"compute_seconds": UNIT * w * self.slowdown.get(d, 1.0), "injected_seconds": 0.0}
+                   for d, w in work.items()}
+        return StepRecord(step=0, plan_id=self.plan.plan_id, loss=1.0, loss_tokens=len(sample_ids),
+                          tokens=len(sample_ids) * self.job.data.seq_len, samples=len(sample_ids),
+                          iteration_seconds=max(s["compute_seconds"] for s in devices.values()), grad_norm=None,
+                          devices=devices)
+
+    def probe(self, devices):
+        out = [{"device": d, "compute_seconds": PROBE * self.slowdown.get(d, 1.0)} for d in devices]
+        return lambda: out
+
+    def migrate(self, new_plan: Plan, *, bucket_bytes: int) -> MigrationReport:
+        old, self.plan = self.plan, new_plan
+        self.migrated.append((old.plan_id, new_plan.plan_id))
+        moved = Plan.diff(old, new_plan, scenario_costs(self.job.scenario).state_sizes).moved_bytes
+        return MigrationReport(old.plan_id, new_plan.plan_id, int(moved), 0, 1, 1, 0.01, {})
+
+    def recover(self, plan_for=None):
+        raise AssertionError("the fake cluster never loses a device")
+
+    def rejoinable(self) -> list[int]:
+        return []
+
+    def rejoin(self, devices, plan_for) -> list[int]:
+        return []

@@ -1,0 +1,58 @@
+"""Client-call checks (control/requests.py): pure functions, one clear line for bad input."""
+import math
+
+import pytest
+
+from malleus_svc.control import requests as check
+from malleus_svc.control.requests import MalleusError
+
+
+@pytest.mark.parametrize("d, want", [(3, 3), ("3", 3), (" 7 ", 7)])
+def test_device_ids_accepted(d, want):
+    assert check.check_device(d, 8, "j") == want
+
+
+@pytest.mark.parametrize("d, says", [(8, "unknown device 8"), (-1, "unknown device -1"), (True, "ints"),
+                                     ("²", "ints"), (1.0, "ints"), ("x", "ints"), (None, "ints")])
+def test_device_ids_refused(d, says):
+    with pytest.raises(MalleusError, match=says):
+        check.check_device(d, 8, "j")
+
+
+def test_rates():
+    assert check.check_rates({"1": 2, 2: None}, 8, "j") == {1: 2.0, 2: None}
+    for bad, says in (({}, "non-empty"), ([1], "non-empty"), ({1: math.nan}, "finite"), ({1: 0.5}, ">= 1.0"),
+                      ({1: True}, "finite"), ({9: 2.0}, "unknown device 9")):
+        with pytest.raises(MalleusError, match=says):
+            check.check_rates(bad, 8, "j")
+
+
+def test_exclusions_and_inclusions():
+    assert check.check_devices(3, "exclude", 8, "j") == [3]
+    assert check.check_devices([3, "3", 1], "exclude", 8, "j") == [1, 3]
+    with pytest.raises(MalleusError, match="non-empty"):
+        check.check_devices([], "exclude", 8, "j")
+    with pytest.raises(MalleusError, match="already excluded"):
+        check.check_exclude([2], {2}, set(), 8, "j")
+    with pytest.raises(MalleusError, match="no device"):
+        check.check_exclude([0, 1], {2}, {3}, 4, "j")
+    with pytest.raises(MalleusError, match="gone"):
+        check.check_include([3], {3}, {3})
+    with pytest.raises(MalleusError, match="not excluded"):
+        check.check_include([1], {3}, set())
+    check.check_include([3], {3}, set())
+
+
+def test_reasons_steps_and_emulation():
+    assert check.check_reason("  why ") == "why"
+    for bad in ("", "  ", None, 3):
+        with pytest.raises(MalleusError, match="non-empty string"):
+            check.check_reason(bad)
+    assert check.check_steps(5) == 5
+    with pytest.raises(MalleusError, match="steps"):
+        check.check_steps(0)
+    assert check.check_emulation({3: 2}, 0.5, 8, "j") == ({3: 2.0}, 0.5)
+    with pytest.raises(MalleusError, match="jitter"):
+        check.check_emulation(None, 2.0, 8, "j")
+    with pytest.raises(MalleusError, match=">= 1.0"):
+        check.check_emulation({3: 0.5}, None, 8, "j")
