@@ -199,9 +199,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         raise
     except Exception as e:
-        if type(e).__name__ == "AuthenticationError":  # ray.exceptions: the cluster wants a token
-            print(f"malleus: error: Ray refused the connection: {e}\nThe token comes from RAY_AUTH_TOKEN, "
-                  "RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token (see deploy/README.md)", file=sys.stderr)
+        if type(e).__name__ == "AuthenticationError":  # ray.exceptions: refused on a request after connecting
+            from .service.ray_auth import from_ray
+            print(f"malleus: error: {from_ray(e)}", file=sys.stderr)
             return 2
         raise
 

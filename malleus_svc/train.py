@@ -198,6 +198,9 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
                 break
             time.sleep(poll_s)
         summ = ray.get(handle.summary.remote())
+        _record_outcome({**summ, "steps_requested": steps, "plan_id": st.get("plan_id"), "replans": st.get("history", 0),
+                         "submission_id": st.get("submission_id"),
+                         "ray_job_id": ray.get_runtime_context().get_job_id()}, say)
         if st["state"] == "failed":
             print(f"error: {st['error']}", file=sys.stderr)
             return 1
@@ -213,6 +216,17 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
         except Exception:  # already gone
             pass
         ray.kill(handle)
+
+
+def _record_outcome(summary: dict, say) -> None:
+    """Leave the job's final summary on the cluster for `malleus status` (service/outcome.py); a
+    failure to do so costs the answer after the job, never the job."""
+    from malleus_svc.service.outcome import record
+
+    try:
+        record(summary)
+    except Exception as e:
+        say(f"[{summary['job']}] could not record the final summary on the cluster: {e}")
 
 
 if __name__ == "__main__":

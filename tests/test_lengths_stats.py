@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from malleus_svc.lengths import DriftDetector, LengthError, LengthHistogram
+from malleus_svc.lengths.stats import ks_critical, ks_statistic
 from malleus_svc.runtime.datasets import SyntheticVarLen
 
 WIDTH = 2 ** (1 / 8) - 1      # one bucket at the default 8 per octave
@@ -108,3 +109,42 @@ def test_detector_json_round_trip_continues_identically():
         ra, rb = a.observe(x), b.observe(x)
         assert ra.to_dict() == rb.to_dict()
     assert a.to_dict() == b.to_dict() and ra.drifted
+
+
+def test_ks_statistic_and_critical_value():
+    a = LengthHistogram.of(lengths_of(500, 4000, seed=9))
+    assert ks_statistic(a, a.copy()) == 0.0
+    assert ks_statistic(LengthHistogram.of([10] * 50), LengthHistogram.of([1000] * 70)) == 1.0
+    # the textbook value: c(0.05) = 1.358 for equal sizes n = m = 100 -> 0.192
+    assert ks_critical(100, 100, 0.05) == pytest.approx(1.358 * (2 / 100) ** 0.5, rel=1e-3)
+    with pytest.raises(LengthError, match="alpha"):
+        DriftDetector(alpha=0.0)
+
+
+@pytest.mark.parametrize("batch, min_samples", [(8, 64), (256, 200)])   # 8 = the tiny job's global batch
+def test_a_fixed_distribution_never_drifts_over_a_long_run(batch, min_samples):
+    """500 batches of one distribution, four seeds: small windows move p90 by 30% and more by
+    chance (the old quantile-only rule fired on that), the significance test never lets it count."""
+    noisy = 0
+    for seed in range(4):
+        det = DriftDetector(window=8, threshold=0.25, min_samples=min_samples)
+        for b in batches(500, 500, size=batch, seed=seed):
+            r = det.observe(b)
+            assert not r.drifted, (seed, r.reason)
+            noisy += "within sampling noise" in r.reason
+    if batch == 8:
+        assert noisy > 100, noisy
+
+
+@pytest.mark.parametrize("batch, within", [(32, 8), (256, 5)])
+@pytest.mark.parametrize("new_mean", [1000, 250])
+def test_a_real_shift_is_detected_within_a_few_batches(batch, within, new_mean):
+    """The mean length doubles or halves: drift within `within` batches of the shift (a window is 8)."""
+    for seed in range(4):
+        det = DriftDetector(window=8, threshold=0.25, min_samples=64)
+        for b in batches(500, 8, size=batch, seed=100 + seed):
+            assert not det.observe(b).drifted
+        shifted = batches(new_mean, within, size=batch, seed=200 + seed)
+        first = next((i + 1 for i, b in enumerate(shifted) if det.observe(b).drifted), None)
+        assert first is not None, (seed, det.check().reason)
+        assert "KS D" in det.check().reason

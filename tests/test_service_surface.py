@@ -4,6 +4,7 @@ input errors, and the what-if example. The end-to-end run is tests/test_service_
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -190,3 +191,49 @@ def test_what_if_example_plans_the_110b_model():
     last = p.stdout.strip().splitlines()[-1]
     speedup = float(last.rsplit("->", 1)[1].split("x")[0])
     assert speedup > 1.5, last
+
+
+def test_a_refused_token_is_one_line_and_the_core_log_of_it_is_held_back(tmp_path, monkeypatch, capfd):
+    """ray_auth without a cluster: the C++ core's lines about refused handshakes (written to fd 2,
+    as the core does) disappear, other lines pass, and the refusal names its cause and the fix."""
+    from malleus_svc.service.ray_auth import AuthRefused, connecting
+
+    for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):   # restored after, even what Ray sets
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("HOME", str(tmp_path))               # no ~/.ray/auth_token: no token anywhere
+    noise = b"[W 1 1] gcs_client.cc:210: Failed to get cluster ID from GCS server: Unauthenticated: InvalidAuthToken\n"
+    with pytest.raises(AuthRefused) as e:
+        with connecting():
+            for _ in range(20):
+                os.write(2, noise)
+            os.write(2, b"a real warning\n")
+            raise ConnectionError("Failed to connect to Ray cluster")
+    assert "sent none" in str(e.value) and "export RAY_AUTH_TOKEN" in str(e.value) and "\n" not in str(e.value)
+    err = capfd.readouterr().err
+    assert "gcs_client" not in err and "a real warning" in err
+
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "0" * 64)          # a token, refused: the wrong one
+    with pytest.raises(AuthRefused, match="refused the authentication token from RAY_AUTH_TOKEN"):
+        with connecting():
+            os.write(2, noise)
+            raise ConnectionError("Failed to connect to Ray cluster")
+    with pytest.raises(ConnectionError) as e:              # not a refusal: passed on as it is
+        with connecting():
+            raise ConnectionError("nothing listens")
+    assert not isinstance(e.value, AuthRefused)
+
+
+def test_the_outcome_of_an_ended_job_reads_as_its_summary():
+    from malleus_svc.service.outcome import format_ended
+
+    summary = {"job": "tiny", "state": "stopped", "error": None, "steps": 37, "steps_requested": 500,
+               "first_loss": 5.56, "last_loss": 4.6, "tokens_per_second": 1673.0, "train_seconds": 3.1,
+               "migrations": 1, "replans": 3, "plan_id": "0a54be630818", "ended": 0.0}
+    text = format_ended({"job": "tiny", "state": "SUCCEEDED", "submission_id": "raysubmit_x", "summary": summary,
+                         "ray": None})
+    assert text.startswith("job tiny (Ray job raysubmit_x): SUCCEEDED, 37/500 steps, ended")
+    assert "5.5600 -> 4.6000" in text and "1,673 tok/s" in text and "1 migrations in 3 re-plan rounds" in text
+    failed = format_ended({"job": "tiny", "state": "FAILED", "submission_id": "raysubmit_y", "summary": None,
+                           "ray": {"message": "Job entrypoint command failed with exit code 2"}})
+    assert "error: Job entrypoint command failed" in failed and "no summary recorded" in failed

@@ -8,9 +8,12 @@ the lengths here to keep:
   in O(log(max length)) memory); exact count, total, min and max; mergeable across windows or
   workers; plain JSON.
 * `DriftDetector`: a reference window (the first `window` batches, or whatever `rebase` froze)
-  against the most recent `window` batches; drift = some high quantile (p90, p99 by default)
-  moved by more than `threshold` relative. The tail is what decides memory limits and the
-  slowest pipeline, so that is what is watched; the mean can stay put while p99 doubles.
+  against the most recent `window` batches; drift = the two windows differ significantly (a
+  two-sample Kolmogorov-Smirnov test on the histograms at level `alpha`) and some high quantile
+  (p90, p99 by default) moved by more than `threshold` relative. The tail is what decides memory
+  limits and the slowest pipeline, so that is what is watched; the test keeps the sampling noise
+  of small windows (a p90 of 64 lengths moves 30% by chance) from counting as drift, and the
+  threshold keeps tiny but significant shifts of huge windows from counting either.
 """
 from __future__ import annotations
 
@@ -23,6 +26,9 @@ from typing import Iterable, Mapping, Sequence
 from .cost import LengthError
 
 DEFAULT_QUANTILES = (0.9, 0.99)
+# The check runs after every batch on overlapping windows, so a long run makes many looks at the
+# same data: a strict level keeps a run of thousands of steps on one distribution free of alarms.
+DEFAULT_ALPHA = 1e-3
 
 
 class LengthHistogram:
@@ -160,6 +166,26 @@ def _qname(q: float) -> str:
     return f"p{q * 100:g}"
 
 
+def ks_statistic(a: LengthHistogram, b: LengthHistogram) -> float:
+    """The two-sample Kolmogorov-Smirnov statistic: the largest gap between the empirical CDFs,
+    read at bucket edges (the only points where binned data knows them; this makes it conservative)."""
+    if not (a.count and b.count):
+        raise LengthError("histogram", "empty", "lengths on both sides of a two-sample test")
+    ca = cb = 0
+    d = 0.0
+    for k in sorted(a.counts.keys() | b.counts.keys()):
+        ca += a.counts.get(k, 0)
+        cb += b.counts.get(k, 0)
+        d = max(d, abs(ca / a.count - cb / b.count))
+    return d
+
+
+def ks_critical(n: int, m: int, alpha: float) -> float:
+    """The asymptotic critical value of the two-sample KS statistic for sizes n, m at level alpha:
+    c(alpha) * sqrt((n + m) / (n m)), c(alpha) = sqrt(-ln(alpha / 2) / 2)."""
+    return math.sqrt(-math.log(alpha / 2) / 2) * math.sqrt((n + m) / (n * m))
+
+
 @dataclass(frozen=True)
 class DriftReport:
     drifted: bool
@@ -167,17 +193,20 @@ class DriftReport:
     reference_count: int
     recent_count: int
     reason: str
+    ks: Mapping[str, float] | None = None       # {"statistic", "critical", "alpha"} once both windows are full
 
     def to_dict(self) -> dict:
         return {"drifted": self.drifted, "shifts": {k: dict(v) for k, v in self.shifts.items()},
-                "reference_count": self.reference_count, "recent_count": self.recent_count, "reason": self.reason}
+                "reference_count": self.reference_count, "recent_count": self.recent_count, "reason": self.reason,
+                "ks": dict(self.ks) if self.ks else None}
 
 
 class DriftDetector:
-    """Reference window vs the last `window` batches: drift when a high quantile moves > `threshold`."""
+    """Reference window vs the last `window` batches: drift when the two differ significantly (KS at
+    level `alpha`) and a high quantile moved by more than `threshold`."""
 
     def __init__(self, window: int = 8, threshold: float = 0.25, quantiles: Sequence[float] = DEFAULT_QUANTILES,
-                 min_samples: int = 200, buckets_per_octave: int = 8):
+                 min_samples: int = 200, buckets_per_octave: int = 8, alpha: float = DEFAULT_ALPHA):
         if not (isinstance(window, int) and window >= 1):
             raise LengthError("window", window, "a number of batches >= 1")
         if not (threshold > 0):
@@ -189,7 +218,10 @@ class DriftDetector:
                                                       "use more buckets_per_octave")
         if not quantiles or any(not 0 < q <= 1 for q in quantiles):
             raise LengthError("quantiles", list(quantiles), "quantiles in (0, 1], at least one")
+        if not (isinstance(alpha, float) and 0 < alpha < 1):
+            raise LengthError("alpha", alpha, "a significance level in (0, 1), e.g. 0.001")
         self.window, self.threshold, self.quantile_levels = window, float(threshold), tuple(quantiles)
+        self.alpha = alpha
         self.min_samples, self.buckets_per_octave = int(min_samples), buckets_per_octave
         self.reference = LengthHistogram(buckets_per_octave)
         self.reference_batches = 0
@@ -226,8 +258,15 @@ class DriftDetector:
             shifts[_qname(q)] = {"reference": ref, "recent": now, "relative": rel}
             if abs(rel) > self.threshold:
                 moved.append(f"{_qname(q)} {ref:g} -> {now:g} ({rel:+.0%})")
-        reason = ("; ".join(moved) + f" beyond ±{self.threshold:.0%}") if moved else "within threshold"
-        return DriftReport(bool(moved), shifts, self.reference.count, recent.count, reason)
+        d, crit = ks_statistic(self.reference, recent), ks_critical(self.reference.count, recent.count, self.alpha)
+        ks = {"statistic": d, "critical": crit, "alpha": self.alpha}
+        test = f"KS D = {d:.3f} {'>' if d > crit else '<='} {crit:.3f} (alpha {self.alpha:g}, n = {self.reference.count}, {recent.count})"
+        if not moved:
+            reason = f"within ±{self.threshold:.0%}"
+        else:
+            reason = "; ".join(moved) + f" beyond ±{self.threshold:.0%}, " + (
+                test if d > crit else f"but within sampling noise: {test}")
+        return DriftReport(bool(moved) and d > crit, shifts, self.reference.count, recent.count, reason, ks)
 
     def rebase(self) -> None:
         """Accept the recent distribution as the new reference (after re-planning on it)."""
@@ -236,14 +275,14 @@ class DriftDetector:
 
     def to_dict(self) -> dict:
         return {"window": self.window, "threshold": self.threshold, "quantiles": list(self.quantile_levels),
-                "min_samples": self.min_samples, "buckets_per_octave": self.buckets_per_octave,
+                "min_samples": self.min_samples, "buckets_per_octave": self.buckets_per_octave, "alpha": self.alpha,
                 "reference": self.reference.to_dict(), "reference_batches": self.reference_batches,
                 "recent": [h.to_dict() for h in self.recent], "lifetime": self.lifetime.to_dict()}
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "DriftDetector":
         out = cls(int(data["window"]), float(data["threshold"]), tuple(data["quantiles"]), int(data["min_samples"]),
-                  int(data["buckets_per_octave"]))
+                  int(data["buckets_per_octave"]), float(data["alpha"]))
         out.reference = LengthHistogram.from_dict(data["reference"])
         out.reference_batches = int(data["reference_batches"])
         out.recent.extend(LengthHistogram.from_dict(h) for h in data["recent"])

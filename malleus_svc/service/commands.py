@@ -3,8 +3,8 @@
 JOB is the malleus job name or the Ray Jobs submission id (raysubmit_...). The command joins the
 Ray cluster at --address (default: RAY_ADDRESS, else the local cluster `ray start` made) with the
 client API (control/client.py), so every request is validated by the coordinator and a refused
-one changes nothing. With token authentication on, the token comes from RAY_AUTH_TOKEN,
-RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, as for every Ray CLI.
+one changes nothing. Authentication: service/ray_auth.py. `status` of a job that has ended
+reports its outcome (service/outcome.py); of an unknown one, the jobs that ran recently.
 """
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ from malleus_svc.config.errors import ConfigError
 from malleus_svc.control.client import MalleusError, connect
 from malleus_svc.control.coordinator import describe_plan
 
+from . import outcome
+from .ray_auth import AuthRefused, connecting
+
 
 def add_parsers(sub) -> None:
     def job_parser(name: str, help: str):
@@ -26,7 +29,8 @@ def add_parsers(sub) -> None:
         p.add_argument("--json", action="store_true", help="print the coordinator's answer as JSON")
         return p
 
-    job_parser("status", "state, plan, rates and throughput of a running job").set_defaults(func=cmd_status)
+    job_parser("status", "state, plan, rates and throughput of a running job; the outcome of an ended one").set_defaults(
+        func=cmd_status)
     p = job_parser("replan", "ask a running job to re-plan now (coalesced with any re-plan in flight)")
     p.add_argument("--reason", default="operator request", help="recorded in the job's history and metrics")
     p.add_argument("--force", action="store_true", help="adopt the planner's plan even if keeping the current "
@@ -45,7 +49,10 @@ def add_parsers(sub) -> None:
 
 def _client(args: argparse.Namespace):
     try:
-        return connect(args.job, address=args.address)
+        with connecting():
+            return connect(args.job, address=args.address)
+    except AuthRefused:               # its line names the cause already
+        raise
     except ConnectionError as e:
         raise MalleusError(f"cannot reach a Ray cluster at {args.address or 'RAY_ADDRESS / the local cluster'}: {e}; "
                            "pass --address HEAD:6379") from None
@@ -57,7 +64,15 @@ def _print(args: argparse.Namespace, answer, text: str) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    st = _client(args).status()
+    try:
+        client = _client(args)
+    except MalleusError:            # no coordinator by that name or id: a job that has ended, or none
+        ended = outcome.ended(args.job, args.address)
+        if ended is None:
+            raise MalleusError(f"no malleus job {args.job!r} on this Ray cluster; recent jobs: "
+                               f"{', '.join(outcome.recent(args.address)) or '(none)'}") from None
+        return _print(args, ended, outcome.format_ended(ended))
+    st = client.status()
     return _print(args, st, format_status(st))
 
 

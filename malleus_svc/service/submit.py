@@ -11,8 +11,8 @@ submission id as well as by its name.
 
 Address: `--address` (the Ray dashboard, e.g. http://head:8265), else RAY_API_SERVER_ADDRESS or
 RAY_ADDRESS, as for `ray job submit` (Ray's own resolution: those variables win over the argument).
-Authentication: with token auth on (Ray's default for new clusters), the token reaches the client
-the way it reaches every Ray CLI: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token.
+Authentication: service/ray_auth.py (the token `ray start --head` found is used without
+RAY_AUTH_MODE=token; a refusal is one line).
 """
 from __future__ import annotations
 
@@ -36,8 +36,13 @@ def entrypoint(config_rel: str, train_args: Sequence[str] = (), python: str = "p
 def job_client(address: str | None):
     from ray.job_submission import JobSubmissionClient
 
+    from .ray_auth import AuthRefused, connecting
+
     try:
-        return JobSubmissionClient(address)
+        with connecting():
+            return JobSubmissionClient(address)
+    except AuthRefused:               # its line names the cause already
+        raise
     except ConnectionError as e:
         raise ConnectionError(f"cannot reach the Ray Jobs API at {address or '(RAY_ADDRESS / local)'}: "
                               f"{str(e).rstrip('.')}. Start a cluster (`ray start --head`) or pass "

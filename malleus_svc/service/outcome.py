@@ -1,0 +1,107 @@
+"""What a job that has ended leaves behind, so `malleus status` still answers after it.
+
+A job's coordinator actor goes away with the job, so the driver (train.py) records the job's
+final summary in the Ray cluster's internal key-value store (kept by the GCS, so it outlives the
+job and any node, and reads the same from every machine that can join the cluster), one record per
+job name, the newest run's. Ray's Jobs API adds what only it knows (SUCCEEDED / FAILED / STOPPED,
+its message, a run that failed before it could record anything); `ended` combines the two.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from malleus_svc.control.coordinator import NAMESPACE
+
+from .submit import TERMINAL, job_client
+
+PREFIX = "outcome:"
+
+
+def record(summary: dict) -> None:
+    """(in a process connected to the cluster) Keep `summary` (the coordinator's, plus what the
+    driver knows) as the outcome of job summary["job"]."""
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(PREFIX + summary["job"], json.dumps({**summary, "ended": time.time()}, default=str),
+                                 overwrite=True, namespace=NAMESPACE)
+
+
+def recorded() -> dict[str, dict]:
+    """Every recorded outcome on the connected cluster, by job name."""
+    from ray.experimental import internal_kv
+
+    out = {}
+    for key in internal_kv._internal_kv_list(PREFIX, namespace=NAMESPACE):
+        raw = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
+        if raw:
+            rec = json.loads(raw)
+            out[rec["job"]] = rec
+    return out
+
+
+def ray_jobs(address: str | None) -> list[dict]:
+    """The malleus jobs Ray's Jobs API knows (any state), newest first; [] where it cannot answer."""
+    try:
+        jobs = job_client(address).list_jobs()
+    except Exception:  # a cluster without the Jobs API (no dashboard): the records alone answer
+        return []
+    out = [{"job": j.metadata["malleus_job"], "submission_id": j.submission_id, "ray_job_id": j.job_id,
+            "status": getattr(j.status, "value", str(j.status)), "message": j.message,
+            "start_time": j.start_time, "end_time": j.end_time}
+           for j in jobs if (j.metadata or {}).get("malleus_job")]
+    return sorted(out, key=lambda j: j["start_time"] or 0, reverse=True)
+
+
+def ended(job: str, address: str | None) -> dict | None:
+    """The outcome of `job` (a name, a submission id or a Ray job id) if it ran on this cluster:
+    {"job", "state", "submission_id", "summary" (the driver's record, or None), "ray" (Ray's job
+    info, or None)}; None if neither the records nor Ray know it."""
+    records, runs = recorded(), ray_jobs(address)
+    run = next((r for r in runs if job in (r["submission_id"], r["ray_job_id"])), None) \
+        or next((r for r in runs if r["job"] == job), None)
+    name = run["job"] if run else job
+    rec = records.get(name) or next((r for r in records.values() if job in (r.get("submission_id"),
+                                                                            r.get("ray_job_id"))), None)
+    if rec and run and rec.get("submission_id") != run["submission_id"]:
+        rec = None      # the record is an earlier run's; this run ended before recording (or still starts)
+    if not (rec or run):
+        return None
+    state = run["status"] if run else rec["state"]
+    return {"job": name, "state": state, "submission_id": (run or rec).get("submission_id"),
+            "summary": rec, "ray": run}
+
+
+def recent(address: str | None, limit: int = 5) -> list[str]:
+    """'name (STATE, submission id)' of the newest ended or starting jobs, for an unknown name."""
+    seen, out = set(), []
+    for r in ray_jobs(address):
+        if r["job"] not in seen:
+            seen.add(r["job"])
+            out.append(f"{r['job']} ({r['status']}, {r['submission_id']})")
+    for name, rec in sorted(recorded().items(), key=lambda kv: -kv[1]["ended"]):
+        if name not in seen:
+            seen.add(name)
+            out.append(f"{name} ({rec['state']})")
+    return out[:limit]
+
+
+def format_ended(o: dict) -> str:
+    s, run = o["summary"] or {}, o["ray"] or {}
+    head = f"job {o['job']}" + (f" (Ray job {o['submission_id']})" if o.get("submission_id") else "")
+    if o["state"] not in TERMINAL and not s:
+        return head + f": {o['state']}, its coordinator is not up yet"
+    lines = [head + f": {o['state']}"
+             + (f", {s['steps']}/{s['steps_requested']} steps" if s else "")
+             + (f", ended {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(s['ended']))}" if s else "")]
+    if s.get("error") or (o["state"] == "FAILED" and run.get("message")):
+        lines.append(f"  error: {s.get('error') or run['message']}")
+    if s.get("last_loss") is not None:
+        lines.append(f"  loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}; "
+                     f"{s['tokens_per_second'] or 0:,.0f} tok/s average over {s['train_seconds']:.1f} s of training")
+    if s:
+        lines.append(f"  plan changes: {s['migrations']} migrations in {s['replans']} re-plan rounds; "
+                     f"final plan {s['plan_id']}")
+    else:
+        lines.append("  no summary recorded (the job ended before its training started)")
+    return "\n".join(lines)

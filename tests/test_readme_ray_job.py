@@ -1,0 +1,147 @@
+"""The README's "Run it as a Ray job" commands, typed as they are, against a head started with
+Ray's defaults: no RAY_AUTH_* variable anywhere, a home holding the token Ray's own
+`ray get-auth-token --generate` wrote (as any earlier local Ray run leaves it), so `ray start
+--head` turns token authentication on by itself. Then what a newcomer without the token sees, and
+what `malleus status` says once the job has ended.
+
+The head gets a temp dir, ports and home of its own (so RAY_ADDRESS points the commands at it) and
+is torn down by signalling its process group, never `ray stop`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from test_service_e2e import _free_port, _kill_group, _wait
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def readme_job_commands() -> list[str]:
+    """The command lines of the README's Ray-job block, comments dropped."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Run it as a Ray job"):]
+    block = section[section.index("```bash\n") + 8:]
+    block = block[:block.index("```")]
+    return [re.split(r"\s{2,}#", line)[0].strip() for line in block.splitlines() if line.strip()]
+
+
+class DefaultHead:
+    def __init__(self):
+        self.dir = Path(tempfile.mkdtemp(prefix="mlr", dir="/tmp"))     # short: Unix socket paths are short
+        self.home = self.dir / "home"
+        self.home.mkdir()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        env.update(HOME=str(self.home), PATH=f"{BIN}:{env.get('PATH', '')}", RAY_USAGE_STATS_ENABLED="0")
+        self.env = env
+        subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
+        self.gcs_port, self.dash_port = _free_port(), _free_port()
+        self.dashboard = f"http://127.0.0.1:{self.dash_port}"
+        self.proc = None
+
+    def start(self, command: str) -> None:
+        """The README's `ray start --head`, plus only what keeps it apart from other clusters here."""
+        args = shlex.split(command)
+        assert args == ["ray", "start", "--head"], args
+        self.proc = subprocess.Popen(
+            [str(BIN / "ray"), *args[1:], "--block", f"--temp-dir={self.dir / 'ray'}", f"--port={self.gcs_port}",
+             f"--dashboard-port={self.dash_port}", "--dashboard-host=127.0.0.1",
+             f"--dashboard-agent-listen-port={_free_port()}", "--num-cpus=8"],
+            env=self.env, stdout=open(self.dir / "head.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        _wait("the head's GCS address", self._address, 120, 2)
+        self.env["RAY_ADDRESS"] = self.address
+        # Ready when a trivial job runs: the Jobs API answers before its agent has registered.
+        _wait("the Ray head's Jobs API", lambda: self.run("ray job submit -- true", check=False).returncode == 0,
+              240, 3)
+
+    def _address(self) -> bool:
+        log = (self.dir / "head.log").read_text()
+        m = re.search(r"ray start --address='([^']+)'", log)
+        if m:
+            self.address = m.group(1)
+        return bool(m)
+
+    def run(self, command: str, check: bool = True, env: dict | None = None, timeout: float = 240):
+        """A README line in a clean environment; `malleus` is this checkout's CLI, `ray` the venv's."""
+        args = shlex.split(command)
+        exe = {"malleus": [sys.executable, "-m", "malleus_svc.cli"], "ray": [str(BIN / "ray")]}[args[0]]
+        run_env = dict(env or self.env)
+        if args[0] == "ray":      # Ray's own CLI needs token mode spelled out (README)
+            run_env["RAY_AUTH_MODE"] = "token"
+        p = subprocess.run(exe + args[1:], env=run_env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        if check and p.returncode != 0:
+            raise AssertionError(f"{command} exited {p.returncode}\nstdout: {p.stdout[-3000:]}\n"
+                                 f"stderr: {p.stderr[-3000:]}")
+        return p
+
+    def close(self):
+        if self.proc is not None:
+            _kill_group(self.proc)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def head():
+    h = DefaultHead()
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+def test_the_readme_job_commands_work_as_typed(head):
+    commands = readme_job_commands()
+    assert commands[0] == "ray start --head" and commands[1].startswith("malleus submit examples/tiny_job.yaml")
+    head.start(commands[0])
+    assert "Token authentication is enabled" in (head.dir / "head.log").read_text()   # Ray's default with a token
+    assert not any(k.startswith("RAY_AUTH") for k in head.env)
+
+    sid = head.run(commands[1]).stdout.split()[0]
+    assert sid.startswith("raysubmit_")
+    status_cmd = commands[2]
+    assert status_cmd == "malleus status tiny"
+    _wait("the job to train", lambda: "training" in head.run(status_cmd).stdout.splitlines()[0], 240, 2)
+    for command in commands[3:]:
+        if command.startswith("prometheus"):        # a separate tool, checked in test_service_e2e
+            continue
+        if command == "malleus stop tiny":
+            assert "stopping tiny" in head.run(command).stdout
+            _wait("the Ray job to end", lambda: "SUCCEEDED" in head.run(status_cmd).stdout, 240, 2)
+            continue
+        p = head.run(command)
+        assert "Traceback" not in p.stderr, (command, p.stderr)
+    # The last README line: the job has ended, its outcome answers.
+    out = head.run(status_cmd).stdout
+    assert re.match(rf"job tiny \(Ray job {sid}\): SUCCEEDED, \d+/500 steps", out), out
+    assert "loss" in out and "tok/s" in out and "re-plan rounds" in out, out
+    st = json.loads(head.run(status_cmd + " --json").stdout)
+    assert st["state"] == "SUCCEEDED" and st["summary"]["state"] == "stopped" and st["submission_id"] == sid
+    assert 0 < st["summary"]["steps"] < 500 and st["summary"]["last_loss"] < st["summary"]["first_loss"] + 1
+    assert st["summary"]["replans"] >= 1             # the README's `malleus replan` is in it
+
+    # An unknown name lists what ran; by the submission id, the same outcome.
+    p = head.run("malleus status nope", check=False)
+    assert p.returncode == 2 and f"recent jobs: tiny (SUCCEEDED, {sid})" in p.stderr, p.stderr
+    assert json.loads(head.run(f"malleus status {sid} --json").stdout)["summary"] == st["summary"]
+
+    # Without the token (another home), or with another cluster's: one line that says which.
+    bare = head.env | {"HOME": str(head.dir)}
+    wrong = head.env | {"RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    for env, cause in ((bare, "this client sent none"), (wrong, "refused the authentication token from RAY_AUTH_TOKEN")):
+        for command in ("malleus status tiny", "malleus submit examples/tiny_job.yaml"):
+            p = head.run(command, check=False, env=env)
+            assert p.returncode == 2 and p.stderr.count("\n") == 1, (command, p.stderr)
+            assert cause in p.stderr and "export RAY_AUTH_TOKEN" in p.stderr, (command, p.stderr)
