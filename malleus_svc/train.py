@@ -219,9 +219,9 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
 
 
 def _record_outcome(summary: dict, say) -> None:
-    """Leave the job's final summary on the cluster for `malleus status` (service/outcome.py); a
+    """Leave the job's final summary on the cluster for `malleus status` (control/outcome.py); a
     failure to do so costs the answer after the job, never the job."""
-    from malleus_svc.service.outcome import record
+    from malleus_svc.control.outcome import record
 
     try:
         record(summary)

@@ -1,44 +1,14 @@
-"""What a job that has ended leaves behind, so `malleus status` still answers after it.
-
-A job's coordinator actor goes away with the job, so the driver (train.py) records the job's
-final summary in the Ray cluster's internal key-value store (kept by the GCS, so it outlives the
-job and any node, and reads the same from every machine that can join the cluster), one record per
-job name, the newest run's. Ray's Jobs API adds what only it knows (SUCCEEDED / FAILED / STOPPED,
-its message, a run that failed before it could record anything); `ended` combines the two.
+"""What a job that has ended leaves behind, so `malleus status` still answers after it: the
+driver's record (`control.outcome`) and what only Ray's Jobs API knows (SUCCEEDED / FAILED /
+STOPPED, its message, a run that failed before it could record anything); `ended` combines the two.
 """
 from __future__ import annotations
 
-import json
 import time
 
-from malleus_svc.control.coordinator import NAMESPACE
+from malleus_svc.control.outcome import recorded
 
 from .submit import TERMINAL, job_client
-
-PREFIX = "outcome:"
-
-
-def record(summary: dict) -> None:
-    """(in a process connected to the cluster) Keep `summary` (the coordinator's, plus what the
-    driver knows) as the outcome of job summary["job"]."""
-    from ray.experimental import internal_kv
-
-    internal_kv._internal_kv_put(PREFIX + summary["job"], json.dumps({**summary, "ended": time.time()}, default=str),
-                                 overwrite=True, namespace=NAMESPACE)
-
-
-def recorded() -> dict[str, dict]:
-    """Every recorded outcome on the connected cluster, by job name."""
-    from ray.experimental import internal_kv
-
-    out = {}
-    for key in internal_kv._internal_kv_list(PREFIX, namespace=NAMESPACE):
-        raw = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
-        if raw:
-            rec = json.loads(raw)
-            out[rec["job"]] = rec
-    return out
-
 
 def ray_jobs(address: str | None) -> list[dict]:
     """The malleus jobs Ray's Jobs API knows (any state), newest first; [] where it cannot answer."""
