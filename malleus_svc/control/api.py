@@ -14,7 +14,6 @@ from .status import status, summary
 class ClientAPI:
     """Mixed into JobCoordinator (which provides the state and `_submit`); under its lock."""
 
-
     def replan(self, reason: str = "user request", force: bool = False) -> dict:
         """Ask for a re-plan (coalesced with any in flight). force: adopt the planner's plan even if
         keeping the current one is predicted to finish sooner."""

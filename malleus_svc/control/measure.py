@@ -29,6 +29,8 @@ import statistics
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
+from .workload import busy_seconds, device_work
+
 
 @dataclass(frozen=True)
 class WorkSample:
@@ -163,7 +165,6 @@ class Measurement:
 
     def observe_step(self, plan, job, devices: dict[int, dict], probes: list[dict]) -> None:
         """One iteration's per-device reports (active: busy over work in t0 units) and probes."""
-        from .workload import busy_seconds, device_work
         tokens = {d: int(s.get("tokens") or 0) for d, s in devices.items()}
         work = device_work(plan, job.scenario, tokens, job.data.seq_len)
         self.observe([WorkSample(d, busy_seconds(s), work[d]) for d, s in devices.items() if d in work],

@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..config.scenario import OBJECTIVES, SOLVERS  # noqa: F401 - part of the planner's vocabulary
 from ..costmodel.profile import CommCosts, MemoryProfile
 from ..plan import StateSizes
 

@@ -36,7 +36,8 @@ from .grouping import Group, NodeOption, group_rate, make_group, node_options
 from .lower import layer_caps, solve_micro_batches
 from .organize import (Score, Scorer, Template, TooManyTemplates, dfs_templates, fill,
                        greedy_templates, improve, p2p_extras, score_template, stage_plans)
-from .problem import OBJECTIVES, PlannerProblem
+from ..config.scenario import OBJECTIVES
+from .problem import PlannerProblem
 
 NEAR_OPTIMAL = 0.005        # plans within 0.5% of the best compete on migration bytes
 DFS_BUDGET = 4000           # DFS visits per (combination, P) before switching to the greedy generator
