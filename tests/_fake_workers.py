@@ -1,10 +1,11 @@
 """A fake of the cluster for driving the coordinator without Ray: the worker-group surface the
 coordinator uses (control/workers.py WorkerGroupLike), with per-device compute times the test
-controls through the coordinator's own emulation call. Deterministic: a device's busy time is
-`unit` seconds per t0 unit of its work under the plan in force, times its slowdown factor."""
+controls through the coordinator's own emulation call. Deterministic: a device does its stage's
+blocks over its pipeline's micro-batches (its TP share of them), in t0 units, and its device time
+is `UNIT` seconds per t0 unit, times its slowdown factor."""
 from __future__ import annotations
 
-from malleus_svc.control.workload import device_work
+from malleus_svc.control.workload import t0_flops
 from malleus_svc.costmodel.scenario import scenario_costs
 from malleus_svc.plan import Plan
 from malleus_svc.runtime.cluster import MigrationReport, StepRecord
@@ -44,10 +45,13 @@ class FakeWorkers:
     def set_slowdowns(self, factors: dict[int, float]) -> None:
         self.slowdown.update(factors)
 
+    def pace(self, tokens, flops_per_second=None, bytes_per_second=None):
+        return None      # device time is modelled directly
+
     def step(self, sample_ids, assignment=None) -> StepRecord:
-        work = device_work(self.plan, self.job.scenario)
-        devices = {d: {"compute_seconds": UNIT * w * self.slowdown.get(d, 1.0), "injected_seconds": 0.0}
-                   for d, w in work.items()}
+        unit = t0_flops(self.job.scenario, self.plan)
+        devices = {d: {"compute_seconds": UNIT * w * self.slowdown.get(d, 1.0), "flops": w * unit}
+                   for d, w in plan_work(self.plan).items()}
         return StepRecord(step=0, plan_id=self.plan.plan_id, loss=1.0, loss_tokens=len(sample_ids),
                           tokens=len(sample_ids) * self.job.data.seq_len, samples=len(sample_ids),
                           iteration_seconds=max(s["compute_seconds"] for s in devices.values()), grad_norm=None,
@@ -71,3 +75,9 @@ class FakeWorkers:
 
     def rejoin(self, devices, plan_for) -> list[int]:
         return []
+
+
+def plan_work(plan: Plan) -> dict[int, float]:
+    """device -> its work in t0 units under `plan`: blocks x micro-batches / TP size."""
+    return {d: (r.layers[1] - r.layers[0]) * plan.pipelines[r.pipeline].micro_batches / r.tp_size
+            for d, r in plan.roles().items()}

@@ -5,8 +5,8 @@ session's Ray cluster: noise causes no re-plan, a 3× straggler is detected and 
 within a few iterations, a healed device is taken back; with a slow planner and a slow migration
 (test hooks), requests coalesce; the client API from a separate driver process. The same logic
 without Ray, on a fake cluster: test_coordinator_logic.py.
-The model is a small custom shape (8 blocks, hidden 128) whose per-device compute (~30 ms) is long
-enough for thread CPU time to be a stable measure on 2 shared cores.
+The model is a small custom shape (8 blocks, hidden 128); the workers run on the paced device clock,
+so a healthy device's rate reads 1.0 whatever else the machine is doing.
 """
 from __future__ import annotations
 
@@ -22,14 +22,14 @@ from malleus_svc.config.job import JobConfig
 from malleus_svc.planner.build import build_problem
 
 REPO = Path(__file__).resolve().parent.parent
-MODEL = {"layers": 8, "hidden": 128, "heads": 4, "ffn": 384, "vocab": 256, "seq_len": 128}
+MODEL = {"layers": 8, "hidden": 128, "heads": 4, "ffn": 384, "vocab": 256, "seq_len": 32}
 
 
 def job_config(name: str) -> JobConfig:
     return JobConfig.from_dict({
         "name": name, "cluster": {"nodes": 1, "gpus_per_node": 8, "gpu_memory_mb": 16000}, "model": MODEL,
-        "parallel": {"dp": 4, "tp": 1, "pp": 2}, "batch": {"global": 16, "micro": 2},
-        "data": {"source": "python-stdlib", "seq_len": 128, "max_files": 100},
+        "parallel": {"dp": 4, "tp": 1, "pp": 2}, "batch": {"global": 16, "micro": 1},
+        "data": {"source": "python-stdlib", "seq_len": 32, "max_files": 100},
         "train": {"steps": 1000, "lr": 1e-3}})
 
 
@@ -37,12 +37,12 @@ def job_config(name: str) -> JobConfig:
 def test_common_mode_slowdown_is_not_a_straggler_but_a_straggler_still_is():
     from malleus_svc.control.measure import RateEstimator, WorkSample
     from malleus_svc.control.policy import ReplanPolicy
-    from malleus_svc.control.workload import device_work
+    from _fake_workers import plan_work
     from malleus_svc.planner import plan as solve
 
     job = job_config("pure")
     plan = solve(build_problem(job.scenario)).plan
-    work = device_work(plan, job.scenario)
+    work = plan_work(plan)
     assert set(work) == set(range(8)) and all(w > 0 for w in work.values())
     est = RateEstimator(window=5, common_mode_quantile=0.25)
     for _ in range(3):
@@ -117,7 +117,7 @@ def test_straggler_detected_and_planned_around_within_three_iterations(loop):
     wait_for(ray, loop, lambda s: s["migrations"] >= 1 and s["plan_id"] != old_plan, 60, "a new plan")
     wait_step(ray, loop, ray.get(loop.status.remote())["step"] + 1)   # one iteration under it
     recs = ray.get(loop.metrics.remote())
-    shift = next(r["step"] for r in recs if (r["injected_seconds"].get("3") or 0) > 0.5 * r["compute_seconds"]["3"])
+    shift = next(r["step"] for r in recs if (r["slowdown"].get("3") or 1.0) > 1.0)
     first_new = next(r["step"] for r in recs if r["plan_id"] != old_plan)
     latency = first_new - shift   # iterations that still ran under the old plan after the shift
     print(f"detection latency: {latency} iterations (shift at step {shift}, new plan from step {first_new})")
@@ -132,7 +132,7 @@ def test_straggler_detected_and_planned_around_within_three_iterations(loop):
     plan = Plan.from_dict(new)
     role = plan.roles().get(3)
     share = 0 if role is None else (role.layers[1] - role.layers[0]) * plan.pipelines[role.pipeline].micro_batches
-    assert share < 4 * 4, (share, new)
+    assert share < 4 * 4, (share, new)       # healthy: 4 blocks x 4 micro-batches
 
 
 @pytest.mark.ray

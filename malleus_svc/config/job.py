@@ -89,6 +89,23 @@ class EmulateEntry:
 
 
 @dataclass(frozen=True)
+class EmulatedDevice:
+    """The accelerator a CPU worker stands in for: its FLOP/s and memory bandwidth. None (`auto`):
+    sized at start so that the host keeps pace with all its workers computing at once."""
+
+    tflops: float | None = None
+    gbps: float | None = None
+
+    @property
+    def flops_per_second(self) -> float | None:
+        return None if self.tflops is None else self.tflops * 1e12
+
+    @property
+    def bytes_per_second(self) -> float | None:
+        return None if self.gbps is None else self.gbps * 1e9
+
+
+@dataclass(frozen=True)
 class RayConfig:
     address: str | None = None
 
@@ -143,7 +160,8 @@ class JobConfig:
     scenario: Scenario
     data: DataConfig
     train: TrainConfig
-    emulate: tuple[EmulateEntry, ...] = ()
+    emulate: tuple[EmulateEntry, ...] = ()          # emulated stragglers
+    emulated_device: EmulatedDevice = EmulatedDevice()
     ray: RayConfig = RayConfig()
     metrics: MetricsConfig = MetricsConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -174,14 +192,14 @@ class JobConfig:
                               "layers, hidden, heads, ffn, vocab, seq_len), not only `layers`", source)
         data = _parse_data(Section(d.get("data"), "data", source), shape)
         train = _parse_train(Section(d.get("train"), "train", source))
-        emulate = _parse_emulate(d.get("emulate"), scenario.num_devices, source)
+        emulate, emulated_device = _parse_emulate(d.get("emulate"), scenario.num_devices, source)
         ray_cfg = _parse_ray(Section(d.get("ray"), "ray", source))
         metrics = parse_metrics(Section(d.get("metrics"), "metrics", source))
         checkpoint = parse_checkpoint(Section(d.get("checkpoint"), "checkpoint", source))
         control = parse_control(Section(d.get("control"), "control", source))
         return cls(name=scenario.name if "name" in d else "job", scenario=scenario, data=data, train=train,
-                   emulate=emulate, ray=ray_cfg, metrics=metrics, checkpoint=checkpoint, control=control,
-                   source=source)
+                   emulate=emulate, emulated_device=emulated_device, ray=ray_cfg, metrics=metrics,
+                   checkpoint=checkpoint, control=control, source=source)
 
 
 def load_job_config(path: str | Path) -> JobConfig:
@@ -250,14 +268,37 @@ def _parse_train(s: Section) -> TrainConfig:
     return cfg
 
 
-def _parse_emulate(v: Any, num_devices: int, source: str | None) -> tuple[EmulateEntry, ...]:
+def _parse_emulate(v: Any, num_devices: int, source: str | None) -> tuple[tuple[EmulateEntry, ...], EmulatedDevice]:
+    """`emulate`: a list of straggler entries, or {device: auto | {tflops, gbps}, stragglers: [...]}."""
+    if isinstance(v, dict):
+        s = Section(v, "emulate", source)
+        device = _parse_emulated_device(s.raw("device", "auto"), source)
+        stragglers = s.raw("stragglers", None)
+        s.done()
+        return _parse_stragglers(stragglers, "emulate.stragglers", num_devices, source), device
+    return _parse_stragglers(v, "emulate", num_devices, source), EmulatedDevice()
+
+
+def _parse_emulated_device(v: Any, source: str | None) -> EmulatedDevice:
+    if v == "auto":
+        return EmulatedDevice()
+    if not isinstance(v, dict):
+        raise ConfigError("emulate.device", v, '"auto" (sized to the host) or {tflops: T, gbps: G} '
+                          "(either may be auto)", source)
+    s = Section(v, "emulate.device", source)
+    out = {k: None if s.raw(k, "auto") == "auto" else s.float(k, minimum=0.0, exclusive=True) for k in ("tflops", "gbps")}
+    s.done()
+    return EmulatedDevice(**out)
+
+
+def _parse_stragglers(v: Any, where: str, num_devices: int, source: str | None) -> tuple[EmulateEntry, ...]:
     if v is None:
         return ()
     if not isinstance(v, list):
-        raise ConfigError("emulate", v, "expected a list of {device, factor, at_step, until_step} entries", source)
+        raise ConfigError(where, v, "expected a list of {device, factor, at_step, until_step} entries", source)
     out = []
     for i, raw in enumerate(v):
-        s = Section(raw, f"emulate[{i}]", source)
+        s = Section(raw, f"{where}[{i}]", source)
         dev = s.int("device")
         if not 0 <= dev < num_devices:
             raise s.error("device", dev, f"expected a device id in 0..{num_devices - 1}")

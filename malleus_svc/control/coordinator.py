@@ -87,6 +87,7 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
                        "resumed_from": None}   # the checkpoint this run started from, once resumed
         self.state, self.error = JobState.CREATED, None
         self.group = self.sampler = self.metrics_export = None
+        self.device_pace = None        # the emulated accelerator's speed, when CPU workers are paced
         self._initial_plan, self.plan = plan, None
         self.basis: dict[int, float] = {}          # rates the plan in force was made from
         self.excluded: set[int] = set(job.scenario.excluded)   # wanted (the plan follows at the boundary)
@@ -130,6 +131,9 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
                 n = group.set_data(job.data.spec(), job.data.mode, job.data.seq_len)
                 sampler = GlobalSampler(n, plan.global_batch, seed=job.train.seed)
                 group.apply_plan(plan, job.shape, seed=job.train.seed, optim=optim_config(job))
+                emulated = job.emulated_device
+                pace = group.pace(plan.micro_batch_size * job.data.seq_len, emulated.flops_per_second,
+                                  emulated.bytes_per_second)
                 start_step = 0
                 if ckpt is not None:  # parameters, Adam state and the data position, under this plan
                     from malleus_svc.checkpoint import restore_group
@@ -148,6 +152,10 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
                 self.basis = {dv: float(r) for dv, r in job.scenario.rates.items()}
                 self.measurement.set_probe_baselines(baselines)
                 self.state = JobState.READY
+                if pace is not None:
+                    self.device_pace = pace
+                    self._event("pace", f"CPU workers emulate accelerators of {pace.flops_per_second / 1e9:.3g} "
+                                        f"GFLOP/s and {pace.bytes_per_second / 1e9:.3g} GB/s")
                 self.metrics_export = serve_job_metrics(self.job, plan, self.history.plan_version)
                 if self.metrics_export is not None:
                     self._event("metrics", f"Prometheus metrics at http://{self.metrics_export.endpoint}/metrics")
@@ -257,9 +265,7 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
         if self.measurement.measures(step):
             self._measure(plan, rec, probe_res, batch_lengths)
         line = rec.metrics()
-        line.update(epoch=self.sampler.epoch, sampler_position=self.sampler.position,
-                    injected_seconds={str(d): s.get("injected_seconds") for d, s in sorted(rec.devices.items())},
-                    time=time.time())
+        line.update(epoch=self.sampler.epoch, sampler_position=self.sampler.position, time=time.time())
         with self._lock:
             self._record_step(line, rec, plan, batch_lengths)
         if self.checkpoints.due(self.step):

@@ -1,21 +1,24 @@
 """`malleus demo`: the malleable loop end to end on one machine, in a few minutes.
 
 Starts a local Ray cluster with 8 CPU workers standing in for GPUs (1 node of 8, or --nodes 2 of
-4), trains the `small` preset on the bundled Python-source corpus, and runs one emulation
-schedule twice in the same invocation:
+4), trains a small GPT on the bundled Python-source corpus, and runs one emulation schedule twice
+in the same invocation:
   * static: the first plan kept for the whole run (what an unchanged job would do);
   * malleable: the coordinator measures, re-plans and migrates live.
-Schedule (steps scale with --steps): device 3 slows 3× part-way through, later device 5 slows 3×,
-then device 3 heals. The live view shows per-device rates, the plan, throughput and re-plan
-events (plain lines when stdout is not a TTY). The summary compares throughput of both runs with
-the capacity bound (healthy throughput measured in the warm-up × Σ(1/x_i)/N averaged over the
-schedule's steps), and gives re-plan latencies and migration times. --summary-out FILE writes it
-as JSON.
+Schedule: healthy for 9 steps, then three phases of equal length (15 steps each by default):
+device 3 slows 3×, then device 5 slows 3× too, then device 3 heals. The live view shows
+per-device rates, the plan, throughput and re-plan events (plain lines when stdout is not a TTY).
 
-Emulation is for demos only: the coordinator never reads the factors; it measures compute time.
-With 8 workers on few cores, a sleeping straggler frees CPU for the others, so wall-clock gaps
-are smaller than on real GPUs (NOTES.md "Measuring on CPU");
-both runs share the same contention, and the summary reports ratios from this one invocation.
+Every worker runs on the paced device clock (runtime/device_clock.py): it behaves like an
+accelerator of its own, sized so that the host keeps pace with all 8 computing at once, and a 3×
+straggler really takes three times as long per op. The coordinator never reads the factors; it
+measures device time.
+
+The summary compares the throughput of both runs with the capacity bound (the healthy throughput
+measured in the warm-up × Σ(1/x_i)/N, as a harmonic mean over the measured steps), over the whole
+run and in steady state (from each new plan to the next shift), gives the best a perfect planner
+could do against the static plan on this schedule, re-plan latencies, migration times and the
+share of ops that kept pace. --summary-out FILE writes it as JSON.
 """
 from __future__ import annotations
 
@@ -29,7 +32,9 @@ from typing import Sequence
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="malleus demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=30, help="iterations per run (default 30; the schedule scales)")
+    p.add_argument("--steps", type=int, default=HEALTHY_STEPS + 3 * 15,
+                   help=f"iterations per run (default {HEALTHY_STEPS + 3 * 15}: {HEALTHY_STEPS} healthy, then three "
+                        "phases of 15; the phases scale)")
     p.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="1 node of 8 workers, or 2 nodes of 4")
     p.add_argument("--global-batch", type=int, default=16, help="samples per iteration (default 16)")
     p.add_argument("--factor", type=float, default=3.0, help="slowdown of the emulated stragglers (default 3)")
@@ -40,18 +45,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Small enough that a step of 8 paced workers on 2 cores takes about a second.
+MODEL = {"layers": 8, "hidden": 128, "heads": 4, "ffn": 384, "vocab": 256, "seq_len": 32}
+HEALTHY_STEPS = 9     # warm-up (3), calibration (3) and 3 measured healthy steps before the first shift
+MIN_PHASE = 4
+
+
 def schedule_for(steps: int, factor: float) -> list[dict]:
-    a, b, c = max(6, steps // 5), max(9, (2 * steps) // 5), max(12, (3 * steps) // 5)
+    phase = (steps - HEALTHY_STEPS) // 3
+    a, b, c = HEALTHY_STEPS, HEALTHY_STEPS + phase, HEALTHY_STEPS + 2 * phase
     return [{"device": 3, "factor": factor, "at_step": a, "until_step": c},
             {"device": 5, "factor": factor, "at_step": b, "until_step": None}]
 
 
-def job_dict(name: str, nodes: int, global_batch: int, steps: int, emulate: list[dict]) -> dict:
+def job_dict(name: str, nodes: int, global_batch: int, steps: int, emulate: list[dict],
+             device: dict | str = "auto") -> dict:
+    """The demo's job; `device` is the emulated accelerator ("auto", or {tflops, gbps} to give a
+    second run the pace the first one was sized to)."""
     gpn = 8 // nodes
     return {"name": name, "cluster": {"nodes": nodes, "gpus_per_node": gpn, "gpu_memory_mb": 16000},
-            "model": "small", "parallel": {"dp": 4, "tp": 1, "pp": 2}, "batch": {"global": global_batch, "micro": 2},
-            "data": {"source": "python-stdlib", "seq_len": 128, "mode": "pack", "max_files": 400},
-            "train": {"steps": steps, "seed": 0, "lr": 1.0e-3}, "emulate": emulate}
+            "model": MODEL, "parallel": {"dp": 4, "tp": 1, "pp": 2}, "batch": {"global": global_batch, "micro": 1},
+            "data": {"source": "python-stdlib", "seq_len": MODEL["seq_len"], "mode": "pack", "max_files": 400},
+            "train": {"steps": steps, "seed": 0, "lr": 1.0e-3},
+            "emulate": {"device": device, "stragglers": emulate}}
+
+
+def same_device(run: dict) -> dict | str:
+    """The accelerator a finished run emulated, for the next run: both on the same clock."""
+    pace = run["status"]["device_pace"]
+    return {"tflops": pace["gflops"] / 1e3, "gbps": pace["gbps"]} if pace else "auto"
 
 
 def true_factors(emulate: list[dict], step: int, n: int = 8) -> list[float]:
@@ -105,8 +127,10 @@ def run_one(title: str, job, steps: int, static: bool, view: View) -> dict:
     try:
         st = ray.get(h.start.remote(steps))
         w = st["workers"]
+        pace = st["device_pace"]
         view.event(f"[{title}] {w['devices']} workers ({w['cpus_per_worker']:g} logical CPU each) sharing "
-                   f"{w['host_cores']} cores; coordinator malleus:{job.name}")
+                   f"{w['host_cores']} cores" + (f", each an emulated accelerator of {pace['gflops']:.3g} GFLOP/s"
+                                                 if pace else "") + f"; coordinator malleus:{job.name}")
         seen, ev_seen = 0, 0.0
         while True:
             st = ray.get(h.status.remote())
@@ -133,11 +157,33 @@ def run_one(title: str, job, steps: int, static: bool, view: View) -> dict:
         ray.kill(h)
 
 
-def throughput(run: dict, first: int) -> float | None:
-    recs = [r for r in run["records"] if r["step"] >= first]
-    mig = sum((h.get("migration") or {}).get("seconds", 0.0) for h in run["history"] if h["outcome"] == "applied")
+def throughput(run: dict, steps) -> float | None:
+    """Tokens per second over these steps, the migrations applied at them included."""
+    steps = set(steps)
+    recs = [r for r in run["records"] if r["step"] in steps]
+    mig = sum((h.get("migration") or {}).get("seconds", 0.0) for h in run["history"]
+              if h["outcome"] == "applied" and h["step"] in steps)
     secs = sum(r["iteration_seconds"] for r in recs) + mig
     return sum(r["tokens"] for r in recs) / secs if secs > 0 else None
+
+
+def bound(healthy: float | None, emulate: list[dict], steps) -> float | None:
+    """The capacity bound over these steps: every step at the healthy throughput × Σ(1/x_i)/N."""
+    steps = list(steps)
+    if not healthy or not steps:
+        return None
+    return healthy * len(steps) / sum(8 / sum(1.0 / x for x in true_factors(emulate, s)) for s in steps)
+
+
+def steady_steps(latency: list[dict], emulate: list[dict], steps: int) -> list[int]:
+    """The steps from each new plan taking effect after a shift to the next shift."""
+    shifts = sorted({e["at_step"] for e in emulate} | {e["until_step"] for e in emulate if e["until_step"]})
+    out = []
+    for lat in latency:
+        if lat["new_plan_step"] is not None:
+            end = next((s for s in shifts if s > lat["shift_step"]), steps)
+            out += range(lat["new_plan_step"], end)
+    return out
 
 
 def latencies(run: dict, emulate: list[dict]) -> list[dict]:
@@ -166,8 +212,9 @@ def latencies(run: dict, emulate: list[dict]) -> list[dict]:
 
 def run_demo(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.steps < 15:
-        print("error: --steps must be >= 15 (warm-up, two slowdowns and a heal need room)", file=sys.stderr)
+    if args.steps < HEALTHY_STEPS + 3 * MIN_PHASE:
+        print(f"error: --steps must be >= {HEALTHY_STEPS + 3 * MIN_PHASE} ({HEALTHY_STEPS} healthy steps, then two "
+              f"slowdowns and a heal of >= {MIN_PHASE} steps each)", file=sys.stderr)
         return 2
     import logging
 
@@ -189,11 +236,13 @@ def run_demo(argv: Sequence[str] | None = None) -> int:
     try:
         view.event(f"schedule: {json.dumps(emulate)}; {args.steps} steps per run, {8 // args.nodes} workers per "
                    f"node x {args.nodes} node(s) on {os.cpu_count()} host cores")
-        runs = {}
+        runs, device = {}, "auto"
         if not args.no_static:
             job = JobConfig.from_dict(job_dict("demo-static", args.nodes, args.global_batch, args.steps, emulate))
             runs["static"] = run_one("static", job, args.steps, True, view)
-        job = JobConfig.from_dict(job_dict("demo-malleable", args.nodes, args.global_batch, args.steps, emulate))
+            device = same_device(runs["static"])
+        job = JobConfig.from_dict(job_dict("demo-malleable", args.nodes, args.global_batch, args.steps, emulate,
+                                           device))
         runs["malleable"] = run_one("malleable", job, args.steps, False, view)
     finally:
         ray.shutdown()
@@ -209,18 +258,24 @@ def run_demo(argv: Sequence[str] | None = None) -> int:
 def summarize(runs: dict, emulate: list[dict], args, wall: float) -> dict:
     from malleus_svc.config.job import ControlConfig
     first = ControlConfig().skip   # warm-up iterations, not measured by either run
+    measured = range(first, args.steps)
+    healthy_phase = range(first, HEALTHY_STEPS)
     mal = runs["malleable"]
     healthy = mal["status"]["healthy_tokens_per_second"]
-    fractions = [sum(1.0 / x for x in true_factors(emulate, s)) / 8 for s in range(first, args.steps)]
-    bound = healthy * sum(fractions) / len(fractions) if healthy else None
+    latency = latencies(mal, emulate)
+    steady = steady_steps(latency, emulate, args.steps)
+    held = [r["records"][-1].get("pace_held") for r in runs.values() if r["records"]]
     out = {
         "workers": 8, "nodes": args.nodes, "workers_per_node": 8 // args.nodes, "host_cores": os.cpu_count(),
-        "model": "small", "data": "python-stdlib", "steps": args.steps, "global_batch": args.global_batch,
+        "model": MODEL, "data": "python-stdlib", "steps": args.steps, "global_batch": args.global_batch,
         "schedule": emulate, "measured_from_step": first, "wall_seconds": round(wall, 1),
+        "device_pace": mal["status"]["device_pace"],
+        "pace_held": min(held) if held and None not in held else None,
         "healthy_tokens_per_second": healthy,
-        "capacity_bound_tokens_per_second": bound,
-        "capacity_fraction_mean": sum(fractions) / len(fractions),
-        "malleable_tokens_per_second": throughput(mal, first),
+        "capacity_bound_tokens_per_second": bound(healthy, emulate, measured),
+        "malleable_tokens_per_second": throughput(mal, measured),
+        "malleable_steady_tokens_per_second": throughput(mal, steady),
+        "steady_steps": len(steady),
         "replans": [{"step": h["step"], "reason": h["reason"], "option": (h.get("decision") or {}).get("option"),
                      "old_plan_id": h.get("old_plan_id"), "new_plan_id": h.get("new_plan_id"),
                      "predicted_gain_seconds": (h.get("decision") or {}).get("predicted_gain_seconds"),
@@ -228,18 +283,24 @@ def summarize(runs: dict, emulate: list[dict], args, wall: float) -> dict:
                      "migration_bytes": (h.get("migration") or {}).get("moved_bytes"),
                      "migration_seconds": (h.get("migration") or {}).get("seconds")}
                     for h in mal["history"] if h["outcome"] in ("applied", "kept", "failed")],
-        "replan_latency": latencies(mal, emulate),
+        "replan_latency": latency,
         "migration_seconds": [h["migration"]["seconds"] for h in mal["history"] if h["outcome"] == "applied"],
         "last_loss": {k: r["records"][-1]["loss"] for k, r in runs.items()},
     }
+    b, steady_bound = out["capacity_bound_tokens_per_second"], bound(healthy, emulate, steady)
+    if b:
+        out["malleable_over_bound"] = out["malleable_tokens_per_second"] / b
+    if steady_bound and out["malleable_steady_tokens_per_second"]:
+        out["malleable_steady_over_bound"] = out["malleable_steady_tokens_per_second"] / steady_bound
     if "static" in runs:
-        out["static_tokens_per_second"] = throughput(runs["static"], first)
+        out["static_tokens_per_second"] = throughput(runs["static"], measured)
         if out["static_tokens_per_second"]:
             out["malleable_over_static"] = out["malleable_tokens_per_second"] / out["static_tokens_per_second"]
-    if bound:
-        out["malleable_over_bound"] = out["malleable_tokens_per_second"] / bound
-        if out.get("static_tokens_per_second"):
-            out["static_over_bound"] = out["static_tokens_per_second"] / bound
+            if b:   # and its inverse: what a perfect planner would reach against the static plan
+                out["static_over_bound"] = out["static_tokens_per_second"] / b
+        healthy_static = throughput(runs["static"], healthy_phase)
+        if healthy_static:   # nothing to do: the coordinator should cost nothing
+            out["healthy_malleable_over_static"] = throughput(mal, healthy_phase) / healthy_static
     return out
 
 
@@ -247,18 +308,31 @@ def print_summary(s: dict) -> None:
     def f(x, fmt=",.0f"):
         return "-" if x is None else format(x, fmt)
     print("\n=== malleus demo summary ===")
+    m, pace = s["model"], s["device_pace"]
     print(f"{s['workers']} CPU workers ({s['nodes']} node(s) x {s['workers_per_node']}) shared {s['host_cores']} "
-          f"cores; model {s['model']}, {s['steps']} steps/run, global batch {s['global_batch']}, "
-          f"measured from step {s['measured_from_step']}; wall {s['wall_seconds']} s")
+          f"cores; model {m['layers']} layers x {m['hidden']} hidden, {s['steps']} steps/run, global batch "
+          f"{s['global_batch']} x {m['seq_len']} tokens, measured from step {s['measured_from_step']}; "
+          f"wall {s['wall_seconds']} s")
+    if pace:
+        print(f"each worker emulated an accelerator of {pace['gflops']:.3g} GFLOP/s and {pace['gbps']:.3g} GB/s; "
+              f"ops that kept pace: {f(s['pace_held'], '.1%')}")
+        if s["pace_held"] is not None and s["pace_held"] < 0.95:
+            print(f"warning: only {s['pace_held']:.1%} of ops kept pace (< 95%): the host was busy with other "
+                  "work, so device times are less faithful; close other programs or set a slower emulate.device")
     print(f"healthy (warm-up) throughput   {f(s['healthy_tokens_per_second'])} tok/s")
-    print(f"capacity bound                 {f(s['capacity_bound_tokens_per_second'])} tok/s "
-          f"(x mean Σ(1/x_i)/N = {s['capacity_fraction_mean']:.3f})")
+    print(f"capacity bound                 {f(s['capacity_bound_tokens_per_second'])} tok/s"
+          + (f": a perfect planner would reach {1 / s['static_over_bound']:.2f}x the static plan on this schedule"
+             if s.get("static_over_bound") else ""))
     if "static_tokens_per_second" in s:
         print(f"static plan                    {f(s['static_tokens_per_second'])} tok/s "
               f"({f(s.get('static_over_bound'), '.2f')} of bound)")
     print(f"malleable                      {f(s['malleable_tokens_per_second'])} tok/s "
           f"({f(s.get('malleable_over_bound'), '.2f')} of bound"
           + (f", {s['malleable_over_static']:.2f}x static)" if s.get("malleable_over_static") else ")"))
+    print(f"malleable in steady state      {f(s['malleable_steady_tokens_per_second'])} tok/s "
+          f"({f(s.get('malleable_steady_over_bound'), '.2f')} of bound over its {s['steady_steps']} steps)")
+    if s.get("healthy_malleable_over_static"):
+        print(f"while no device straggled      malleable at {s['healthy_malleable_over_static']:.3f}x static")
     for lat in s["replan_latency"]:
         print(f"shift at step {lat['shift_step']} ({lat['what']}): new plan in force after "
               f"{f(lat['iterations'], 'd')} iterations, {f(lat['seconds'], '.2f')} s")

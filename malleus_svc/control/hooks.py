@@ -1,8 +1,8 @@
 """Hooks the coordinator is given: straggler emulation and test delays (demos and tests only).
 
-Neither is read to decide anything: emulated slowdowns reach the rates only through the
-workers' timings, and delays only stretch the planner and migration phases (to exercise
-request coalescing)."""
+Neither is read to decide anything: an emulated slowdown is a rate on the device's clock and
+reaches the straggling rates only through the device time the worker reports, and delays only
+stretch the planner and migration phases (to exercise request coalescing)."""
 from __future__ import annotations
 
 import random
@@ -11,13 +11,31 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 
+class EmulationSchedule:
+    """Which devices are slowed at which step, from a job's `emulate` entries.
+
+    Each entry is (device, factor, at_step, until_step): the device runs at `factor` for steps
+    at_step <= step < until_step (until_step None = to the end). Overlapping entries for one device:
+    the last listed wins.
+    """
+
+    def __init__(self, entries=()):
+        self.entries = tuple(entries)
+
+    def factors_at(self, step: int, devices) -> dict[int, float]:
+        out = {d: 1.0 for d in devices}
+        for e in self.entries:
+            if e.device in out and e.at_step <= step and (e.until_step is None or step < e.until_step):
+                out[e.device] = e.factor
+        return out
+
+
 class Emulation:
     """Slowdown factors per device: a schedule by step, manual factors (the `emulate` call) over
     it, and an optional per-step jitter (each factor x U(1, 1 + 2 jitter)). Called under the
     coordinator's lock; picklable, so a driver can hand one to the coordinator actor."""
 
     def __init__(self, schedule: Iterable = (), jitter: float = 0.0, seed: int = 0):
-        from malleus_svc.runtime.straggler import EmulationSchedule
         self.schedule = EmulationSchedule(tuple(schedule))
         self.jitter = float(jitter)
         self.manual: dict[int, float] = {}

@@ -165,8 +165,7 @@ class Measurement:
 
     def observe_step(self, plan, job, devices: dict[int, dict], probes: list[dict]) -> None:
         """One iteration's per-device reports (active: busy over work in t0 units) and probes."""
-        tokens = {d: int(s.get("tokens") or 0) for d, s in devices.items()}
-        work = device_work(plan, job.scenario, tokens, job.data.seq_len)
+        work = device_work(plan, job.scenario, devices, job.data.seq_len)
         self.observe([WorkSample(d, busy_seconds(s), work[d]) for d, s in devices.items() if d in work],
                      {r["device"]: busy_seconds(r) for r in probes})
 

@@ -59,7 +59,14 @@ def status(c) -> dict:
         "events": list(hist.events)[-10:],
         "metrics_endpoint": c.metrics_export.endpoint if c.metrics_export else None,
         "workers": workers_status(c.group),
+        "device_pace": device_pace(c.device_pace),
+        "pace_held": last.get("pace_held") if last else None,
     }
+
+
+def device_pace(pace) -> dict | None:
+    """The accelerator CPU workers emulate (None on GPUs, or before they are paced)."""
+    return None if pace is None else {"gflops": pace.flops_per_second / 1e9, "gbps": pace.bytes_per_second / 1e9}
 
 
 def summary(c) -> dict:
@@ -72,4 +79,5 @@ def summary(c) -> dict:
             "tokens": tokens, "train_seconds": secs, "tokens_per_second": tokens / secs if secs > 0 else None,
             "mean_iteration_seconds": secs / len(recs) if recs else None,
             "migrations": c.history.migrations(),
-            "healthy_tokens_per_second": c.measurement.healthy_tokens_per_second}
+            "healthy_tokens_per_second": c.measurement.healthy_tokens_per_second,
+            "device_pace": device_pace(c.device_pace), "pace_held": recs[-1].get("pace_held") if recs else None}

@@ -84,7 +84,14 @@ class StepRecord:
             "grad_norm": self.grad_norm,
             "compute_seconds": per("compute_seconds"), "wall_seconds": per("wall_seconds"),
             "comm_seconds": per("comm_seconds"), "slowdown": per("slowdown"),
+            "pace_held": pace_held(self.devices.values()),
         }
+
+
+def pace_held(reports) -> float | None:
+    """Share of paced ops that kept pace, over the workers' cumulative counts; None if unpaced."""
+    ops = sum(r.get("pace_ops") or 0 for r in reports)
+    return sum(r.get("pace_on") or 0 for r in reports) / ops if ops else None
 
 
 @dataclass
@@ -156,6 +163,7 @@ class WorkerGroup:
         self._inflight: dict = {}              # train_step refs of the step in progress -> device
         self._updates: dict = {}               # apply_update refs of the last finished step -> device
         self.last_recovery_error: str | None = None
+        self.device_pace = None                # the emulated accelerator's speed (CPU workers), once paced
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "WorkerGroup":
@@ -544,6 +552,9 @@ class WorkerGroup:
             log.warning("device %d is gone: no worker started in its bundle within %g s", d, self.replace_timeout_s)
         self.gone = (self.gone - set(fresh)) | failed
         self.infos = self._each("info")
+        if self.device_pace is not None:
+            self._each("set_pace", self.device_pace.flops_per_second, self.device_pace.bytes_per_second,
+                       devices=[d for d in fresh if d not in failed])
         return failed
 
     def _restart_world(self, exports: dict, fresh: Sequence[int], plan: Plan) -> str:
@@ -580,8 +591,35 @@ class WorkerGroup:
 
         return assemble_full(list(self.export_states().values()))
 
+    def pace(self, tokens: int, flops_per_second: float | None = None, bytes_per_second: float | None = None):
+        """Give CPU workers the speed of an emulated accelerator (GPUs keep their own; returns None).
+
+        What is not given is sized from a rehearsal of every device's ops under the plan applied
+        (`tokens`: one micro-batch), so that each host keeps pace with all its devices computing
+        at once (device_clock.pace_for). Replacement workers get the same pace."""
+        from .device_clock import HostCost, Pace, pace_for
+
+        if self.use_gpu:
+            return None
+        if flops_per_second is None or bytes_per_second is None:
+            live = self.live
+            costs = self._get([self.workers[d].rehearse.remote(tokens) for d in live], "rehearse", devices=live)
+            by_host: dict[str, list[tuple[dict, HostCost]]] = {}
+            for info, cost in zip(self.infos, costs):
+                if cost is not None:
+                    by_host.setdefault(info["node_id"], []).append((info, HostCost(**cost)))
+            paces = [pace_for([c for _, c in group], group[0][0]["host_cores"],
+                              sum(i["node_id"] == node for i in self.infos))
+                     for node, group in by_host.items()]
+            sized = Pace(min(p.flops_per_second for p in paces), min(p.bytes_per_second for p in paces))
+            flops_per_second = flops_per_second or sized.flops_per_second
+            bytes_per_second = bytes_per_second or sized.bytes_per_second
+        self.device_pace = Pace(flops_per_second, bytes_per_second)
+        self._each("set_pace", flops_per_second, bytes_per_second)
+        return self.device_pace
+
     def set_slowdown(self, device: int, factor: float) -> float:
-        """Emulation only (straggler.py). Served by the worker's control thread, so it works mid-step."""
+        """Emulation only: the device's rate on its clock. Served by the worker's control thread, so it works mid-step."""
         return ray.get(self.workers[device].set_slowdown.remote(factor), timeout=self.timeout_s)
 
     def set_slowdowns(self, factors: dict[int, float]) -> None:

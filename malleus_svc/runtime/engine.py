@@ -23,6 +23,7 @@ from malleus_svc.config.presets import ModelShape
 from malleus_svc.geometry import part_tensors, split_dim, tensor_spec, tp_divisibility_error
 from malleus_svc.plan import Plan
 from malleus_svc.runtime.batch import IGNORE_INDEX, MicroBatch
+from malleus_svc.runtime.device_clock import DeviceClock, make_clock
 from malleus_svc.runtime.groups import Groups, PipelinePeers, Piece, ordered_group_ranks, world_rank
 from malleus_svc.runtime.model import StageModel
 from malleus_svc.runtime.schedule import StageStep, stage_steps
@@ -50,7 +51,8 @@ class StepStats:
     loss: float              # this pipeline's share of the global loss (last stage; 0 elsewhere)
     loss_tokens: int         # loss tokens in this pipeline's micro-batches
     grad_norm: float         # global gradient norm before clipping
-    compute_seconds: float   # this device's forward/backward compute (thread CPU time on CPU)
+    compute_seconds: float   # device time of this device's forward/backward ops (its DeviceClock)
+    flops: float             # of those ops: the work the device time was spent on
     wall_seconds: float
     comm_seconds: float      # wall time waiting in p2p and collectives
     global_loss: float = 0.0  # the whole global batch's mean loss, the same on every active device
@@ -92,19 +94,6 @@ def _check_rank(plan: Plan, rank: int) -> None:
         if rank in devices:
             raise ValueError(f"rank {rank} is {kind} in plan {plan.plan_id}: it has no work, "
                              "so it builds no Engine")
-
-
-class _ComputeClock:
-    """Seconds of this device's own compute: thread CPU time on CPU, synchronised wall time on CUDA."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return time.perf_counter()
-        return time.thread_time()
 
 
 class GradientSync:
@@ -182,20 +171,22 @@ class GradientSync:
 class Engine:
     """One device's share of a plan: its stage model, optimizer, groups and transport.
 
-    `transport` makes the stage's point-to-point transport from (peers, device, dtype).
+    `transport` makes the stage's point-to-point transport from (peers, device, dtype); `clock`
+    times the compute ops (an unpaced PacedClock on CPU, a CudaClock on CUDA, unless given).
     """
 
     def __init__(self, shape: ModelShape, plan: Plan, rank: int, *, seed: int = 0,
                  optim: OptimConfig = OptimConfig(), device: torch.device | None = None,
-                 after_compute: Callable[[float], None] | None = None, dtype: torch.dtype = torch.float32,
+                 clock: DeviceClock | None = None, dtype: torch.dtype = torch.float32,
                  transport: Callable[[PipelinePeers, torch.device, torch.dtype], StageTransport] = P2PTransport):
         validate_plan_for_model(shape, plan)
         _check_rank(plan, rank)
         self.shape, self.plan, self.rank, self.optim = shape, plan, rank, optim
         self.device = device or (torch.device("cuda", torch.cuda.current_device())
                                  if torch.cuda.is_available() else torch.device("cpu"))
-        self.after_compute = after_compute
+        self.clock = clock or make_clock(self.device.type == "cuda")
         self.groups = Groups(plan, rank)
+        self.groups.tp.clock = self.clock     # TP collectives are not the device's own compute
         self.role = self.groups.role
         self.num_stages = len(plan.pipelines[self.role.pipeline].stages)
         self.model = StageModel(shape, self.role.layers, has_embedding=self.role.is_first,
@@ -206,7 +197,6 @@ class Engine:
         self.optimizer = optim.make(self.params.values())
         self.grad_sync = GradientSync(self.groups, self.params, shape)
         self.transport = transport(self.groups.peers, self.device, dtype)
-        self._clock = _ComputeClock(self.device)
         self._update_pending = False
 
     # ------------------------------------------------------------------ one step
@@ -224,9 +214,10 @@ class Engine:
             raise ValueError(f"loss_tokens must count the global batch's loss tokens (>= 1), got {loss_tokens}")
         wall0 = time.perf_counter()
         self.transport.comm_seconds = self.groups.tp.comm_seconds = 0.0
-        self._compute = 0.0
+        self.clock.read()                 # from here on, this step's ops only
+        self._flops = 0.0
         self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        self._inflight: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._inflight: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
         self._update_pending = False      # an update never applied is dropped with its gradients
         self.optimizer.zero_grad(set_to_none=False)
         for p in self.params.values():  # every parameter gets a gradient buffer, even if unused
@@ -258,7 +249,8 @@ class Engine:
             loss=float(self._loss) if self.role.is_last else 0.0,
             loss_tokens=sum(mb.num_loss_tokens for mb in micro_batches),
             grad_norm=grad_norm,
-            compute_seconds=self._compute,
+            compute_seconds=self.clock.read().get("compute", 0.0),
+            flops=self._flops,
             wall_seconds=time.perf_counter() - wall0,
             comm_seconds=comm + self.transport.comm_seconds + self.groups.tp.comm_seconds,
             global_loss=float(totals[1]),
@@ -269,20 +261,42 @@ class Engine:
         if not self._update_pending:
             raise RuntimeError(f"rank {self.rank}: no finished train_step whose update is pending")
         t0 = time.perf_counter()
-        self.optimizer.step()
+        # AdamW reads parameter, gradient and both moments, and writes all but the gradient back
+        with self.clock.op("update", nbytes=7 * sum(p.numel() * p.element_size() for p in self.params.values())):
+            self.optimizer.step()
         self._update_pending = False
         return time.perf_counter() - t0
+
+    def rehearse(self, tokens: int, repeats: int = 2) -> None:
+        """This stage's forward, backward and update on a synthetic micro-batch of `tokens` tokens,
+        through the clock and changing nothing: what the host spends on the ops, to choose a pace
+        it can hold. No pipeline transfers; a TP group's members must rehearse together."""
+        g = torch.Generator().manual_seed(0)
+        cu_seqlens = torch.tensor([0, tokens], dtype=torch.int32)
+        positions = torch.arange(tokens).to(self.device)
+        flops = self.model.forward_flops(cu_seqlens)
+        scratch = [torch.nn.Parameter(p.detach().clone()) for p in self.params.values()]
+        for p in scratch:
+            p.grad = torch.randn(p.shape, generator=g).to(p)
+        update = self.optim.make(scratch)
+        nbytes = 7 * sum(p.numel() * p.element_size() for p in scratch)
+        for _ in range(repeats):
+            x = (torch.randint(self.shape.vocab, (tokens,), generator=g) if self.role.is_first
+                 else torch.randn(tokens, self.shape.hidden, generator=g, requires_grad=True)).to(self.device)
+            with self.clock.op("rehearse", flops=flops), self._autocast():
+                out = self.model(x, positions, cu_seqlens)
+            with self.clock.op("rehearse", flops=2 * flops):
+                out.float().sum().backward()
+            with self.clock.op("rehearse", nbytes=nbytes):
+                update.step()
+        self.clock.read()
+        for p in self.params.values():
+            p.grad = None
 
     def _autocast(self):
         if self.device.type == "cuda":
             return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
-
-    def _timed(self, start: float) -> None:
-        seconds = self._clock.now() - start
-        self._compute += seconds
-        if self.after_compute is not None:
-            self.after_compute(seconds)
 
     def _forward(self, step: StageStep, mb: MicroBatch, loss_tokens: int) -> None:
         i = step.micro
@@ -291,27 +305,27 @@ class Engine:
             x = self.transport.recv_activation((mb.num_tokens, self.shape.hidden), i).requires_grad_(True)
         else:
             x = mb.tokens.to(self.device)
-        start = self._clock.now()
-        with self._autocast():
+        flops = self.model.forward_flops(mb.cu_seqlens)
+        with self.clock.op("compute", flops=flops), self._autocast():
             out = self.model(x, positions, mb.cu_seqlens)
-        if self.role.is_last:
-            # summed over tokens, divided by the GLOBAL count: sums to the global mean (fault 7)
-            logits = out.to(torch.promote_types(out.dtype, torch.float32))
-            out = F.cross_entropy(logits, mb.targets.to(self.device), ignore_index=IGNORE_INDEX,
-                                  reduction="sum") / loss_tokens
-            self._loss += out.detach().double()
-        self._timed(start)
-        self._inflight[i] = (x, out)
+            if self.role.is_last:
+                # summed over tokens, divided by the GLOBAL count: sums to the global mean (fault 7)
+                logits = out.to(torch.promote_types(out.dtype, torch.float32))
+                out = F.cross_entropy(logits, mb.targets.to(self.device), ignore_index=IGNORE_INDEX,
+                                      reduction="sum") / loss_tokens
+                self._loss += out.detach().double()
+        self._flops += flops
+        self._inflight[i] = (x, out, flops)
         if step.send:
             self.transport.send_activation(out, i)
 
     def _backward(self, step: StageStep) -> None:
         i = step.micro
-        x, out = self._inflight.pop(i)
+        x, out, forward_flops = self._inflight.pop(i)
         grad = self.transport.recv_gradient(tuple(out.shape), i).to(out.dtype) if step.receive else None
-        start = self._clock.now()
-        torch.autograd.backward(out, grad)
-        self._timed(start)
+        with self.clock.op("compute", flops=2 * forward_flops):    # backward: twice the forward's FLOPs
+            torch.autograd.backward(out, grad)
+        self._flops += 2 * forward_flops
         if step.send:
             self.transport.send_gradient(x.grad, i)
 

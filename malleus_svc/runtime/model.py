@@ -187,6 +187,18 @@ class StageModel(nn.Module):
             full.update(init_part(self.shape, part, seed))
         self.load_full(full)
 
+    def forward_flops(self, cu_seqlens: torch.Tensor) -> float:
+        """FLOPs of this stage's forward over one micro-batch (its backward costs twice as much): 2 per
+        weight per token for the matrix multiplies (the embedding is a lookup), and 4 per attended
+        (query, key) pair per attention channel, causal and within each packed sequence."""
+        bounds = cu_seqlens.tolist()
+        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+        pairs = sum(n * (n + 1) // 2 for n in lengths)
+        weights = sum(p.numel() for name, p in self.named_parameters()
+                      if p.dim() == 2 and not name.startswith("embedding."))
+        channels = sum(block.attn.wq.shape[0] for block in self.blocks.values())
+        return 2.0 * weights * bounds[-1] + 4.0 * channels * pairs
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Tokens [T] (first stage) or hidden states [T, hidden] -> hidden states, or logits (last stage)."""
         if self.embedding is not None:

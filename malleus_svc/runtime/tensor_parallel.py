@@ -7,6 +7,7 @@ with `reduce_from_region` (forward all-reduce, backward identity). With one rank
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -16,12 +17,14 @@ import torch.distributed as dist
 
 @dataclass
 class TensorParallel:
-    """One device's place in its TP group, plus a clock for the time spent in TP collectives."""
+    """One device's place in its TP group, plus the time spent in TP collectives (which the
+    device clock, when set, leaves out of the device's own compute)."""
 
     size: int = 1
     rank: int = 0
     group: "dist.ProcessGroup | None" = None
     comm_seconds: float = field(default=0.0, compare=False)
+    clock: object = field(default=None, compare=False)     # a runtime.device_clock.DeviceClock
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -32,7 +35,8 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         out = x.contiguous().clone()
         start = time.perf_counter()
-        dist.all_reduce(out, group=self.group)
+        with self.clock.collective() if self.clock is not None else contextlib.nullcontext():
+            dist.all_reduce(out, group=self.group)
         self.comm_seconds += time.perf_counter() - start
         return out
 

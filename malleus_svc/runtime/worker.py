@@ -16,6 +16,10 @@ Concurrency: the actor declares a `control` concurrency group (one thread of its
 default group. Everything else runs in the default group with max_concurrency 1, so training
 calls stay strictly serial and never race each other. (A threaded actor with max_concurrency=2
 would also reach set_slowdown, but would let two train_steps overlap if a caller ever misbehaved.)
+
+Time: every compute op runs on the worker's DeviceClock (device_clock.py): CUDA events on a GPU;
+on CPU a paced clock that makes the worker behave like an accelerator of its own once the group
+gives it a pace (`rehearse`, then `set_pace`). An emulated straggler is a rate on that clock.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from typing import Any, Sequence
 
 import ray
 
-from .straggler import Slowdown
+from .device_clock import Pace, check_rate, make_clock
 
 
 class DeviceWorker:
@@ -49,7 +53,7 @@ class DeviceWorker:
             # Several workers share few cores: one intra-op thread each keeps them from thrashing
             # and makes per-device compute time a property of the work, not of the contention.
             torch.set_num_threads(1)
-        self.slowdown = Slowdown()
+        self.clock = make_clock(self.use_gpu)
         self.engine = None
         self.plan_id: str | None = None
         self.dataset = None
@@ -71,7 +75,8 @@ class DeviceWorker:
             "gpu_ids": ray.get_gpu_ids() if self.use_gpu else [],
             "plan_id": self.plan_id,
             "has_engine": self.engine is not None,
-            "slowdown": self.slowdown.factor,
+            "slowdown": self.clock.rate,
+            "host_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         }
 
     @ray.method(concurrency_group="control")
@@ -134,7 +139,7 @@ class DeviceWorker:
         role = plan.roles().get(self.device_id)
         if role is not None:
             self.engine = Engine(shape, plan, self.device_id, seed=seed, optim=optim,
-                                 device=self.torch_device, after_compute=self.slowdown)
+                                 device=self.torch_device, clock=self.clock)
         self.plan_id = plan.plan_id
         return {"device": self.device_id, "plan_id": self.plan_id,
                 "role": None if role is None else asdict(role)}
@@ -165,7 +170,6 @@ class DeviceWorker:
         t0 = time.perf_counter()
         mbs = [collate(self.dataset, list(ids), self.mode, self.seq_len) for ids in micro_batch_ids]
         collate_s = time.perf_counter() - t0
-        slept0 = self.slowdown.slept_seconds
         stats = self.engine.train_step(mbs, int(loss_tokens), apply=False)
         out = _as_dict(stats)
         out.update(
@@ -174,8 +178,9 @@ class DeviceWorker:
             sample_ids=[list(mb.sample_ids) for mb in mbs],
             tokens=sum(mb.num_tokens for mb in mbs),
             collate_seconds=collate_s,
-            slowdown=self.slowdown.factor,
-            injected_seconds=self.slowdown.slept_seconds - slept0,
+            slowdown=self.clock.rate,
+            pace_ops=self.clock.pace_count.ops,          # cumulative: the share that kept pace
+            pace_on=self.clock.pace_count.on_pace,
             **self._memory(),
         )
         return out
@@ -247,7 +252,7 @@ class DeviceWorker:
         role = new.roles().get(self.device_id)
         if role is not None:
             self.engine = Engine(shape, new, self.device_id, seed=seed, optim=optim,
-                                 device=self.torch_device, after_compute=self.slowdown)
+                                 device=self.torch_device, clock=self.clock)
             self.engine.load_state(states)
         self.plan_id = new.plan_id
         out = _as_dict(stats)
@@ -255,31 +260,50 @@ class DeviceWorker:
                    build_seconds=time.perf_counter() - t1, seconds=time.perf_counter() - t0)
         return out
 
-    def probe(self, size: int = 128, repeats: int = 16) -> dict[str, float]:
-        """A fixed small matmul workload, for a device without work (suspended) to keep its
-        straggling rate measured (control/measure.py). Timed like the Engine's compute (thread CPU
-        time on CPU, synchronised wall time on CUDA) and passed through the same slowdown hook."""
+    def probe(self) -> dict[str, float]:
+        """A fixed matmul workload on the device clock, for a device without work (suspended) to keep
+        its straggling rate measured (control/measure.py): ~10 ms or more of GEMMs on a GPU."""
         import torch
 
+        size, repeats = (4096, 8) if self.use_gpu else (128, 16)
         g = torch.Generator().manual_seed(1234)
         a = torch.randn(size, size, generator=g).to(self.torch_device)
-        b = torch.randn(size, size, generator=g).to(self.torch_device)
-        clock = (lambda: (torch.cuda.synchronize(), time.perf_counter())[1]) if self.use_gpu else time.thread_time
-        slept0 = self.slowdown.slept_seconds
-        t0 = clock()
-        for _ in range(repeats):
-            a = torch.tanh(a @ b)
-        float(a[0, 0])
-        seconds = clock() - t0
-        self.slowdown(seconds)
-        return {"device": self.device_id, "compute_seconds": seconds,
-                "injected_seconds": self.slowdown.slept_seconds - slept0}
+        b = torch.randn(size, size, generator=g).to(self.torch_device) / size ** 0.5
+        self.clock.read()
+        with self.clock.op("probe", flops=2.0 * size ** 3 * repeats):
+            for _ in range(repeats):
+                a = torch.tanh(a @ b)
+        return {"device": self.device_id, "compute_seconds": self.clock.read().get("probe", 0.0)}
+
+    # ------------------------------------------------------------------ the device's pace (CPU)
+    def rehearse(self, tokens: int) -> dict[str, float] | None:
+        """The host's cost of this device's ops, unpaced (see Engine.rehearse); None without work."""
+        from dataclasses import asdict as as_dict
+
+        from .device_clock import HostCost
+
+        if self.engine is None or self.use_gpu:
+            return None
+        pace, self.clock.pace = self.clock.pace, None
+        before = HostCost(**as_dict(self.clock.host))
+        try:
+            self.engine.rehearse(int(tokens))
+        finally:
+            self.clock.pace = pace
+        after = self.clock.host
+        return {k: getattr(after, k) - getattr(before, k) for k in as_dict(after)}
+
+    def set_pace(self, flops_per_second: float, bytes_per_second: float) -> None:
+        """Emulate an accelerator of this speed (CPU workers; a GPU keeps its own)."""
+        if not self.use_gpu:
+            self.clock.pace = Pace(float(flops_per_second), float(bytes_per_second))
 
     # ------------------------------------------------------------------ straggler control
     @ray.method(concurrency_group="control")
     def set_slowdown(self, factor: float) -> float:
-        """Emulation only (see straggler.py): takes effect at this worker's next compute."""
-        return self.slowdown.set(factor)
+        """Emulation only: this device runs at `factor` times its ops' device time from its next op."""
+        self.clock.rate = check_rate(factor)
+        return self.clock.rate
 
     def close(self) -> None:
         import torch.distributed as dist

@@ -1,0 +1,256 @@
+"""Device time: how long a compute op occupies its accelerator, waiting for peers left out.
+
+The coordinator turns device time into straggling rates, so every worker reads it from one
+interface, `DeviceClock`:
+
+  * `PacedClock` makes a CPU worker behave like an accelerator of its own. An op computes for real
+    (results stay exact), then waits until `rate × nominal(op)` has passed, where nominal(op) is
+    its FLOPs over the emulated device's FLOP/s (bytes over its bandwidth for memory-bound ops).
+    A straggler is a rate on this clock: a device at rate 3 takes three times as long per op
+    whatever the host is doing, and it waits without using a core, as a slow GPU would leave the
+    other GPUs alone. As long as the host keeps pace (every op's real compute ends before its
+    deadline) device time is exactly `rate × nominal`; an op that overruns is counted, and its
+    device time is what it really took.
+  * `CudaClock` times ops with CUDA events on the compute stream, read once per step (one
+    synchronisation, none per op). An emulated rate is a `torch.cuda._sleep` kernel queued
+    inside the op, sized from the op's last measured time.
+
+On both, time inside a TP collective (`collective()`) is excluded: a healthy member of a TP group
+with a slow peer waits in the collective, and that wait is not its own compute.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol
+
+
+def check_rate(rate: float) -> float:
+    rate = float(rate)
+    if not math.isfinite(rate) or rate < 1.0:
+        raise ValueError(f"a device rate must be a finite number >= 1.0 (1.0 = healthy), got {rate!r}")
+    return rate
+
+
+@dataclass(frozen=True)
+class Pace:
+    """An emulated accelerator's speed: FLOP/s for compute-bound ops, bytes/s for memory-bound ones."""
+
+    flops_per_second: float
+    bytes_per_second: float
+
+    def __post_init__(self) -> None:
+        for name in ("flops_per_second", "bytes_per_second"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a positive number, got {v!r}")
+
+    def nominal(self, flops: float = 0.0, nbytes: float = 0.0) -> float:
+        """Seconds one op takes on a healthy device."""
+        return flops / self.flops_per_second + nbytes / self.bytes_per_second
+
+
+@dataclass
+class HostCost:
+    """What the host really spent on the ops, to size a pace it can hold (`auto`)."""
+
+    flops: float = 0.0
+    flop_cpu_seconds: float = 0.0      # thread CPU time of compute-bound ops
+    nbytes: float = 0.0
+    byte_cpu_seconds: float = 0.0      # thread CPU time of memory-bound ops
+
+    def add(self, other: "HostCost") -> None:
+        self.flops += other.flops
+        self.flop_cpu_seconds += other.flop_cpu_seconds
+        self.nbytes += other.nbytes
+        self.byte_cpu_seconds += other.byte_cpu_seconds
+
+
+@dataclass
+class PaceCount:
+    """Ops timed so far, and how many ended within their device time (cumulative, never reset)."""
+
+    ops: int = 0
+    on_pace: int = 0
+
+
+# Of a host's cores, the share that paced ops may keep busy when every device computes at once;
+# the rest is left to transfers, collectives, Ray and the driver, so that ops keep pace.
+AUTO_UTILIZATION = 0.75
+
+
+def pace_for(costs: list[HostCost], cores: int, workers: int, utilization: float = AUTO_UTILIZATION) -> Pace:
+    """The fastest pace that every device of a host can hold while all of them compute at once:
+    each gets `utilization × cores / workers` of a core, spent at the host cost of the device
+    whose ops cost it most (per FLOP, and per byte for memory-bound ops)."""
+    flop_costs = [c.flop_cpu_seconds / c.flops for c in costs if c.flops > 0 and c.flop_cpu_seconds > 0]
+    byte_costs = [c.byte_cpu_seconds / c.nbytes for c in costs if c.nbytes > 0 and c.byte_cpu_seconds > 0]
+    if not flop_costs or not byte_costs:
+        raise ValueError("no rehearsal measured both compute-bound and memory-bound ops: cannot size a pace")
+    share = utilization * cores / max(1, workers)
+    return Pace(share / max(flop_costs), share / max(byte_costs))
+
+
+class DeviceClock(Protocol):
+    rate: float
+    pace_count: PaceCount
+
+    def op(self, kind: str, flops: float = 0.0, nbytes: float = 0.0) -> contextlib.AbstractContextManager: ...
+    def collective(self) -> contextlib.AbstractContextManager: ...
+    def read(self) -> dict[str, float]: ...
+
+
+@dataclass
+class PacedClock:
+    """Device time for a CPU worker standing in for an accelerator (see the module docstring).
+
+    Without a pace (`pace=None`) ops are not held back and device time is their wall time less
+    collectives: that is how the host's own cost is measured before a pace is chosen.
+    """
+
+    pace: Pace | None = None
+    rate: float = 1.0
+    pace_count: PaceCount = field(default_factory=PaceCount)
+    host: HostCost = field(default_factory=HostCost)
+    _device: dict[str, float] = field(default_factory=dict)
+    _collective_seconds: float = 0.0
+
+    @contextlib.contextmanager
+    def op(self, kind: str, flops: float = 0.0, nbytes: float = 0.0) -> Iterator[None]:
+        rate = self.rate   # read once: the control thread may change it meanwhile
+        start, cpu0, coll0 = time.perf_counter(), time.thread_time(), self._collective_seconds
+        yield
+        cpu = time.thread_time() - cpu0
+        if flops:
+            self.host.flops, self.host.flop_cpu_seconds = self.host.flops + flops, self.host.flop_cpu_seconds + cpu
+        else:
+            self.host.nbytes, self.host.byte_cpu_seconds = self.host.nbytes + nbytes, self.host.byte_cpu_seconds + cpu
+        collectives = self._collective_seconds - coll0
+        own = time.perf_counter() - start - collectives
+        if self.pace is None:
+            seconds = own
+        else:
+            target = rate * self.pace.nominal(flops, nbytes)
+            self.pace_count.ops += 1
+            if own <= target:
+                self.pace_count.on_pace += 1
+                _sleep_until(start + collectives + target)
+                seconds = target
+            else:
+                seconds = own
+        self._device[kind] = self._device.get(kind, 0.0) + seconds
+
+    @contextlib.contextmanager
+    def collective(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._collective_seconds += time.perf_counter() - start
+
+    def read(self) -> dict[str, float]:
+        """Device seconds per op kind since the last read."""
+        out, self._device = self._device, {}
+        return out
+
+
+def _sleep_until(deadline: float) -> None:
+    while True:
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            return
+        time.sleep(left)
+
+
+@dataclass
+class _TimedOp:
+    kind: str
+    start: object
+    computed: object = None     # the op's own work done (before an emulated straggler's sleep)
+    end: object = None
+    collectives: list = field(default_factory=list)
+
+
+class CudaClock:
+    """Device time from CUDA events on the current stream (see the module docstring).
+
+    `events` makes an event (`torch.cuda.Event(enable_timing=True)` by default) and `sleep_kernel`
+    queues a busy-wait of a number of GPU cycles (`torch.cuda._sleep`); both are arguments so that
+    CPU tests can run this class against a fake that keeps CUDA's rules.
+    """
+
+    def __init__(self, events=None, sleep_kernel=None, cycles_per_second: float | None = None):
+        if events is None:
+            import torch
+            events = lambda: torch.cuda.Event(enable_timing=True)   # noqa: E731
+            sleep_kernel = sleep_kernel or torch.cuda._sleep
+        self._event, self._sleep = events, sleep_kernel
+        self._cycles_per_second = cycles_per_second
+        self.rate = 1.0
+        self.pace_count = PaceCount()
+        self._ops: list[_TimedOp] = []
+        self._open: _TimedOp | None = None
+        self._last: dict[str, float] = {}     # mean device seconds of each op kind, last read
+
+    @contextlib.contextmanager
+    def op(self, kind: str, flops: float = 0.0, nbytes: float = 0.0) -> Iterator[None]:
+        rate = self.rate
+        timed = _TimedOp(kind, self._record())
+        self._open = timed
+        try:
+            yield
+        finally:
+            self._open = None
+            timed.computed = self._record()
+            if rate > 1.0 and kind in self._last:    # the emulated straggler: the device stays busy longer
+                self._sleep(int((rate - 1.0) * self._last[kind] * self.cycles_per_second()))
+            timed.end = self._record()
+            self._ops.append(timed)
+            self.pace_count.ops += 1
+            self.pace_count.on_pace += 1
+
+    @contextlib.contextmanager
+    def collective(self) -> Iterator[None]:
+        start = self._record()
+        try:
+            yield
+        finally:
+            if self._open is not None:
+                self._open.collectives.append((start, self._record()))
+
+    def read(self) -> dict[str, float]:
+        """Device seconds per op kind since the last read: one synchronisation, on the last event."""
+        if not self._ops:
+            return {}
+        self._ops[-1].end.synchronize()
+        out: dict[str, float] = {}
+        own: dict[str, list[float]] = {}
+        for op in self._ops:
+            waited = sum(a.elapsed_time(b) for a, b in op.collectives)
+            out[op.kind] = out.get(op.kind, 0.0) + (op.start.elapsed_time(op.end) - waited) / 1e3
+            own.setdefault(op.kind, []).append((op.start.elapsed_time(op.computed) - waited) / 1e3)
+        self._ops.clear()
+        self._last = {k: sum(v) / len(v) for k, v in own.items()}   # what an emulated sleep is sized from
+        return out
+
+    def cycles_per_second(self) -> float:
+        """GPU cycles the sleep kernel spins per second, measured once."""
+        if self._cycles_per_second is None:
+            cycles = 10_000_000
+            a = self._record()
+            self._sleep(cycles)
+            b = self._record()
+            b.synchronize()
+            self._cycles_per_second = cycles / (a.elapsed_time(b) / 1e3)
+        return self._cycles_per_second
+
+    def _record(self):
+        e = self._event()
+        e.record()
+        return e
+
+
+def make_clock(use_gpu: bool) -> DeviceClock:
+    return CudaClock() if use_gpu else PacedClock()

@@ -1,0 +1,202 @@
+"""The device clock: CPU workers that behave like accelerators of their own, and device time on
+CUDA, checked on CPU against a fake that keeps CUDA's event rules.
+
+The multi-process tests spawn one process per device (one torch thread each), as many as the
+demo has workers where the point is contention (8 on this machine's cores)."""
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from _mp import run_on_gloo
+from malleus_svc.config.presets import preset
+from malleus_svc.plan import Pipeline, Plan, Stage
+from malleus_svc.runtime.device_clock import CudaClock, HostCost, Pace, PacedClock, pace_for
+from malleus_svc.runtime.engine import Engine, OptimConfig
+from test_engine import SEED, global_batches
+
+TINY = preset("tiny")
+
+
+# ---------------------------------------------------------------------------- a fake CUDA stream
+class FakeStream:
+    """Events recorded in order; an event completes when it, or an event recorded after it, is
+    synchronised (a stream runs in order)."""
+
+    def __init__(self):
+        self.recorded = self.completed = self.synchronizations = 0
+
+
+class FakeEvent:
+    """A timing CUDA event as the CUDA clock uses it: stamped when recorded, and its time readable
+    only once it completed (CUDA answers cudaErrorNotReady otherwise)."""
+
+    def __init__(self, stream: FakeStream):
+        self.stream, self.index, self.t = stream, None, None
+
+    def record(self) -> None:
+        self.stream.recorded += 1
+        self.index, self.t = self.stream.recorded, time.perf_counter()
+
+    def synchronize(self) -> None:
+        self.stream.synchronizations += 1
+        self.stream.completed = max(self.stream.completed, self.index)
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        for e in (self, end):
+            if e.index is None or e.index > self.stream.completed:
+                raise RuntimeError("CUDA error: device not ready (an event read before it completed)")
+        return (end.t - self.t) * 1e3
+
+
+def fake_cuda_clock() -> tuple[CudaClock, FakeStream]:
+    stream = FakeStream()
+    # the sleep kernel keeps the (fake) device busy: here the host itself waits that long
+    return CudaClock(events=lambda: FakeEvent(stream), sleep_kernel=lambda cycles: time.sleep(cycles / 1e9),
+                     cycles_per_second=1e9), stream
+
+
+def test_the_cuda_clock_reads_once_per_step_and_leaves_collectives_out():
+    clock, stream = fake_cuda_clock()
+    for _ in range(3):
+        with clock.op("compute"):
+            time.sleep(0.02)
+            with clock.collective():
+                time.sleep(0.05)            # waiting for a TP peer: not this device's compute
+    with pytest.raises(RuntimeError, match="not ready"):      # the fake keeps CUDA's rule
+        clock._ops[0].start.elapsed_time(clock._ops[0].end)
+    seconds = clock.read()["compute"]
+    assert stream.synchronizations == 1                       # one synchronisation for the whole step
+    assert 0.06 <= seconds < 0.09, seconds
+    clock.rate = 3.0                                          # an emulated straggler: 3x the op's own time
+    with clock.op("compute"):
+        time.sleep(0.02)
+    assert 0.055 <= clock.read()["compute"] < 0.08
+
+
+# ---------------------------------------------------------------------------- pacing many workers
+def _matmul_op(n: int = 96):
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g) / n ** 0.5
+    return (lambda: torch.tanh(a @ b)), 2.0 * n ** 3
+
+
+def _host_cost(ops: int = 40) -> HostCost:
+    torch.set_num_threads(1)
+    clock, (op, flops) = PacedClock(), _matmul_op()
+    x, y = torch.zeros(1 << 20), torch.ones(1 << 20)
+    for _ in range(ops):
+        with clock.op("compute", flops=flops):
+            op()
+        with clock.op("update", nbytes=3 * x.numel() * 4):
+            x.add_(y)
+    return clock.host
+
+
+def _paced_device(rank: int, pace: Pace, ops: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    clock, (op, flops) = PacedClock(pace=pace, rate=2.0 if rank == 0 else 1.0), _matmul_op()
+    walls = []
+    for _ in range(ops):
+        t0 = time.perf_counter()
+        with clock.op("compute", flops=flops):
+            op()
+        walls.append(time.perf_counter() - t0)
+    torch.save({"walls": walls, "ops": clock.pace_count.ops, "on_pace": clock.pace_count.on_pace},
+               os.path.join(out_dir, f"{rank}.pt"))
+
+
+def test_a_device_at_rate_two_takes_twice_the_wall_time_with_eight_workers_sharing_the_cores():
+    workers = 8
+    pace = pace_for([_host_cost()], os.cpu_count() or 1, workers)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_paced_device, args=(pace, 40, tmp), nprocs=workers, join=True)
+        res = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(workers)]
+    slow = statistics.median(res[0]["walls"])
+    healthy = statistics.median(w for r in res[1:] for w in r["walls"])
+    held = sum(r["on_pace"] for r in res) / sum(r["ops"] for r in res)
+    print(f"rate 2: {slow * 1e3:.2f} ms per op, rate 1: {healthy * 1e3:.2f} ms; pace held in {held:.1%} of ops")
+    assert slow / healthy == pytest.approx(2.0, rel=0.05)
+    assert held >= 0.95
+
+
+def test_a_pace_is_sized_for_the_costliest_device_and_needs_both_kinds_of_op():
+    cheap = HostCost(flops=1e9, flop_cpu_seconds=0.5, nbytes=1e9, byte_cpu_seconds=0.1)
+    dear = HostCost(flops=1e9, flop_cpu_seconds=1.0, nbytes=1e9, byte_cpu_seconds=0.2)
+    pace = pace_for([cheap, dear], cores=2, workers=8, utilization=0.5)
+    assert pace.flops_per_second == pytest.approx(0.125 / 1e-9) and pace.bytes_per_second == pytest.approx(0.125 / 2e-10)
+    with pytest.raises(ValueError, match="memory-bound"):
+        pace_for([HostCost(flops=1e9, flop_cpu_seconds=1.0)], cores=2, workers=8)
+
+
+# ---------------------------------------------------------------------------- engines on the clock
+TP2 = Plan(num_devices=2, num_layers=TINY.layers, micro_batch_size=2,
+           pipelines=(Pipeline((Stage((0, 1), (0, TINY.layers)),), micro_batches=2),))
+PP2 = Plan(num_devices=2, num_layers=TINY.layers, micro_batch_size=2,
+           pipelines=(Pipeline((Stage((0,), (0, 2)), Stage((1,), (2, TINY.layers))), micro_batches=3),))
+
+
+def _shared_pace(engine: Engine, batches) -> Pace:
+    """One pace for every rank: rehearsed on each at the batches' mean micro-batch size, sized for
+    the costliest rank (as WorkerGroup.pace does)."""
+    clock = engine.clock
+    micro = [mb for batch in batches for mb in batch]
+    engine.rehearse(sum(mb.num_tokens for mb in micro) // len(micro))
+    c = clock.host
+    worst = torch.tensor([c.flop_cpu_seconds / c.flops, c.byte_cpu_seconds / c.nbytes], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return pace_for([HostCost(1.0, float(worst[0]), 1.0, float(worst[1]))], os.cpu_count() or 1, dist.get_world_size())
+
+
+def _tp_pair(rank: int, world: int, kind: str):
+    clock = fake_cuda_clock()[0] if kind == "cuda" else PacedClock()
+    engine = Engine(TINY, TP2, rank, seed=SEED, optim=OptimConfig(lr=1e-3), clock=clock)
+    batches = global_batches(8, 2, 2)
+    if kind == "paced":
+        clock.pace = _shared_pace(engine, batches)
+    seconds = []
+    for step, batch in enumerate(batches):
+        if step == 4 and rank == 1:
+            clock.rate = 3.0                   # the peer slows down
+        tokens = sum(mb.num_loss_tokens for mb in batch)
+        seconds.append(engine.train_step(batch, tokens).compute_seconds)
+    return seconds
+
+
+@pytest.mark.parametrize("kind", ["paced", "cuda"])
+def test_a_healthy_member_of_a_tp_group_does_not_take_on_its_slow_peers_time(kind):
+    healthy, slowed = run_on_gloo(_tp_pair, 2, kind)
+    before, after = statistics.median(healthy[1:4]), statistics.median(healthy[5:])
+    print(f"{kind}: healthy member {before * 1e3:.1f} -> {after * 1e3:.1f} ms; slowed member "
+          f"{statistics.median(slowed[1:4]) * 1e3:.1f} -> {statistics.median(slowed[5:]) * 1e3:.1f} ms")
+    assert statistics.median(slowed[5:]) / statistics.median(slowed[1:4]) > 2.4
+    assert after / before < 1.25, (before, after)
+
+
+def _pp_losses(rank: int, world: int):
+    out = {}
+    for kind in ("unpaced", "paced"):
+        clock = PacedClock()
+        engine = Engine(TINY, PP2, rank, seed=SEED, optim=OptimConfig(lr=1e-3), clock=clock)
+        batches = global_batches(3, 3, 2)
+        if kind == "paced":
+            clock.pace, clock.rate = _shared_pace(engine, batches), 2.0 if rank == 1 else 1.0
+        losses = []
+        for batch in batches:
+            tokens = sum(mb.num_loss_tokens for mb in batch)
+            losses.append(engine.train_step(batch, tokens).global_loss)
+        out[kind] = (losses, {k: v.param for k, v in engine.export_state().items()})
+    return out
+
+
+def test_pacing_leaves_the_losses_and_the_weights_bitwise_unchanged():
+    for res in run_on_gloo(_pp_losses, 2):
+        assert res["paced"][0] == res["unpaced"][0]
+        assert all(torch.equal(res["paced"][1][k], v) for k, v in res["unpaced"][1].items())
