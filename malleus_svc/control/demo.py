@@ -157,12 +157,13 @@ def run_one(title: str, job, steps: int, static: bool, view: View) -> dict:
         ray.kill(h)
 
 
-def throughput(run: dict, steps) -> float | None:
-    """Tokens per second over these steps, the migrations applied at them included."""
+def throughput(run: dict, steps, transitions=()) -> float | None:
+    """Tokens per second over these steps, the migrations applied before them included except at
+    `transitions` (the steps whose migration brought a new plan in)."""
     steps = set(steps)
     recs = [r for r in run["records"] if r["step"] in steps]
     mig = sum((h.get("migration") or {}).get("seconds", 0.0) for h in run["history"]
-              if h["outcome"] == "applied" and h["step"] in steps)
+              if h["outcome"] == "applied" and h["step"] in steps and h["step"] not in transitions)
     secs = sum(r["iteration_seconds"] for r in recs) + mig
     return sum(r["tokens"] for r in recs) / secs if secs > 0 else None
 
@@ -176,7 +177,7 @@ def bound(healthy: float | None, emulate: list[dict], steps) -> float | None:
 
 
 def steady_steps(latency: list[dict], emulate: list[dict], steps: int) -> list[int]:
-    """The steps from each new plan taking effect after a shift to the next shift."""
+    """The steps from each new plan taking effect after a shift (its migration done) to the next shift."""
     shifts = sorted({e["at_step"] for e in emulate} | {e["until_step"] for e in emulate if e["until_step"]})
     out = []
     for lat in latency:
@@ -274,7 +275,7 @@ def summarize(runs: dict, emulate: list[dict], args, wall: float) -> dict:
         "healthy_tokens_per_second": healthy,
         "capacity_bound_tokens_per_second": bound(healthy, emulate, measured),
         "malleable_tokens_per_second": throughput(mal, measured),
-        "malleable_steady_tokens_per_second": throughput(mal, steady),
+        "malleable_steady_tokens_per_second": throughput(mal, steady, {x["new_plan_step"] for x in latency}),
         "steady_steps": len(steady),
         "replans": [{"step": h["step"], "reason": h["reason"], "option": (h.get("decision") or {}).get("option"),
                      "old_plan_id": h.get("old_plan_id"), "new_plan_id": h.get("new_plan_id"),

@@ -37,6 +37,7 @@ and merges them (`LengthCost.merged`). A TP-2 sweep takes 20-60 s with 21 repeat
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -105,8 +106,10 @@ def time_micro_batches(mixes: Sequence[Mix], shape="tiny", layers: int = 2, repe
 
     `clock="thread"` reads this thread's CPU time: with one torch thread the forward and the CPU
     backward both run on it, and time the OS gave to other processes is not counted (on a shared
-    2-core machine that is most of the noise). `clock="wall"` reads the wall clock. `tp` > 1 times
-    the blocks sharded over a TP group of that many processes (module docstring)."""
+    2-core machine that is most of the noise). `clock="wall"` reads the wall clock. `clock="device"`
+    reads the paced device clock the CPU workers train on (device_clock.py), paced for the host
+    after the warm-up: the cost of the emulated accelerator, whatever else the machine does. `tp` > 1
+    times the blocks sharded over a TP group of that many processes (module docstring)."""
     return [a + b for a, b in zip(*_timed_parts(mixes, shape, layers, repeats, warmup, seed, threads, stat, clock,
                                                  normalise_rounds, tp))]
 
@@ -119,8 +122,9 @@ def _timed_parts(mixes, shape, layers, repeats, warmup, seed, threads, stat, clo
     shape = preset(shape) if not isinstance(shape, ModelShape) else shape
     if repeats < 1:
         raise LengthError("repeats", repeats, "an integer >= 1")
-    if clock not in ("thread", "wall"):
-        raise LengthError("clock", clock, "'thread' (this thread's CPU time) or 'wall'")
+    if clock not in ("thread", "wall", "device"):
+        raise LengthError("clock", clock, "'thread' (this thread's CPU time), 'wall' or 'device' (the paced "
+                                          "device clock)")
     if stat not in _STATS:
         raise LengthError("stat", stat, f"one of {sorted(_STATS)}")
     if not (isinstance(tp, int) and tp >= 1) or tp_divisibility_error(shape, tp):
@@ -146,14 +150,24 @@ def _rank_times(mixes, shape, layers, repeats, warmup, seed, threads, clock, tp=
     import torch
     import torch.distributed as dist
 
+    from .device_clock import PacedClock
+
     model, shape = _make_blocks(shape, layers, seed, tp)
     tp = model.tp
+    device = PacedClock() if clock == "device" else None
+    tp.clock = device       # the device's time leaves its TP collectives out
     # (compute, communication) clocks: compute is this thread's CPU time (gloo reduces on its own
     # threads, so collectives are not in it) and communication the wall time inside TP collectives
     # (0 without a group); "wall" puts everything in the first.
     if clock == "thread":
         def now() -> tuple[float, float]:
             return time.thread_time(), tp.comm_seconds
+    elif clock == "device":
+        elapsed = [0.0]      # device time so far: a clock that only runs inside ops
+
+        def now() -> tuple[float, float]:
+            elapsed[0] += sum(device.read().values())
+            return elapsed[0], tp.comm_seconds
     else:
         def now() -> tuple[float, float]:
             return time.perf_counter(), 0.0
@@ -174,8 +188,9 @@ def _rank_times(mixes, shape, layers, repeats, warmup, seed, threads, clock, tp=
         if tp.size > 1:
             dist.barrier(group=tp.group)
         c0, m0 = now()
-        out = model(xr, pos, cu)
-        (out * g).sum().backward()
+        with device.op("compute", flops=flops[i]) if device else contextlib.nullcontext():
+            out = model(xr, pos, cu)
+            (out * g).sum().backward()
         c1, m1 = now()
         return c1 - c0, m1 - m0
 
@@ -183,9 +198,12 @@ def _rank_times(mixes, shape, layers, repeats, warmup, seed, threads, clock, tp=
     torch.set_num_threads(threads)
     try:
         order = list(range(len(mixes)))
+        flops = [3 * model.forward_flops(cu) for _, _, cu, _ in inputs]     # forward + backward
         for _ in range(warmup):
             for i in order:
                 once(i)
+        if device:    # paced from here on, at a pace every rank of the group can hold
+            device.pace = _group_pace(device.host, tp)
         rng = random.Random(seed)
         comp = torch.zeros(len(mixes), repeats, dtype=torch.float64)
         comm = torch.zeros_like(comp)
@@ -204,6 +222,19 @@ def _rank_times(mixes, shape, layers, repeats, warmup, seed, threads, clock, tp=
         dist.all_reduce(comm, op=dist.ReduceOp.MAX, group=tp.group)
         comm.neg_()
     return comp.tolist(), comm.tolist()
+
+
+def _group_pace(host, tp):
+    """A pace this process's host cost allows, the same on every rank of a TP group (the costliest's)."""
+    import torch
+    import torch.distributed as dist
+
+    from .device_clock import HostCost, pace_for
+    worst = torch.tensor([host.flop_cpu_seconds / host.flops], dtype=torch.float64)
+    if tp.size > 1:
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=tp.group)
+    cost = HostCost(flops=1.0, flop_cpu_seconds=float(worst), nbytes=1.0, byte_cpu_seconds=1.0)
+    return pace_for([cost], os.cpu_count() or 1, tp.size)
 
 
 def _tp_rank_main(argv: list[str]) -> None:
