@@ -117,7 +117,8 @@ def test_straggler_detected_and_planned_around_within_three_iterations(loop):
     wait_for(ray, loop, lambda s: s["migrations"] >= 1 and s["plan_id"] != old_plan, 60, "a new plan")
     wait_step(ray, loop, ray.get(loop.status.remote())["step"] + 1)   # one iteration under it
     recs = ray.get(loop.metrics.remote())
-    shift = next(r["step"] for r in recs if (r["slowdown"].get("3") or 1.0) > 1.0)
+    # the fixture's jitter keeps every factor below 1.4; the straggler's is 3
+    shift = next(r["step"] for r in recs if (r["slowdown"].get("3") or 1.0) > 2.0)
     first_new = next(r["step"] for r in recs if r["plan_id"] != old_plan)
     latency = first_new - shift   # iterations that still ran under the old plan after the shift
     print(f"detection latency: {latency} iterations (shift at step {shift}, new plan from step {first_new})")

@@ -27,6 +27,7 @@ group is placed again, `rejoin` brings it back the same way.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
@@ -603,14 +604,14 @@ class WorkerGroup:
             return None
         if flops_per_second is None or bytes_per_second is None:
             live = self.live
-            costs = self._get([self.workers[d].rehearse.remote(tokens) for d in live], "rehearse", devices=live)
-            by_host: dict[str, list[tuple[dict, HostCost]]] = {}
-            for info, cost in zip(self.infos, costs):
+            rehearsed = self._get([self.workers[d].rehearse.remote(tokens) for d in live], "rehearse", devices=live)
+            costs: dict[str, list[HostCost]] = {}           # per host (Ray node), of the devices with work
+            for info, cost in zip(self.infos, rehearsed):
                 if cost is not None:
-                    by_host.setdefault(info["node_id"], []).append((info, HostCost(**cost)))
-            paces = [pace_for([c for _, c in group], group[0][0]["host_cores"],
-                              sum(i["node_id"] == node for i in self.infos))
-                     for node, group in by_host.items()]
+                    costs.setdefault(info["node_id"], []).append(HostCost(**cost))
+            workers = collections.Counter(i["node_id"] for i in self.infos)
+            cores = {i["node_id"]: i["host_cores"] for i in self.infos}
+            paces = [pace_for(c, cores[node], workers[node]) for node, c in costs.items()]
             sized = Pace(min(p.flops_per_second for p in paces), min(p.bytes_per_second for p in paces))
             flops_per_second = flops_per_second or sized.flops_per_second
             bytes_per_second = bytes_per_second or sized.bytes_per_second

@@ -83,13 +83,14 @@ AUTO_UTILIZATION = 0.75
 
 def pace_for(costs: list[HostCost], cores: int, workers: int, utilization: float = AUTO_UTILIZATION) -> Pace:
     """The fastest pace that every device of a host can hold while all of them compute at once:
-    each gets `utilization × cores / workers` of a core, spent at the host cost of the device
-    whose ops cost it most (per FLOP, and per byte for memory-bound ops)."""
+    each gets `utilization × min(1, cores / workers)` of a core (a worker computes on one thread),
+    spent at the host cost of the device whose ops cost it most (per FLOP, and per byte for
+    memory-bound ops)."""
     flop_costs = [c.flop_cpu_seconds / c.flops for c in costs if c.flops > 0 and c.flop_cpu_seconds > 0]
     byte_costs = [c.byte_cpu_seconds / c.nbytes for c in costs if c.nbytes > 0 and c.byte_cpu_seconds > 0]
     if not flop_costs or not byte_costs:
         raise ValueError("no rehearsal measured both compute-bound and memory-bound ops: cannot size a pace")
-    share = utilization * cores / max(1, workers)
+    share = utilization * min(1.0, cores / max(1, workers))
     return Pace(share / max(flop_costs), share / max(byte_costs))
 
 
@@ -123,10 +124,8 @@ class PacedClock:
         start, cpu0, coll0 = time.perf_counter(), time.thread_time(), self._collective_seconds
         yield
         cpu = time.thread_time() - cpu0
-        if flops:
-            self.host.flops, self.host.flop_cpu_seconds = self.host.flops + flops, self.host.flop_cpu_seconds + cpu
-        else:
-            self.host.nbytes, self.host.byte_cpu_seconds = self.host.nbytes + nbytes, self.host.byte_cpu_seconds + cpu
+        self.host.add(HostCost(flops=flops, flop_cpu_seconds=cpu) if flops else
+                      HostCost(nbytes=nbytes, byte_cpu_seconds=cpu))
         collectives = self._collective_seconds - coll0
         own = time.perf_counter() - start - collectives
         if self.pace is None:

@@ -278,20 +278,15 @@ class DeviceWorker:
     # ------------------------------------------------------------------ the device's pace (CPU)
     def rehearse(self, tokens: int) -> dict[str, float] | None:
         """The host's cost of this device's ops, unpaced (see Engine.rehearse); None without work."""
-        from dataclasses import asdict as as_dict
-
-        from .device_clock import HostCost
-
         if self.engine is None or self.use_gpu:
             return None
         pace, self.clock.pace = self.clock.pace, None
-        before = HostCost(**as_dict(self.clock.host))
+        before = asdict(self.clock.host)
         try:
             self.engine.rehearse(int(tokens))
         finally:
             self.clock.pace = pace
-        after = self.clock.host
-        return {k: getattr(after, k) - getattr(before, k) for k in as_dict(after)}
+        return {k: v - before[k] for k, v in asdict(self.clock.host).items()}
 
     def set_pace(self, flops_per_second: float, bytes_per_second: float) -> None:
         """Emulate an accelerator of this speed (CPU workers; a GPU keeps its own)."""
