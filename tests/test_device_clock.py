@@ -82,7 +82,7 @@ def test_the_cuda_clock_reads_once_per_step_and_leaves_collectives_out():
 
 
 # ---------------------------------------------------------------------------- pacing many workers
-def _matmul_op(n: int = 96):
+def _matmul_op(n: int = 160):
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g) / n ** 0.5
     return (lambda: torch.tanh(a @ b)), 2.0 * n ** 3
@@ -115,7 +115,8 @@ def _paced_device(rank: int, pace: Pace, ops: int, out_dir: str) -> None:
 
 def test_a_device_at_rate_two_takes_twice_the_wall_time_with_eight_workers_sharing_the_cores():
     workers = 8
-    pace = pace_for([_host_cost()], os.cpu_count() or 1, workers)
+    # a wide margin (0.4 of each worker's share of the cores): the suite may run beside other work
+    pace = pace_for([_host_cost()], os.cpu_count() or 1, workers, utilization=0.4)
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_paced_device, args=(pace, 40, tmp), nprocs=workers, join=True)
         res = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(workers)]
