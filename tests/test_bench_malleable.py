@@ -102,7 +102,10 @@ def test_flops_are_the_models_rule(pair):
 
 def _worker_loop(rank: int, world: int) -> dict:
     from malleus_svc.control.demo import job_dict
-    config = {"job": job_dict("t", 1, 8, 3, []), "steps": 3, "shift_at": 1, "factor": 3.0, "slow_rank": 1,
+    job = job_dict("t", 1, 8, 3, [])
+    job["model"] = {**job["model"], "layers": 2}     # quick: the loop, not the model, is under test
+    job["data"]["max_files"] = 20
+    config = {"job": job, "steps": 3, "shift_at": 1, "factor": 3.0, "slow_rank": 1,
               "pace": None}
     return bench.ddp_worker(rank, world, config, wrap=DistributedDataParallel)
 
@@ -131,9 +134,10 @@ def _summary(ddp: bool = True, malleus_tps: float = 420.0) -> dict:
     bound = 458.3
     for v in systems.values():
         v["over_bound"] = v["tokens_per_second"] / bound
+        v["whole_over_bound"] = min(1.0, 1.05 * v["over_bound"])
         v["over_static"] = v["tokens_per_second"] / 210.0
     return {"command": "malleus bench malleable --write BENCHMARKS.md", "date": "2026-11-24", "workers": 8,
-            "host_cores": 2, "steps": 30, "shift_at": 9, "factor": 3.0, "slow_device": 3, "global_batch": 16,
+            "host_cores": 2, "steps": 30, "shift_at": 9, "measured_from": 3, "factor": 3.0, "slow_device": 3, "global_batch": 16,
             "device_pace": {"gflops": 1.02, "gbps": 0.355}, "healthy_tokens_per_second": 500.0,
             "bound_tokens_per_second": bound, "capacity_fraction": 0.9167, "systems": systems,
             "ddp_skipped": None if ddp else "skipped (--no-ddp)",
@@ -150,7 +154,7 @@ def test_section_has_every_system_and_the_verdicts():
     md = bench.render(_summary(), bench.PLOT)
     for label in ("(a) static", "(b) malleus", "(c) Ray Train", "(d) capacity bound", "steady state"):
         assert label in md
-    assert "| 420 | 0.92 | 2.00× |" in md and "| 190 | 0.41 | 0.90× |" in md
+    assert "| 420 | 0.92 | 2.00× | 0.96 |" in md and "| 190 | 0.41 | 0.90× | 0.44 |" in md
     assert "DDP no better than static: 0.90× static (met)" in md
     assert "after 3 iterations (7.9 s)" in md and "worker 3 28.0 s" in md
     assert "NOT met" not in md and bench.PLOT in md
@@ -159,6 +163,7 @@ def test_section_has_every_system_and_the_verdicts():
 def test_a_missed_target_says_so():
     md = bench.render(_summary(malleus_tps=300.0))
     assert "malleus over the slowed steps ≥ 0.8 of bound: 0.65 (NOT met)" in md
+    assert "malleus over the whole run (steps 3–29) ≥ 0.8 of bound: 0.69 (NOT met)" in md
 
 
 def test_skipped_ddp_is_one_clear_row():
