@@ -184,6 +184,14 @@ def ray_train_missing() -> str | None:
     return None
 
 
+def ddp_skip_reason(no_ddp: bool) -> str | None:
+    """Why (c) does not run, in one line; None when it does."""
+    if no_ddp:
+        return "skipped (--no-ddp)"
+    why = ray_train_missing()
+    return f"skipped: ray.train cannot be imported ({why}); pip install -e '.[bench]'" if why else None
+
+
 def run_ddp(job: dict, steps: int, shift: int, factor: float, pace: dict) -> dict:
     """Ray Train v2 TorchTrainer on the running Ray cluster; rank 0's run."""
     from ray.train import RunConfig, ScalingConfig
@@ -442,9 +450,7 @@ def main(argv: list[str]) -> int:
     from malleus_svc.runtime.cluster import start_local_ray
 
     logging.getLogger("malleus_svc").setLevel(logging.WARNING)
-    ddp_skipped = "skipped (--no-ddp)" if args.no_ddp else None
-    if not args.no_ddp and (why := ray_train_missing()):
-        ddp_skipped = f"skipped: ray.train cannot be imported ({why}); pip install -e '.[bench]'"
+    ddp_skipped = ddp_skip_reason(args.no_ddp)
     if ddp_skipped:
         log(f"[ray-ddp] {ddp_skipped}")
     emulate = [{"device": SLOW_DEVICE, "factor": args.factor, "at_step": args.shift_at, "until_step": None}]

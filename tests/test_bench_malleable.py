@@ -5,6 +5,7 @@ table, section and plot from a synthetic run."""
 from __future__ import annotations
 
 import math
+import sys
 import time
 
 import pytest
@@ -185,6 +186,13 @@ def test_plot_is_written(tmp_path):
     pytest.importorskip("matplotlib")
     out = bench.plot(_summary(), tmp_path / "plots" / "malleable.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ddp_without_ray_train_is_skipped_in_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)     # as if ray[train] could not be imported
+    why = bench.ddp_skip_reason(False)
+    assert why.startswith("skipped: ray.train cannot be imported (") and "\n" not in why
+    assert bench.ddp_skip_reason(True) == "skipped (--no-ddp)"
 
 
 def test_the_pace_travels_as_numbers():
