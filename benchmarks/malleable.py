@@ -1,29 +1,29 @@
-"""`malleus bench malleable`: one device slowed 3× on 8 CPU workers — static plan, malleus, DDP, bound.
+"""`malleus bench malleable`: one device slowed 3× on 8 paced CPU workers — static, malleus, DDP, bound.
 
-In one invocation on a local Ray cluster of 8 CPU workers, `small` preset on the python-stdlib
-corpus, global batch 16 (micro-batch 2), one schedule: healthy warm-up, then device 3 slowed
-``--factor`` (3×) from step ``--shift-at`` to the end. Systems:
-  (a) static    - the first plan (DP4 × PP2) kept all run long (the `malleus demo` machinery);
-  (b) malleus   - the coordinator measures, re-plans and migrates live;
-  (c) ray-ddp   - Ray Train v2 ``TorchTrainer``, plain data parallelism (DDP over gloo, 8 workers,
-                  each takes a contiguous 1/8 of the same global batch), worker 3 slowed exactly
-                  like our emulator (after each forward and each backward, sleep (factor−1) × that
-                  compute's thread CPU time: `runtime.straggler.Slowdown`);
-  (d) bound     - the capacity bound: malleus's healthy throughput (its steps before the shift, same
-                  plan as static) × Σ(1/x_i)/N = (7 + 1/3)/8.
-Throughput of every system is tokens / seconds over the slowed steps (shift to end), migration
-time included; re-plan-to-effect is the number of iterations run under the old plan after the shift.
+One invocation starts a local Ray cluster of 8 CPU workers and trains `malleus demo`'s model on its
+data (python-stdlib, global batch 16) under one schedule: healthy warm-up, then device 3 slowed
+``--factor`` (3×) from step ``--shift-at`` to the end. Every system runs on the same emulated
+accelerator (runtime/device_clock.py): each worker is a `PacedClock` at the pace the first run
+sized, so an op takes `rate × FLOPs / FLOP/s` whatever else the host does, and a device at rate 3
+takes three times as long while leaving the cores to the others, as a slow GPU would. Systems:
+  (a) static   - the first plan (DP4 × PP2) kept all run long (`malleus demo`'s static run);
+  (b) malleus  - the coordinator measures, re-plans and migrates live;
+  (c) ray-ddp  - Ray Train v2 ``TorchTrainer``, plain data parallelism (DDP over gloo, 8 workers,
+                 a contiguous 1/8 of the same global batch each), worker 3 at the same rate on
+                 the same clock: forward and backward are paced compute ops (FLOPs counted by
+                 `StageModel.forward_flops`, backward twice), the optimizer step a paced update;
+                 the gradient all-reduce is outside them, so waiting for the slow worker is real
+                 waiting, as on GPUs;
+  (d) bound    - the capacity bound: healthy throughput × Σ(1/x_i)/N = (7 + 1/3)/8.
+Throughput is tokens / seconds over the slowed steps (shift to end), migrations included. malleus
+in steady state is measured from its new plan taking effect to the end (`malleus demo`'s rule).
 
-On a machine with fewer cores than workers the comparison is not the GPU one: a straggler that
-sleeps frees CPU for the others (its healthy peers run faster than in the warm-up), and DDP's
-all-reduce makes every worker wait for the slow one each step. The printed notes say so.
-
-Needs ``ray[train]`` for (c) (``pip install 'malleus-svc[bench]'``); without it, or with
-``--no-ddp``, (c) is skipped and the table says why.
+Needs ``ray[train]`` for (c); without it, or with ``--no-ddp``, (c) is skipped and says so.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -32,121 +32,168 @@ import tempfile
 import time
 from pathlib import Path
 
-from malleus_svc.config.job import ControlConfig
-
 from .planner import write_section
 
-WORKERS = 8            # the demo's job: one CPU worker actor per device; DDP runs as many
-SLOW_RANK = 3
+WORKERS = 8
+SLOW_DEVICE = 3
+HEALTHY_STEPS = 9            # warm-up (3), calibration (3), 3 measured healthy steps: the demo's
+PLOT = "benchmarks/plots/malleable.png"
+TARGETS = {"over_bound": 0.8, "steady_over_bound": 0.9, "pace_held": 0.95}
+SYSTEMS = ("static", "malleus", "ray-ddp")
+
+
+def log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
-# (c) Ray Train TorchTrainer, plain DDP: the per-worker train loop (runs inside Ray Train workers)
+# (c) plain DDP on the device clock: one step, one worker's loop (plain torch.distributed; the Ray
+# Train entry point below only wraps it)
 # ---------------------------------------------------------------------------------------------
-def ddp_train_loop(config: dict) -> None:
+def all_reduce_gradients(params) -> None:
+    """Sum the gradients over the workers, in one flat buffer (what DDP's buckets do)."""
     import torch
     import torch.distributed as dist
+
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def ddp_step(model, optimizer, clock, micro_batches, loss_tokens: int, grad_clip: float | None) -> float:
+    """One data-parallel step of this worker: its micro-batches' forward and backward as paced
+    compute ops, the gradients summed over the workers outside any op (a worker waiting there for
+    a slow peer is idle, not computing), clipping, then the update as a paced op. `model` may be
+    DDP-wrapped; its own gradient sync is turned off so that it cannot run inside a paced backward.
+    The loss is summed over tokens and divided by the global batch's loss tokens, so the summed
+    gradients are the global mean's. Returns this worker's share of the loss."""
+    import torch
     import torch.nn.functional as F
 
-    import ray.train
-    import ray.train.torch
-    from malleus_svc.config.job import JobConfig
     from malleus_svc.runtime.batch import IGNORE_INDEX
+    from malleus_svc.runtime.engine import update_bytes
+
+    net = getattr(model, "module", model)
+    params = [p for p in net.parameters()]
+    optimizer.zero_grad(set_to_none=False)
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    local = torch.zeros((), dtype=torch.float64)
+    with model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext():
+        for mb in micro_batches:
+            flops = net.forward_flops(mb.cu_seqlens)
+            with clock.op("compute", flops=flops):
+                logits = model(mb.tokens, mb.positions(), mb.cu_seqlens)
+                loss = F.cross_entropy(logits.float(), mb.targets, ignore_index=IGNORE_INDEX,
+                                       reduction="sum") / loss_tokens
+            with clock.op("compute", flops=2 * flops):    # backward: twice the forward's FLOPs
+                loss.backward()
+            local += loss.detach().double()
+    all_reduce_gradients(params)
+    if grad_clip and grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    with clock.op("update", nbytes=update_bytes(params)):
+        optimizer.step()
+    return float(local)
+
+
+def ddp_worker(rank: int, world: int, config: dict, wrap=lambda m: m) -> dict:
+    """One DDP worker's whole run (a process group must be up): the job's model and data, this
+    worker's contiguous share of each global batch, rank `slow_rank` at `factor` from `shift_at`.
+    Every rank returns the same summary (its device time, pace counts, last loss: all-reduced);
+    `records` are this rank's steps."""
+    import torch
+    import torch.distributed as dist
+
+    from malleus_svc.config.job import JobConfig
     from malleus_svc.runtime.data import GlobalSampler
     from malleus_svc.runtime.datasets import build_dataset, collate
+    from malleus_svc.runtime.device_clock import Pace, PacedClock
     from malleus_svc.runtime.model import full_model
-    from malleus_svc.runtime.straggler import Slowdown
     from malleus_svc.runtime.trainer import optim_config
 
-    torch.set_num_threads(1)
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
     job = JobConfig.from_dict(config["job"])
-    gb, micro = job.scenario.global_batch, job.scenario.micro_batch
+    gb, micro, seq_len, mode = job.scenario.global_batch, job.scenario.micro_batch, job.data.seq_len, job.data.mode
     if gb % world or (gb // world) % micro:
         raise ValueError(f"global batch {gb} must split into {world} workers x whole micro-batches of {micro}")
     per = gb // world
     dataset = build_dataset(job.data.spec())
-    lengths = getattr(dataset, "lengths", None)
     sampler = GlobalSampler(len(dataset), gb, seed=job.train.seed)
-
-    model = ray.train.torch.prepare_model(full_model(job.shape, job.train.seed))
-    opt_cfg = optim_config(job)
-    optimizer = opt_cfg.make(model.parameters())
-    slow = Slowdown(1.0)
-    clock = time.thread_time
-
-    steps, shift, factor = config["steps"], config["shift_at"], config["factor"]
-    records = []
-    for step in range(steps):
-        if rank == config["slow_rank"] and step >= shift:
-            slow.set(factor)
+    model = wrap(full_model(job.shape, job.train.seed))
+    opt = optim_config(job)
+    optimizer = opt.make(getattr(model, "module", model).parameters())
+    pace = config.get("pace")
+    clock = PacedClock(Pace(pace["flops_per_second"], pace["bytes_per_second"]) if pace else None)
+    records, device = [], torch.zeros(world, dtype=torch.float64)
+    dist.barrier()
+    last = time.perf_counter()        # a step lasts from the previous one's end: its data included
+    for step in range(config["steps"]):
+        if rank == config["slow_rank"] and step >= config["shift_at"]:
+            clock.rate = config["factor"]
         ids = sampler.next_global_batch(gb)
         mine = ids[rank * per:(rank + 1) * per]
-        if lengths is not None:
-            loss_tokens = int(sum(int(lengths[i]) - 1 for i in ids))
-            tokens = len(ids) * job.data.seq_len if job.data.mode == "pad" else loss_tokens
-        else:
-            full = collate(dataset, ids, job.data.mode, job.data.seq_len)
-            tokens, loss_tokens = full.num_tokens, full.num_loss_tokens
-        t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=False)
-        chunks = [mine[j:j + micro] for j in range(0, per, micro)]
-        local = 0.0
-        for k, chunk in enumerate(chunks):
-            mb = collate(dataset, chunk, job.data.mode, job.data.seq_len)
-            sync = model.no_sync() if k < len(chunks) - 1 else _null()
-            with sync:
-                c0 = clock()
-                logits = model(mb.tokens, mb.positions(), mb.cu_seqlens)
-                # summed over tokens / the GLOBAL loss tokens; DDP averages over `world`, so × world
-                loss = F.cross_entropy(logits.float(), mb.targets, ignore_index=IGNORE_INDEX,
-                                       reduction="sum") / loss_tokens
-                slow(clock() - c0)
-                c0 = clock()
-                (loss * world).backward()
-                slow(clock() - c0)
-            local += float(loss.detach())
-        if opt_cfg.grad_clip and opt_cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.grad_clip)
-        optimizer.step()
-        dt = time.perf_counter() - t0
-        records.append({"step": step, "tokens": tokens, "iteration_seconds": dt, "local_loss": local})
-    t = torch.tensor([records[-1]["local_loss"], slow.slept_seconds], dtype=torch.float64)
-    dist.all_reduce(t)
+        full = collate(dataset, ids, mode, seq_len)          # the global batch's token counts
+        mbs = [collate(dataset, mine[j:j + micro], mode, seq_len) for j in range(0, per, micro)]
+        loss = ddp_step(model, optimizer, clock, mbs, full.num_loss_tokens, opt.grad_clip)
+        now = time.perf_counter()
+        dt, last = now - last, now
+        seconds = clock.read()
+        device[rank] += seconds.get("compute", 0.0) + seconds.get("update", 0.0)
+        records.append({"step": step, "tokens": full.num_tokens, "iteration_seconds": dt, "local_loss": loss,
+                        "device_seconds": seconds})
+    totals = torch.tensor([records[-1]["local_loss"], clock.pace_count.on_pace, clock.pace_count.ops],
+                          dtype=torch.float64)
+    dist.all_reduce(totals)
+    dist.all_reduce(device)
+    return {"records": records, "last_loss": float(totals[0]),
+            "pace_held": float(totals[1] / totals[2]) if totals[2] else None,
+            "device_seconds": device.tolist(), "host_flops": clock.host.flops}
 
-    def tps(lo, hi):
-        rs = [r for r in records if lo <= r["step"] < hi]
-        s = sum(r["iteration_seconds"] for r in rs)
-        return sum(r["tokens"] for r in rs) / s if s > 0 else None
 
-    metrics = {
-        "healthy_tokens_per_second": tps(config["skip"], shift),
-        "slowed_tokens_per_second": tps(shift, steps),
-        "last_loss": float(t[0]),
-        "straggler_slept_seconds": float(t[1]),
-        "records": records,
-    }
-    # Ray Train v2 keeps a run's metrics with its checkpoints: rank 0 attaches a small one
+def ddp_train_loop(config: dict) -> None:
+    """Ray Train's per-worker entry: the loop above on Ray Train's gloo group, DDP from prepare_model;
+    rank 0 hands its records back in a checkpoint (Ray Train v2 keeps a run's results there)."""
+    import torch
+
+    import ray.train
+    import ray.train.torch
+
+    torch.set_num_threads(1)
+    ctx = ray.train.get_context()
+    out = ddp_worker(ctx.get_world_rank(), ctx.get_world_size(), config, wrap=ray.train.torch.prepare_model)
     checkpoint = None
-    if rank == 0:
+    if ctx.get_world_rank() == 0:
         d = tempfile.mkdtemp(prefix="malleus-ddp-metrics-")
         with open(os.path.join(d, "metrics.json"), "w") as fh:
-            json.dump(metrics, fh)
+            json.dump(out, fh)
         checkpoint = ray.train.Checkpoint.from_directory(d)
-    ray.train.report({k: v for k, v in metrics.items() if k != "records"}, checkpoint=checkpoint)
+    ray.train.report({"last_loss": out["last_loss"]}, checkpoint=checkpoint)
 
 
-class _null:
-    def __enter__(self):
-        return None
+def ray_train_missing() -> str | None:
+    """Why (c) cannot run here, or None."""
+    try:
+        import ray.train.torch  # noqa: F401  (ray[train]'s extras: pandas, pyarrow)
+    except Exception as e:   # ImportError, or an extra that fails on import
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    return None
 
-    def __exit__(self, *exc):
-        return False
+
+def ddp_skip_reason(no_ddp: bool) -> str | None:
+    """Why (c) does not run, in one line; None when it does."""
+    if no_ddp:
+        return "skipped (--no-ddp)"
+    why = ray_train_missing()
+    return f"skipped: ray.train cannot be imported ({why}); pip install -e '.[bench]'" if why else None
 
 
-def run_ddp(job: dict, steps: int, shift: int, factor: float, skip: int) -> dict:
-    """Ray Train v2 TorchTrainer on the running Ray cluster; rank 0's final metrics."""
+def run_ddp(job: dict, steps: int, shift: int, factor: float, pace: dict) -> dict:
+    """Ray Train v2 TorchTrainer on the running Ray cluster; rank 0's run."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -154,258 +201,293 @@ def run_ddp(job: dict, steps: int, shift: int, factor: float, skip: int) -> dict
     trainer = TorchTrainer(
         ddp_train_loop,
         train_loop_config={"job": job, "steps": steps, "shift_at": shift, "factor": factor,
-                           "slow_rank": SLOW_RANK, "skip": skip},
+                           "slow_rank": SLOW_DEVICE, "pace": pace},
         torch_config=TorchConfig(backend="gloo"),
         scaling_config=ScalingConfig(num_workers=WORKERS, use_gpu=False),
         run_config=RunConfig(name="malleus-bench-ddp", storage_path=storage),
     )
-    t0 = time.perf_counter()
     try:
         result = trainer.fit()
-        wall = time.perf_counter() - t0
         if result.error:
             raise RuntimeError(f"TorchTrainer failed: {result.error}")
         if result.checkpoint is None:
-            raise RuntimeError("TorchTrainer finished without the metrics checkpoint of rank 0")
+            raise RuntimeError("TorchTrainer finished without rank 0's checkpoint")
         with result.checkpoint.as_directory() as d:
             with open(os.path.join(d, "metrics.json")) as fh:
-                m = json.load(fh)
+                return json.load(fh)
     finally:
         shutil.rmtree(storage, ignore_errors=True)
-    m["wall_seconds"] = wall
-    return m
 
 
 # ---------------------------------------------------------------------------------------------
-# (a), (b), (d): the demo machinery
+# the figures: `malleus demo`'s rules on every system
 # ---------------------------------------------------------------------------------------------
-def window_throughput(run: dict, lo: int, hi: int | None = None) -> float | None:
-    """Tokens / (iteration seconds + migration seconds) over steps [lo, hi)."""
-    hi = 10 ** 9 if hi is None else hi
-    recs = [r for r in run["records"] if lo <= r["step"] < hi]
-    mig = sum((h.get("migration") or {}).get("seconds", 0.0) for h in run["history"]
-              if h["outcome"] == "applied" and lo <= h["step"] <= hi)
-    secs = sum(r["iteration_seconds"] for r in recs) + mig
-    return sum(r["tokens"] for r in recs) / secs if secs > 0 else None
-
-
-def ray_train_version() -> str | None:
-    try:
-        import ray.train.torch  # noqa: F401  (needs ray[train]'s extras: pandas, pyarrow, ...)
-        import pandas  # noqa: F401
-        import pyarrow  # noqa: F401
-    except Exception:
+def pace_numbers(device: dict | str) -> dict | None:
+    """The Pace of `same_device(run)`, as numbers a train-loop config can carry."""
+    if not isinstance(device, dict):
         return None
-    import ray
-    return ray.__version__
+    return {"flops_per_second": device["tflops"] * 1e12, "bytes_per_second": device["gbps"] * 1e9}
+
+
+def per_step(run: dict) -> list[tuple[int, float]]:
+    return [(r["step"], r["tokens"] / r["iteration_seconds"]) for r in run["records"] if r["iteration_seconds"] > 0]
+
+
+def summarize(runs: dict, emulate: list[dict], args, ddp_skipped: str | None) -> dict:
+    """Tokens/s over the slowed steps, ratios to the bound and to static, malleus in steady state,
+    pace held, re-plan latency; per-step throughput for the plot."""
+    from malleus_svc.control.demo import bound, latencies, steady_steps, throughput
+
+    mal = runs["malleus"]
+    healthy = mal["status"]["healthy_tokens_per_second"]
+    slowed, whole = range(args.shift_at, args.steps), range(args.skip, args.steps)
+    latency = latencies(mal, emulate)
+    steady = steady_steps(latency, emulate, args.steps)
+    b, b_whole = bound(healthy, emulate, slowed), bound(healthy, emulate, whole)
+    systems = {}
+    for name, run in runs.items():
+        tps, tps_whole = throughput(run, slowed), throughput(run, whole)
+        systems[name] = {"tokens_per_second": tps,
+                         "whole_over_bound": tps_whole / b_whole if tps_whole and b_whole else None,
+                         "healthy_tokens_per_second": throughput(run, range(args.skip, args.shift_at)),
+                         "pace_held": run["pace_held"], "last_loss": run["last_loss"], "per_step": per_step(run)}
+    static = systems.get("static", {}).get("tokens_per_second")
+    for v in systems.values():
+        v["over_bound"] = v["tokens_per_second"] / b if b and v["tokens_per_second"] else None
+        v["over_static"] = v["tokens_per_second"] / static if static and v["tokens_per_second"] else None
+    steady_tps = throughput(mal, steady, {x["new_plan_step"] for x in latency})
+    steady_bound = bound(healthy, emulate, steady)
+    return {
+        "command": args.command, "date": time.strftime("%Y-%m-%d", time.gmtime()), "workers": WORKERS,
+        "host_cores": os.cpu_count(), "steps": args.steps, "shift_at": args.shift_at, "factor": args.factor,
+        "slow_device": SLOW_DEVICE, "measured_from": args.skip, "global_batch": args.global_batch, "schedule": emulate,
+        "device_pace": mal["status"]["device_pace"], "healthy_tokens_per_second": healthy,
+        "bound_tokens_per_second": b, "capacity_fraction": b / healthy if b and healthy else None,
+        "systems": systems, "ddp_skipped": ddp_skipped,
+        "malleus_steady_tokens_per_second": steady_tps, "steady_steps": len(steady),
+        "malleus_steady_over_bound": steady_tps / steady_bound if steady_tps and steady_bound else None,
+        "replan_latency": latency,
+        "replans": [{"step": h["step"], "option": (h.get("decision") or {}).get("option"),
+                     "planning_seconds": (h.get("decision") or {}).get("planning_seconds"),
+                     "migration_bytes": (h.get("migration") or {}).get("moved_bytes"),
+                     "migration_seconds": (h.get("migration") or {}).get("seconds")}
+                    for h in mal["history"] if h["outcome"] == "applied"],
+        "ddp_device_seconds": runs.get("ray-ddp", {}).get("device_seconds"),
+        "wall_seconds": dict(args.walls),
+    }
+
+
+def _f(x, fmt=",.0f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def verdicts(s: dict) -> list[str]:
+    """Each target, met or not, with the figure reached."""
+    sy, out = s["systems"], []
+    ddp, static = sy.get("ray-ddp"), sy.get("static")
+    if ddp and static:
+        ok = ddp["tokens_per_second"] <= static["tokens_per_second"]
+        out.append(f"DDP no better than static: {ddp['over_static']:.2f}× static ({'met' if ok else 'NOT met'})")
+    mal, whole = sy["malleus"], f"malleus over the whole run (steps {s['measured_from']}–{s['steps'] - 1})"
+    for key, fig, what in (("over_bound", mal["whole_over_bound"], whole),
+                           ("over_bound", mal["over_bound"], "malleus over the slowed steps"),
+                           ("steady_over_bound", s["malleus_steady_over_bound"], "malleus in steady state")):
+        ok = fig is not None and fig >= TARGETS[key]
+        out.append(f"{what} ≥ {TARGETS[key]:.1f} of bound: {_f(fig, '.2f')} ({'met' if ok else 'NOT met'})")
+    held = {k: v["pace_held"] for k, v in sy.items()}
+    ok = all(h is not None and h >= TARGETS["pace_held"] for h in held.values())
+    out.append(f"pace held ≥ {TARGETS['pace_held']:.0%}: " + ", ".join(f"{k} {_f(h, '.1%')}" for k, h in held.items())
+               + f" ({'met' if ok else 'NOT met'})")
+    return out
 
 
 def table(s: dict) -> str:
-    def f(x, fmt=",.0f"):
-        return "-" if x is None else format(x, fmt)
-    bound = s["bound_tokens_per_second"]
-
-    def share(x):
-        return "-" if (x is None or not bound) else f"{100 * x / bound:.0f}%"
-    lat = s["replan"]
-    mal_note = (f"re-plan in force {lat['iterations']} iteration(s) after the shift ({lat['seconds']:.1f} s); "
-                f"{len(s['migrations'])} migration(s)" if lat.get("iterations") is not None
-                else "no re-plan took effect")
-    ddp = s.get("ddp")
-    ddp_note = (f"healthy {f(ddp['healthy_tokens_per_second'])} tok/s before the shift; every step waits for "
-                f"worker {SLOW_RANK} at the all-reduce" if ddp else s.get("ddp_skipped", "skipped"))
-    rows = [
-        "| system | tokens/s | share of the capacity bound | notes |",
-        "|---|---|---|---|",
-        f"| (a) unchanged plan (DP4×PP2) | {f(s['static_tokens_per_second'])} | {share(s['static_tokens_per_second'])} | "
-        f"healthy {f(s['static_healthy_tokens_per_second'])} tok/s before the shift |",
-        f"| (b) malleus-svc | {f(s['malleable_tokens_per_second'])} | {share(s['malleable_tokens_per_second'])} | "
-        f"{mal_note} |",
-        f"| (c) Ray Train TorchTrainer, DDP ×{s['workers']} | {f(ddp and ddp['slowed_tokens_per_second'])} | "
-        f"{share(ddp and ddp['slowed_tokens_per_second'])} | {ddp_note} |",
-        f"| (d) capacity bound | {f(bound)} | 100% | healthy {f(s['healthy_tokens_per_second'])} tok/s × "
-        f"Σ(1/x)/N = {s['capacity_fraction']:.3f} |",
-    ]
+    sy = s["systems"]
+    rows = ["| system | tokens/s (slowed steps) | of the bound | against static | of the bound, whole run | "
+            "healthy tokens/s | pace held |", "|---|---|---|---|---|---|---|"]
+    labels = {"static": "(a) static plan (DP4 × PP2 kept)", "malleus": "(b) malleus (re-plans, migrates live)",
+              "ray-ddp": f"(c) Ray Train TorchTrainer, DDP × {s['workers']}"}
+    for name in SYSTEMS:
+        v = sy.get(name)
+        if v is None:
+            why = s["ddp_skipped"] if name == "ray-ddp" else "skipped (--no-static)"
+            rows.append(f"| {labels[name]} | {why} | | | | | |")
+            continue
+        rows.append(f"| {labels[name]} | {_f(v['tokens_per_second'])} | {_f(v['over_bound'], '.2f')} | "
+                    f"{_f(v['over_static'], '.2f')}× | {_f(v['whole_over_bound'], '.2f')} | "
+                    f"{_f(v['healthy_tokens_per_second'])} | {_f(v['pace_held'], '.1%')} |")
+    rows.append(f"| (b) malleus, steady state ({s['steady_steps']} steps from its new plan) | "
+                f"{_f(s['malleus_steady_tokens_per_second'])} | {_f(s['malleus_steady_over_bound'], '.2f')} | | | | |")
+    rows.append(f"| (d) capacity bound (healthy {_f(s['healthy_tokens_per_second'])} tok/s × Σ(1/x_i)/N = "
+                f"{_f(s['capacity_fraction'], '.3f')}) | {_f(s['bound_tokens_per_second'])} | 1.00 | "
+                f"{_f(sy.get('static') and s['bound_tokens_per_second'] / sy['static']['tokens_per_second'], '.2f')}× "
+                "| | | |")
     return "\n".join(rows)
 
 
-def details(s: dict) -> str:
-    lat = s["replan"]
+def details(s: dict) -> list[str]:
     lines = []
-    if lat.get("iterations") is not None:
-        lines.append(f"- Re-plan-to-effect: the shift is at step {s['shift_at']}; the new plan "
-                     f"{lat.get('new_plan_id')} is in force from step {lat['new_plan_step']}: "
-                     f"{lat['iterations']} iteration(s), {lat['seconds']:.2f} s (target ≤ 3 iterations: "
-                     f"{'met' if lat['iterations'] <= 3 else 'NOT met'}).")
-    else:
-        lines.append(f"- Re-plan-to-effect: no new plan took effect after the shift at step {s['shift_at']} "
-                     "(target ≤ 3 iterations: NOT met).")
-    for m in s["migrations"]:
-        lines.append(f"- Migration at step {m['step']} ({m['option']}, {m['old_plan_id']} → {m['new_plan_id']}): "
-                     f"{m['bytes'] / 1e6:.1f} MB moved in {m['seconds']:.2f} s; planning {m['planning_seconds']:.3f} s.")
-    for r in s["other_rounds"]:
-        lines.append(f"- Round at step {r['step']}: {r['outcome']} ({r['reason'][:80]}).")
-    if s.get("malleable_steady_tokens_per_second"):
-        lines.append(f"- malleus-svc under the new plan, from step {s['steady_from']} (its first "
-                     f"{s['steady_from'] - lat['new_plan_step']} iterations, new engines warming up, left out): "
-                     f"{s['malleable_steady_tokens_per_second']:,.0f} tok/s = "
-                     f"{s['malleable_steady_tokens_per_second'] / s['bound_tokens_per_second']:.2f} of the bound.")
-    ha, hb = s.get("static_healthy_tokens_per_second"), s.get("healthy_tokens_per_second")
-    if ha and hb and abs(ha / hb - 1) > 0.15:
-        alt = ha * s["capacity_fraction"]
-        lines.append(
-            f"- **Caution: the machine's load changed during the run.** (a) and (b) run the same plan before the "
-            f"shift, yet their healthy throughputs differ by {100 * (ha / hb - 1):+.0f}% ({ha:,.0f} vs {hb:,.0f} "
-            f"tok/s), so the bound (from (b)'s healthy steps) is not reliable here. With (a)'s healthy steps instead "
-            f"the bound is {alt:,.0f} tok/s: (a) {s['static_tokens_per_second'] / alt:.0%}, "
-            f"(b) {s['malleable_tokens_per_second'] / alt:.0%}"
-            + (f", (c) {s['ddp']['slowed_tokens_per_second'] / alt:.0%}" if s.get("ddp") else "") + ".")
-    ratio = s.get("malleable_over_bound")
-    if ratio is not None:
-        unreliable = bool(ha and hb and abs(ha / hb - 1) > 0.15)
-        verdict = ("met" if ratio >= 0.85 else "NOT met") + (" — against a bound that is unreliable in this run, "
-                                                              "see the caution above" if unreliable else "")
-        lines.append(f"- malleus-svc / capacity bound = {ratio:.3f} (target ≥ 0.85: "
-                     f"{verdict}); malleus-svc / unchanged plan = "
-                     f"{s['malleable_over_static']:.2f}×"
-                     + (f"; malleus-svc / DDP = {s['malleable_over_ddp']:.2f}×." if s.get("malleable_over_ddp") else "."))
-    if s.get("malleable_over_static") and s["malleable_over_static"] < 1.0:
-        crowded = (f"with {s['workers']} workers on {s['host_cores']} cores a sleeping straggler hands its CPU to "
-                   "its peers, so it costs the unchanged plan little, and " if s["host_cores"] < s["workers"] else "")
-        lines.append("- In this run the unchanged plan was faster than malleus-svc over the slowed steps: " + crowded
-                     + "the re-plan paid a migration, 3 iterations of reaction and 2 warm-up "
-                     "iterations of the new engines out of the slowed steps.")
-    lines.append("- Final loss (sanity): " + ", ".join(f"{k} {v:.3f}" for k, v in s["last_loss"].items()) + ".")
-    lines.append(
-        f"- What this means here: {s['workers']} worker processes share {s['host_cores']} cores (load average "
-        f"{s['load_average']} at the start, {s['load_average_end']} at the end, other jobs included). A straggler emulated by sleeping frees CPU for "
-        "its peers, so once malleus-svc gives the slow device less work the healthy devices speed up beyond their "
-        "warm-up rate — the bound (warm-up throughput × Σ(1/x)/N) is the GPU bound, not this machine's, and shares "
-        "near or above 100% are possible. DDP has no choice but to wait for the slow worker at every all-reduce; its "
-        "healthy throughput also differs from ours (different parallelism: no pipeline, a full model per worker), "
-        "so compare (c) with (b) as absolute tokens/s on the same machine and data, not as a tuned DDP baseline.")
-    return "\n".join(lines)
+    for lat in s["replan_latency"]:
+        lines.append(f"Re-plan latency: the shift at step {lat['shift_step']} ({lat['what']}) was in a new plan "
+                     + (f"after {lat['iterations']} iterations ({lat['seconds']:.1f} s)" if lat["iterations"] is not None
+                        else "never") + ".")
+    for r in s["replans"]:
+        lines.append(f"Re-plan at step {r['step']} ({r['option']}): planning {_f(r['planning_seconds'], '.3f')} s, "
+                     f"migration {_f(r['migration_bytes'] and r['migration_bytes'] / 1e6, '.1f')} MB in "
+                     f"{_f(r['migration_seconds'], '.2f')} s.")
+    dev = s.get("ddp_device_seconds")
+    if dev:
+        healthy = [x for i, x in enumerate(dev) if i != s["slow_device"]]
+        lines.append(f"DDP device time per worker: worker {s['slow_device']} {dev[s['slow_device']]:.1f} s, the others "
+                     f"{min(healthy):.1f}–{max(healthy):.1f} s; they spent the difference waiting at the all-reduce.")
+    lines.append("Final loss (sanity): " + ", ".join(f"{k} {_f(v['last_loss'], '.3f')}" for k, v in s["systems"].items())
+                 + ".")
+    return lines
 
 
-def render(s: dict) -> str:
-    """The BENCHMARKS.md section (also printed): command line, table, details."""
-    head = (f"Command: `{s['command'].strip()}` — {s['date']}, {s['workers']} CPU workers (Ray, 1 logical CPU "
-            f"each) on a {s['host_cores']}-core machine, no GPU; ray {s['ray_version']}; model {s['model']}, "
-            f"{s['data']}, global batch {s['global_batch']} (micro {s['micro_batch']}), {s['steps']} steps per "
-            f"system; device {s['slow_device']} slowed {s['factor']:g}× from step {s['shift_at']} to the end; "
-            f"tokens/s over the slowed steps (migration time included); total {s['wall_seconds']['total']:.0f} s.")
-    return f"{head}\n\n{table(s)}\n\n{details(s)}"
+def render(s: dict, plot_path: str | None = None) -> str:
+    """The BENCHMARKS.md section (also printed)."""
+    pace = s["device_pace"]
+    head = (f"Command: `{s['command']}` — {s['date']}, {s['workers']} CPU workers on a {s['host_cores']}-core "
+            f"machine, each an emulated accelerator of "
+            + (f"{pace['gflops']:.3g} GFLOP/s and {pace['gbps']:.3g} GB/s" if pace else "(unpaced)")
+            + f" (the pace the first run sized, kept by all); `malleus demo`'s model and data, global batch "
+            f"{s['global_batch']}, {s['steps']} steps per system; device {s['slow_device']} at {s['factor']:g}× "
+            f"from step {s['shift_at']} to the end; tokens/s over the slowed steps, migrations included; "
+            f"whole run: steps {s['measured_from']}–{s['steps'] - 1}; {s['wall_seconds'].get('total', 0):.0f} s in all."
+            + (f" Plot: `{plot_path}`." if plot_path else ""))
+    body = [head, "", table(s), ""] + [f"- {x}" for x in details(s)] + [f"- Target: {x}." for x in verdicts(s)]
+    return "\n".join(body)
 
 
-def main(argv: list[str]) -> int:
+def plot(s: dict, path: Path) -> Path:
+    """Tokens/s per step of every system, and the bound."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    for name in SYSTEMS:
+        v = s["systems"].get(name)
+        if v:
+            xs, ys = zip(*v["per_step"])
+            ax.plot(xs, ys, marker=".", label=name)
+    healthy, shift, b = s["healthy_tokens_per_second"], s["shift_at"], s["bound_tokens_per_second"]
+    if healthy and b:
+        ax.step([0, shift - 0.5, s["steps"] - 1], [healthy, b, b], where="post", color="k", ls="--", label="bound")
+    ax.axvline(shift - 0.5, color="grey", lw=0.8)
+    ax.text(shift - 0.4, ax.get_ylim()[1] * 0.97, f"device {s['slow_device']} ×{s['factor']:g}", va="top",
+            fontsize=8, color="grey")
+    ax.set_xlabel("step")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"{s['workers']} paced CPU workers, one device slowed {s['factor']:g}× from step {shift}")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------------------------
+def coordinator_run(title: str, emulate: list[dict], args, static: bool, device) -> dict:
+    """(a) or (b) through a coordinator, as `malleus demo` runs them."""
+    from malleus_svc.config.job import JobConfig
+    from malleus_svc.control.demo import View, job_dict, run_one
+
+    job = JobConfig.from_dict(job_dict(f"bench-{title}", 1, args.global_batch, args.steps, emulate, device))
+    run = run_one(title, job, args.steps, static, View(False, out=sys.stderr))
+    run["pace_held"] = run["records"][-1].get("pace_held") if run["records"] else None
+    run["last_loss"] = run["records"][-1]["loss"] if run["records"] else None
+    return run
+
+
+def ddp_run(emulate: list[dict], args, device) -> dict:
+    from malleus_svc.control.demo import job_dict
+
+    job = job_dict("bench-ddp", 1, args.global_batch, args.steps, emulate, device)
+    out = run_ddp(job, args.steps, args.shift_at, args.factor, pace_numbers(device))
+    return {"records": out["records"], "history": [], "pace_held": out["pace_held"], "last_loss": out["last_loss"],
+            "device_seconds": out["device_seconds"]}
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="malleus bench malleable", description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=30, help="iterations per system (default 30, ~6 min in all)")
-    ap.add_argument("--shift-at", type=int, default=None,
-                    help="first slowed step (default max(9, steps // 3); the first 6 are warm-up and calibration)")
+    ap.add_argument("--steps", type=int, default=30, help="iterations per system (default 30)")
+    ap.add_argument("--shift-at", type=int, default=HEALTHY_STEPS,
+                    help=f"first slowed step (default {HEALTHY_STEPS}: warm-up, calibration, 3 healthy steps)")
     ap.add_argument("--factor", type=float, default=3.0, help="slowdown of device 3 (default 3)")
     ap.add_argument("--global-batch", type=int, default=16, help="samples per iteration (default 16)")
     ap.add_argument("--no-ddp", action="store_true", help="skip (c), the Ray Train TorchTrainer baseline")
-    ap.add_argument("--no-static", action="store_true", help="skip (a), the unchanged plan")
-    ap.add_argument("--write", metavar="MD", help="update this markdown file's malleable section (BENCHMARKS.md)")
+    ap.add_argument("--write", metavar="MD", help="replace this markdown file's malleable section (BENCHMARKS.md)")
+    ap.add_argument("--plot", metavar="PNG", default=None, help=f"write the plot here (default with --write: {PLOT})")
     ap.add_argument("--summary-out", metavar="JSON", help="write all numbers as JSON")
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    from malleus_svc.config.job import ControlConfig
+
+    ap = build_parser()
     args = ap.parse_args(argv)
-    shift = args.shift_at if args.shift_at is not None else max(9, args.steps // 3)
-    skip, warmup = ControlConfig().skip, ControlConfig().warmup
-    if shift < skip + warmup + 1:
-        ap.error(f"--shift-at must be >= {skip + warmup + 1} (healthy warm-up and calibration come first)")
-    if args.steps < shift + 6:
-        ap.error(f"--steps must be >= shift + 6 = {shift + 6} (room to react and measure)")
-    if args.global_batch % 16:
-        ap.error("--global-batch must be a multiple of 16 (DP4 × micro 2, and 8 DDP workers × micro 2)")
+    args.skip = ControlConfig().skip
+    if args.shift_at < HEALTHY_STEPS:
+        ap.error(f"--shift-at must be >= {HEALTHY_STEPS} (warm-up, calibration and healthy steps come first)")
+    if args.steps < args.shift_at + 6:
+        ap.error(f"--steps must be >= shift + 6 = {args.shift_at + 6} (room to react and measure)")
+    if args.global_batch % WORKERS:
+        ap.error(f"--global-batch must be a multiple of {WORKERS} (DP4 pipelines, {WORKERS} DDP workers)")
+    args.command = "malleus bench malleable " + " ".join(argv)
+    plot_path = args.plot or (PLOT if args.write else None)
 
     import logging
 
     import ray
 
-    from malleus_svc.config.job import JobConfig
-    from malleus_svc.control.demo import View, job_dict, latencies, run_one
+    from malleus_svc.control.demo import same_device
     from malleus_svc.runtime.cluster import start_local_ray
 
     logging.getLogger("malleus_svc").setLevel(logging.WARNING)
-    ddp_version = None if args.no_ddp else ray_train_version()
-    ddp_skipped = ("skipped (--no-ddp)" if args.no_ddp else
-                   "skipped: ray[train] is not installed (pip install 'malleus-svc[bench]')" if ddp_version is None else None)
-    emulate = [{"device": SLOW_RANK, "factor": args.factor, "at_step": shift, "until_step": None}]
-    load0 = os.getloadavg()
-    t_start = time.perf_counter()
-    view = View(False, out=sys.stderr)
+    ddp_skipped = ddp_skip_reason(args.no_ddp)
+    if ddp_skipped:
+        log(f"[ray-ddp] {ddp_skipped}")
+    emulate = [{"device": SLOW_DEVICE, "factor": args.factor, "at_step": args.shift_at, "until_step": None}]
+    t_start, args.walls = time.perf_counter(), {}
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {"PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
     start_local_ray(WORKERS, log_to_driver=False, runtime_env={"env_vars": env})
-    runs, ddp, walls = {}, None, {}
+    log(f"schedule: device {SLOW_DEVICE} x{args.factor:g} from step {args.shift_at} to {args.steps}; "
+        f"{WORKERS} workers on {os.cpu_count()} cores")
+    runs, device = {}, "auto"
     try:
-        for name, static in (("static", True), ("malleable", False)):
-            if name == "static" and args.no_static:
-                continue
+        for title, static in (("static", True), ("malleus", False)):
             t0 = time.perf_counter()
-            job = JobConfig.from_dict(job_dict(f"bench-{name}", 1, args.global_batch, args.steps, emulate))
-            runs[name] = run_one(name, job, args.steps, static, view)
-            walls[name] = time.perf_counter() - t0
-        if ddp_version is not None:
-            print(f"[ray-ddp] TorchTrainer, {WORKERS} workers, worker {SLOW_RANK} x{args.factor:g} from step {shift}",
-                  file=sys.stderr, flush=True)
+            log(f"[{title}] starting ({'first plan kept' if static else 'measure, re-plan, migrate'})")
+            runs[title] = coordinator_run(title, emulate, args, static, device)
+            device = same_device(runs[title])      # the pace the first run sized, for every later one
+            args.walls[title] = round(time.perf_counter() - t0, 1)
+            log(f"[{title}] done in {args.walls[title]:.0f} s")
+        if not ddp_skipped:
             t0 = time.perf_counter()
-            ddp = run_ddp(job_dict("bench-ddp", 1, args.global_batch, args.steps, emulate), args.steps, shift,
-                          args.factor, skip)
-            walls["ddp"] = time.perf_counter() - t0
+            log(f"[ray-ddp] TorchTrainer, {WORKERS} workers on the same pace, worker {SLOW_DEVICE} "
+                f"x{args.factor:g} from step {args.shift_at}")
+            runs["ray-ddp"] = ddp_run(emulate, args, device)
+            args.walls["ray-ddp"] = round(time.perf_counter() - t0, 1)
+            log(f"[ray-ddp] done in {args.walls['ray-ddp']:.0f} s")
     finally:
         ray.shutdown()
-
-    mal = runs["malleable"]
-    # healthy: malleus's steps after the skipped ones and before the shift (the initial plan, as static)
-    healthy = window_throughput(mal, skip, shift)
-    fraction = (WORKERS - 1 + 1 / args.factor) / WORKERS
-    bound = healthy * fraction if healthy else None
-    lat = next((x for x in latencies(mal, emulate) if x["shift_step"] == shift), {})
-    migrations = [{"step": h["step"], "option": (h.get("decision") or {}).get("option"),
-                   "old_plan_id": h.get("old_plan_id"), "new_plan_id": h.get("new_plan_id"),
-                   "bytes": float(h["migration"]["moved_bytes"]), "seconds": float(h["migration"]["seconds"]),
-                   "planning_seconds": float((h.get("decision") or {}).get("planning_seconds") or 0.0)}
-                  for h in mal["history"] if h["outcome"] == "applied"]
-    s = {
-        "command": "malleus bench malleable " + " ".join(argv),
-        "date": time.strftime("%Y-%m-%d %H:%M"), "workers": WORKERS, "host_cores": os.cpu_count() or 1,
-        "load_average": " / ".join(f"{x:.1f}" for x in load0),
-        "model": "small", "data": "python-stdlib", "global_batch": args.global_batch, "micro_batch": 2,
-        "steps": args.steps, "shift_at": shift, "factor": args.factor, "slow_device": SLOW_RANK,
-        "measured_from_step": skip, "schedule": emulate,
-        "healthy_tokens_per_second": healthy, "capacity_fraction": fraction, "bound_tokens_per_second": bound,
-        "static_tokens_per_second": window_throughput(runs["static"], shift) if "static" in runs else None,
-        "static_healthy_tokens_per_second": window_throughput(runs["static"], skip, shift) if "static" in runs else None,
-        "malleable_tokens_per_second": window_throughput(mal, shift),
-        "replan": lat, "migrations": migrations,
-        "other_rounds": [{"step": h["step"], "outcome": h["outcome"], "reason": h["reason"]}
-                         for h in mal["history"] if h["outcome"] in ("kept", "failed")],
-        "ddp": None if ddp is None else {k: v for k, v in ddp.items()},
-        "ddp_skipped": ddp_skipped, "ray_version": ray.__version__,
-        "last_loss": {**{k: r["records"][-1]["loss"] for k, r in runs.items()},
-                      **({"ddp": ddp["last_loss"]} if ddp else {})},
-        "wall_seconds": {k: round(v, 1) for k, v in walls.items()} | {"total": round(time.perf_counter() - t_start, 1)},
-    }
-    if bound and s["malleable_tokens_per_second"]:
-        s["malleable_over_bound"] = s["malleable_tokens_per_second"] / bound
-        if s["static_tokens_per_second"]:
-            s["malleable_over_static"] = s["malleable_tokens_per_second"] / s["static_tokens_per_second"]
-        if ddp and ddp.get("slowed_tokens_per_second"):
-            s["malleable_over_ddp"] = s["malleable_tokens_per_second"] / ddp["slowed_tokens_per_second"]
-    if lat.get("new_plan_step") is not None and bound:
-        s["steady_from"] = lat["new_plan_step"] + ControlConfig().skip_after_migration
-        if s["steady_from"] < args.steps:
-            s["malleable_steady_tokens_per_second"] = window_throughput(mal, s["steady_from"])
-    s["load_average_end"] = " / ".join(f"{x:.1f}" for x in os.getloadavg())
-    s.setdefault("malleable_over_static", float("nan"))
-    md = render(s)
+    args.walls["total"] = round(time.perf_counter() - t_start, 1)
+    s = summarize(runs, emulate, args, ddp_skipped)
+    md = render(s, plot_path)
     print(md)
-    print(f"\nwall: {s['wall_seconds']}", file=sys.stderr)
+    if plot_path:
+        log(f"wrote {plot(s, Path(plot_path))}")
     if args.summary_out:
         with open(args.summary_out, "w") as fh:
             json.dump(s, fh, indent=2, default=str)
     if args.write:
         write_section(md, Path(args.write), "bench:malleable")
-        print(f"updated {args.write}", file=sys.stderr)
+        log(f"updated {args.write}")
     return 0

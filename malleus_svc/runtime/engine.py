@@ -76,6 +76,12 @@ class ShardState:
     full_shape: tuple[int, ...]
 
 
+def update_bytes(params: Iterable[torch.Tensor]) -> float:
+    """Bytes an AdamW update moves: it reads parameter, gradient and both moments, and writes all
+    but the gradient back."""
+    return 7.0 * sum(p.numel() * p.element_size() for p in params)
+
+
 def validate_plan_for_model(shape: ModelShape, plan: Plan) -> None:
     """Raise ValueError if this model cannot run under this plan."""
     if plan.num_layers != shape.layers:
@@ -261,8 +267,7 @@ class Engine:
         if not self._update_pending:
             raise RuntimeError(f"rank {self.rank}: no finished train_step whose update is pending")
         t0 = time.perf_counter()
-        # AdamW reads parameter, gradient and both moments, and writes all but the gradient back
-        with self.clock.op("update", nbytes=7 * sum(p.numel() * p.element_size() for p in self.params.values())):
+        with self.clock.op("update", nbytes=update_bytes(self.params.values())):
             self.optimizer.step()
         self._update_pending = False
         return time.perf_counter() - t0
@@ -279,7 +284,7 @@ class Engine:
         for p in scratch:
             p.grad = torch.randn(p.shape, generator=g).to(p)
         update = self.optim.make(scratch)
-        nbytes = 7 * sum(p.numel() * p.element_size() for p in scratch)
+        nbytes = update_bytes(scratch)
         for _ in range(repeats):
             x = (torch.randint(self.shape.vocab, (tokens,), generator=g) if self.role.is_first
                  else torch.randn(tokens, self.shape.hidden, generator=g, requires_grad=True)).to(self.device)
