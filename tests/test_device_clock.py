@@ -82,10 +82,16 @@ def test_the_cuda_clock_reads_once_per_step_and_leaves_collectives_out():
 
 
 # ---------------------------------------------------------------------------- pacing many workers
-def _matmul_op(n: int = 160):
+def _matmul_op(n: int = 160, repeats: int = 8):
+    """An op long enough (tens of ms once paced) that a busy host's wake-up latency (a few ms at
+    worst) is small beside it, on matrices small enough to stay in cache with 8 processes."""
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g) / n ** 0.5
-    return (lambda: torch.tanh(a @ b)), 2.0 * n ** 3
+
+    def op():
+        for _ in range(repeats):
+            torch.tanh(a @ b)
+    return op, 2.0 * n ** 3 * repeats
 
 
 def _host_cost(ops: int = 40) -> HostCost:
@@ -135,6 +141,11 @@ def test_a_pace_is_sized_for_the_costliest_device_and_needs_both_kinds_of_op():
     assert pace.flops_per_second == pytest.approx(0.125 / 1e-9) and pace.bytes_per_second == pytest.approx(0.125 / 2e-10)
     with pytest.raises(ValueError, match="memory-bound"):
         pace_for([HostCost(flops=1e9, flop_cpu_seconds=1.0)], cores=2, workers=8)
+    # a host busy with other work: all devices at once took 5x their CPU time, not the 4x of their share
+    busy = HostCost(flops=1e9, flop_cpu_seconds=1.0, nbytes=1e9, byte_cpu_seconds=0.2,
+                    flop_wall_seconds=5.0, byte_wall_seconds=0.5)
+    pace = pace_for([cheap, busy], cores=2, workers=8, utilization=0.5)
+    assert pace.flops_per_second == pytest.approx(0.5 / 5e-9) and pace.bytes_per_second == pytest.approx(0.125 / 2e-10)
 
 
 # ---------------------------------------------------------------------------- engines on the clock

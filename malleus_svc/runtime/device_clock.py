@@ -60,17 +60,17 @@ class HostCost:
     flop_cpu_seconds: float = 0.0      # thread CPU time of compute-bound ops
     nbytes: float = 0.0
     byte_cpu_seconds: float = 0.0      # thread CPU time of memory-bound ops
+    flop_wall_seconds: float = 0.0     # their wall time (collectives left out): the host's load shows here
+    byte_wall_seconds: float = 0.0
 
     def add(self, other: "HostCost") -> None:
-        self.flops += other.flops
-        self.flop_cpu_seconds += other.flop_cpu_seconds
-        self.nbytes += other.nbytes
-        self.byte_cpu_seconds += other.byte_cpu_seconds
+        for name, value in vars(other).items():
+            setattr(self, name, getattr(self, name) + value)
 
 
 @dataclass
 class PaceCount:
-    """Ops timed so far, and how many ended on time (cumulative, never reset)."""
+    """Ops timed so far, and how many computed within their device time (cumulative, never reset)."""
 
     ops: int = 0
     on_pace: int = 0
@@ -79,23 +79,25 @@ class PaceCount:
 # Of a host's cores, the share that paced ops may keep busy when every device computes at once;
 # the rest is left to transfers, collectives, Ray and the driver, so that ops keep pace.
 AUTO_UTILIZATION = 0.75
-# An op kept pace if it ended by its deadline plus this share of its device time (or the floor:
-# a sleeping thread's wake-up latency on a busy Linux host).
-LATE_TOLERANCE = 0.05
-LATE_FLOOR_SECONDS = 1e-3
 
 
 def pace_for(costs: list[HostCost], cores: int, workers: int, utilization: float = AUTO_UTILIZATION) -> Pace:
-    """The fastest pace that every device of a host can hold while all of them compute at once:
-    each gets `utilization × min(1, cores / workers)` of a core (a worker computes on one thread),
-    spent at the host cost of the device whose ops cost it most (per FLOP, and per byte for
-    memory-bound ops)."""
-    flop_costs = [c.flop_cpu_seconds / c.flops for c in costs if c.flops > 0 and c.flop_cpu_seconds > 0]
-    byte_costs = [c.byte_cpu_seconds / c.nbytes for c in costs if c.nbytes > 0 and c.byte_cpu_seconds > 0]
-    if not flop_costs or not byte_costs:
-        raise ValueError("no rehearsal measured both compute-bound and memory-bound ops: cannot size a pace")
-    share = utilization * min(1.0, cores / max(1, workers))
-    return Pace(share / max(flop_costs), share / max(byte_costs))
+    """The fastest pace that every device of a host can hold while all of them compute at once,
+    `utilization` of the time a unit of work takes the costliest device (per FLOP, and per byte for
+    memory-bound ops): its CPU cost spread over its share of the cores, `min(1, cores / workers)`
+    (a worker computes on one thread), or, when longer, the wall time it took in a rehearsal where
+    all devices computed at once (a host busy with other work shows there)."""
+    share = min(1.0, cores / max(1, workers))
+
+    def slowest(work: str, cpu: str, wall: str) -> float:
+        per_unit = [max(getattr(c, cpu) / share, getattr(c, wall)) / getattr(c, work)
+                    for c in costs if getattr(c, work) > 0 and getattr(c, cpu) > 0]
+        if not per_unit:
+            raise ValueError("no rehearsal measured both compute-bound and memory-bound ops: cannot size a pace")
+        return max(per_unit)
+
+    return Pace(utilization / slowest("flops", "flop_cpu_seconds", "flop_wall_seconds"),
+                utilization / slowest("nbytes", "byte_cpu_seconds", "byte_wall_seconds"))
 
 
 class DeviceClock(Protocol):
@@ -128,19 +130,18 @@ class PacedClock:
         start, cpu0, coll0 = time.perf_counter(), time.thread_time(), self._collective_seconds
         yield
         cpu = time.thread_time() - cpu0
-        self.host.add(HostCost(flops=flops, flop_cpu_seconds=cpu) if flops else
-                      HostCost(nbytes=nbytes, byte_cpu_seconds=cpu))
         collectives = self._collective_seconds - coll0
         own = time.perf_counter() - start - collectives
+        self.host.add(HostCost(flops=flops, flop_cpu_seconds=cpu, flop_wall_seconds=own) if flops else
+                      HostCost(nbytes=nbytes, byte_cpu_seconds=cpu, byte_wall_seconds=own))
         if self.pace is None:
             seconds = own
         else:
             target = rate * self.pace.nominal(flops, nbytes)
             self.pace_count.ops += 1
             if own <= target:
-                late = _sleep_until(start + collectives + target)
-                # a host too busy to wake the worker on time breaks the emulation as much as an overrun
-                self.pace_count.on_pace += late <= max(LATE_TOLERANCE * target, LATE_FLOOR_SECONDS)
+                self.pace_count.on_pace += 1
+                _sleep_until(start + collectives + target)
                 seconds = target
             else:
                 seconds = own
@@ -160,12 +161,11 @@ class PacedClock:
         return out
 
 
-def _sleep_until(deadline: float) -> float:
-    """Wait until `deadline`; returns how late the host woke up."""
+def _sleep_until(deadline: float) -> None:
     while True:
         left = deadline - time.perf_counter()
         if left <= 0:
-            return -left
+            return
         time.sleep(left)
 
 
