@@ -333,14 +333,18 @@ def serve_hub(world: int, timeout: float = 30.0):
     return manager, manager.RulesHub(world, timeout)
 
 
-def _pack(t: torch.Tensor) -> bytes:
+def _pack(hub: Any, t: torch.Tensor) -> Any:
+    """What a send carries: a copy (a send's buffer may change once it completes); serialised
+    when the hub is in another process (a proxy), so it crosses by value."""
+    if isinstance(hub, RulesHub):
+        return t.detach().clone()
     buf = io.BytesIO()
-    torch.save(t.detach().cpu().clone(), buf)   # by value: works through a process boundary too
+    torch.save(t.detach().cpu().clone(), buf)
     return buf.getvalue()
 
 
-def _unpack(b: bytes) -> torch.Tensor:
-    return torch.load(io.BytesIO(b), weights_only=True)
+def _unpack(data: Any) -> torch.Tensor:
+    return data if isinstance(data, torch.Tensor) else torch.load(io.BytesIO(data), weights_only=True)
 
 
 def _op(kind: str, peer: int, t: torch.Tensor, label: str = "") -> Op:
@@ -358,7 +362,7 @@ class RulesTransport(BatchedStageTransport):
 
     def _issue(self, ops: Sequence[PeerOp]) -> Any:
         rule_ops = [_op(t.direction, peer, buf, f"{t.tensor} {t.micro}") for t, peer, buf in ops]
-        payloads = [_pack(buf) if t.direction == "send" else None for t, _, buf in ops]
+        payloads = [_pack(self.hub, buf) if t.direction == "send" else None for t, _, buf in ops]
         return self.hub.post(self.rank, rule_ops, payloads), [buf for t, _, buf in ops if t.direction == "recv"]
 
     def _wait(self, handle: Any) -> None:
@@ -372,7 +376,7 @@ def rules_exchange(hub: Any, rank: int) -> Callable[[Sequence[Message], int], No
 
     def exchange(messages: Sequence[Message], tag: int) -> None:
         ops = [_op(m.kind, m.peer, m.tensor) for m in messages]
-        seq = hub.post(rank, ops, [_pack(m.tensor) if m.kind == "send" else None for m in messages])
+        seq = hub.post(rank, ops, [_pack(hub, m.tensor) if m.kind == "send" else None for m in messages])
         for m, data in zip([m for m in messages if m.kind == "recv"], hub.wait(rank, seq)):
             m.tensor.copy_(_unpack(data))
 
