@@ -82,9 +82,9 @@ def test_a_batch_is_a_group_and_pairs_match_in_order_whatever_the_tags():
     m.progress()
     assert m.completed(0, a) and m.completed(1, b)
     assert m.received(0, a) == ["from 1"] and m.received(1, b) == ["from 0"]
-    # FIFO per ordered pair: the first send meets the first receive
-    s = m.post(0, [_op("send", 1, "x"), _op("send", 1, "y")], ["x", "y"])
-    r = m.post(1, [_op("recv", 0, "y"), _op("recv", 0, "x")])
+    # FIFO per ordered pair: the first send meets the first receive (ops have no tags to go by)
+    s = m.post(0, [_op("send", 1), _op("send", 1)], ["x", "y"])
+    r = m.post(1, [_op("recv", 0), _op("recv", 0)])
     m.progress()
     assert m.completed(0, s) and m.received(1, r) == ["x", "y"]
 
@@ -95,6 +95,9 @@ def test_sends_are_not_buffered_and_shapes_must_agree():
                       1: [([_op("send", 0)], False), ([_op("recv", 0)], True)]})
     with pytest.raises(NcclRuleError, match="mismatch: rank 0 sends .*rank 1 receives"):
         run_programs({0: [([_op("send", 1, shape=(4, 2))], True)], 1: [([_op("recv", 0, shape=(2, 4))], True)]})
+    with pytest.raises(NcclRuleError, match="mismatch: .*activation 0.*activation 1"):   # crossed micro-batches
+        run_programs({0: [([_op("send", 1, "activation 0"), _op("send", 1, "activation 1")], True)],
+                      1: [([_op("recv", 0, "activation 1"), _op("recv", 0, "activation 0")], True)]})
 
 
 # ---------------------------------------------------------------------------- the post program

@@ -11,7 +11,8 @@ The rules (what `RulesMatcher` enforces):
   * one FIFO per ordered rank pair (src -> dst): the k-th send src posts to dst matches the k-th
     receive dst posts from src, whatever the tags;
   * no buffering: a send completes only when its matching receive has been issued;
-  * a matched send and receive must agree on shape and dtype.
+  * a matched send and receive must agree on shape and dtype (NCCL would hang or corrupt), and on
+    what they carry where both ends label it (NCCL cannot know: the schedule paired the wrong ones).
 A mismatch raises `NcclRuleError` at once; so does a deadlock, when every rank is waiting and
 nothing can match, or when nothing has matched for `timeout` seconds. Both name the ranks and
 their pending ops.
@@ -52,7 +53,7 @@ class Op:
     peer: int
     shape: tuple[int, ...] = ()
     dtype: str = ""
-    label: str = ""          # what it carries, for messages
+    label: str = ""          # what it carries: named in messages, and must agree where both ends name it
 
     def __str__(self) -> str:
         arrow = "->" if self.kind == "send" else "<-"
@@ -120,7 +121,8 @@ class RulesMatcher:
                     if peer_batch is None:
                         continue
                     recv = peer_batch.ops[j]
-                    if (recv.shape, recv.dtype) != (op.shape, op.dtype):
+                    if (recv.shape, recv.dtype) != (op.shape, op.dtype) or (op.label and recv.label
+                                                                             and op.label != recv.label):
                         raise NcclRuleError(
                             f"mismatch: rank {rank} sends {op} in its batch #{batch.seq}, rank {op.peer} "
                             f"receives {recv} in its batch #{peer_batch.seq}\n{self.describe()}")
@@ -216,7 +218,7 @@ def run_programs(programs: Mapping[int, Program]) -> None:
 def pipeline_programs(stage_peers: Sequence[Mapping[int, PipelinePeers]], num_micro: int,
                       shape: tuple[int, ...] = (1,)) -> dict[int, Program]:
     """Each rank's batches under `stage_program`: stage_peers[j] maps stage j's ranks to their peers.
-    Every tensor has `shape`; ops carry their micro-batch, so a crossed pair shows as a mismatch."""
+    Every tensor has `shape`; ops are labelled with what they carry, so a crossed pair is a mismatch."""
     programs: dict[int, Program] = {}
     n = len(stage_peers)
     for j, ranks in enumerate(stage_peers):
@@ -225,16 +227,12 @@ def pipeline_programs(stage_peers: Sequence[Mapping[int, PipelinePeers]], num_mi
             batches = []
             for ins in program:
                 if isinstance(ins, Post):
-                    ops = [Op(kind, peer, shape, _micro_dtype(t.tensor, t.micro), t.tensor[0])
+                    ops = [Op(kind, peer, shape, "float32", f"{t.tensor} {t.micro}")
                            for t, kind, peer in _expand(peers, ins)]
                     if ops:
                         batches.append((ops, bool(ins.receives)))
             programs[rank] = batches
     return programs
-
-
-def _micro_dtype(tensor: str, micro: int) -> str:
-    return f"{tensor[0]}{micro}"   # a stand-in dtype naming what is carried: F/B crossings mismatch
 
 
 def _expand(peers: PipelinePeers, post: Post):
