@@ -26,7 +26,7 @@ from malleus_svc.runtime.batch import IGNORE_INDEX, MicroBatch
 from malleus_svc.runtime.device_clock import DeviceClock, make_clock
 from malleus_svc.runtime.groups import Groups, PipelinePeers, Piece, ordered_group_ranks, world_rank
 from malleus_svc.runtime.model import StageModel
-from malleus_svc.runtime.schedule import StageStep, stage_steps
+from malleus_svc.runtime.schedule import Post, Transfer, stage_program
 from malleus_svc.runtime.transport import P2PTransport, StageTransport
 
 # Keys of optimizer state in the flat dicts of assemble_full() and reference_train().
@@ -230,11 +230,7 @@ class Engine:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
 
-        for step in stage_steps(self.num_stages, self.role.stage, len(micro_batches)):
-            if step.kind == "F":
-                self._forward(step, micro_batches[step.micro], loss_tokens)
-            else:
-                self._backward(step)
+        self._run_program(micro_batches, loss_tokens)
         self.transport.finish()
 
         comm0 = time.perf_counter()
@@ -303,13 +299,32 @@ class Engine:
             return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _forward(self, step: StageStep, mb: MicroBatch, loss_tokens: int) -> None:
-        i = step.micro
+    def _run_program(self, micro_batches: list[MicroBatch], loss_tokens: int) -> None:
+        """The stage's computations with its posts between them (schedule.stage_program): each post
+        sends what the previous computation produced and receives what the next one needs."""
+        outgoing: dict[Transfer, torch.Tensor] = {}
+        incoming: dict[Transfer, torch.Tensor] = {}
+        for ins in stage_program(self.num_stages, self.role.stage, len(micro_batches)):
+            if isinstance(ins, Post):
+                sends = {t: outgoing.pop(t) for t in ins.sends}
+                # every boundary tensor, either way, is one row of hidden per token of its micro-batch
+                shapes = {t: (micro_batches[t.micro].num_tokens, self.shape.hidden) for t in ins.receives}
+                incoming.update(self.transport.post(ins, sends, shapes))
+            elif ins.kind == "F":
+                x = incoming.pop(Transfer("recv", "activation", ins.micro), None)
+                out = self._forward(ins.micro, micro_batches[ins.micro], loss_tokens, x)
+                if not self.role.is_last:
+                    outgoing[Transfer("send", "activation", ins.micro)] = out
+            else:
+                g = incoming.pop(Transfer("recv", "gradient", ins.micro), None)
+                dx = self._backward(ins.micro, g)
+                if not self.role.is_first:
+                    outgoing[Transfer("send", "gradient", ins.micro)] = dx
+
+    def _forward(self, i: int, mb: MicroBatch, loss_tokens: int, received: torch.Tensor | None) -> torch.Tensor:
+        """Forward of micro-batch i on the received activation (the tokens on the first stage)."""
         positions = mb.positions().to(self.device)
-        if step.receive:
-            x = self.transport.recv_activation((mb.num_tokens, self.shape.hidden), i).requires_grad_(True)
-        else:
-            x = mb.tokens.to(self.device)
+        x = received.requires_grad_(True) if received is not None else mb.tokens.to(self.device)
         flops = self.model.forward_flops(mb.cu_seqlens)
         with self.clock.op("compute", flops=flops), self._autocast():
             out = self.model(x, positions, mb.cu_seqlens)
@@ -321,18 +336,17 @@ class Engine:
                 self._loss += out.detach().double()
         self._flops += flops
         self._inflight[i] = (x, out, flops)
-        if step.send:
-            self.transport.send_activation(out, i)
+        return out
 
-    def _backward(self, step: StageStep) -> None:
-        i = step.micro
+    def _backward(self, i: int, received: torch.Tensor | None) -> torch.Tensor | None:
+        """Backward of micro-batch i from the received output gradient (the loss on the last stage);
+        returns the input's gradient (None on the first stage)."""
         x, out, forward_flops = self._inflight.pop(i)
-        grad = self.transport.recv_gradient(tuple(out.shape), i).to(out.dtype) if step.receive else None
+        grad = received.to(out.dtype) if received is not None else None
         with self.clock.op("compute", flops=2 * forward_flops):    # backward: twice the forward's FLOPs
             torch.autograd.backward(out, grad)
         self._flops += 2 * forward_flops
-        if step.send:
-            self.transport.send_gradient(x.grad, i)
+        return x.grad
 
     def _clip(self, grad_norm: float) -> None:
         clip = self.optim.grad_clip

@@ -62,6 +62,19 @@ def world_rank(device: int) -> int:
                            "a plan gave work to a device that is gone") from None
 
 
+def prepare_world_for_batched_p2p() -> None:
+    """Call on every rank right after `init_process_group`, before any other communication.
+
+    torch's `batch_isend_irecv` requires, under NCCL, that the first collective call on a group
+    involve all of its ranks; a pipeline's first post involves only two stages' ranks, so without
+    this the world communicator could be first used by a subset, with undefined behaviour (hangs).
+    One all-reduce over the world makes that first call. gloo has no such rule: nothing to do.
+    """
+    if "nccl" not in str(dist.get_backend()):
+        return
+    dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())))
+
+
 _GROUP_CACHE: dict[tuple[int, tuple[int, ...]], "dist.ProcessGroup"] = {}
 
 

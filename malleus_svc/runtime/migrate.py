@@ -339,19 +339,24 @@ class MigrationStats:
 
 
 def execute_migration(schedule: MigrationSchedule, rank: int, old_states: Mapping[str, Any] | None, *,
-                      comm_device=None, check_digest: bool = True):
+                      comm_device=None, check_digest: bool = True, exchange=None):
     """Run this rank's part of `schedule` over the default process group.
 
     Every rank of the world must call this (also ranks with nothing to send or receive): it starts
     with one world all-reduce that checks that every rank derived the same schedule. `old_states`
     is this rank's `Engine.export_state()` (None if it had no engine). Returns (new ShardStates of
     this rank under the new plan, {} if it holds nothing; MigrationStats).
+
+    `exchange(messages, tag)` posts one round's messages as one batch and waits for them
+    (`transport.exchange` unless given: e.g. `nccl_rules.rules_exchange` checks NCCL's rules on CPU).
     """
     import torch
     import torch.distributed as dist
 
     from malleus_svc.runtime.engine import ShardState
-    from malleus_svc.runtime.transport import Message, exchange
+    from malleus_svc.runtime.transport import Message, exchange as batched_exchange
+
+    exchange = exchange or batched_exchange
 
     t0 = time.perf_counter()
     comm_device = comm_device or torch.device("cpu")

@@ -1,21 +1,25 @@
-"""Point-to-point transport: the boundary tensors of a pipeline step, and the batched exchanges
-of a migration round, over torch.distributed.
+"""Point-to-point transport: the posts of a pipeline step, and the batched exchanges of a
+migration round, over torch.distributed.
 
 The schedule and the migration plan say what moves where and in which order; only this module
-posts it. The engine takes a `StageTransport` factory, so another transport (e.g. one that checks
-NCCL's ordering rules in tests) can stand in for `P2PTransport`. Messages between two ranks are
-matched by the order they are posted in, never by tag (NCCL ignores tags; gloo gets them too).
+posts it. Every post goes out as ONE `batch_isend_irecv`: NCCL runs a rank's p2p calls in posting
+order on one stream and does not buffer sends, so sends posted one by one can wait on each other
+across a pair of stages forever, while one group per post lets its sends and receives progress
+together. Messages between two ranks are matched by the order they are posted in, never by tag
+(NCCL ignores tags; gloo gets them too). The engine takes a `StageTransport` factory, so another
+transport (`nccl_rules.RulesTransport`, which enforces NCCL's rules on CPU) can stand in.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Literal, Protocol, Sequence
+from typing import Any, Literal, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
 from malleus_svc.runtime.groups import PipelinePeers, world_rank
+from malleus_svc.runtime.schedule import Post, Transfer
 
 
 class StageTransport(Protocol):
@@ -23,73 +27,91 @@ class StageTransport(Protocol):
 
     comm_seconds: float
 
-    def recv_activation(self, shape: tuple[int, ...], micro: int) -> torch.Tensor: ...
-    def send_activation(self, x: torch.Tensor, micro: int) -> None: ...
-    def recv_gradient(self, shape: tuple[int, ...], micro: int) -> torch.Tensor: ...
-    def send_gradient(self, g: torch.Tensor, micro: int) -> None: ...
-    def finish(self) -> None: ...
+    def post(self, post: Post, sends: Mapping[Transfer, torch.Tensor],
+             recv_shapes: Mapping[Transfer, tuple[int, ...]]) -> dict[Transfer, torch.Tensor]:
+        """Issue the post as one batch; return its received tensors, once they have arrived."""
+        ...
+
+    def finish(self) -> None:
+        """Wait for every send still in flight."""
+        ...
+
+
+PeerOp = tuple[Transfer, int, torch.Tensor]   # a transfer, the peer (device id) it goes to or comes from, its buffer
 
 
 # Tags keep the two directions and the micro-batches apart where the backend honours them (gloo).
-def _tag(kind: str, micro: int) -> int:
-    return 2 * micro + (kind == "B")
+def _tag(t: Transfer) -> int:
+    return 2 * t.micro + (t.tensor == "gradient")
 
 
-@dataclass
-class P2PTransport:
-    """Sends and receives one stage's boundary tensors with isend/irecv.
+class BatchedStageTransport:
+    """Turns a post into this rank's ops (a receive from its one source, a send to each of its
+    destinations, which may be none) and issues them as one batch; subclasses issue and wait.
 
-    Receives are waited for at once (the compute needs them); sends are kept in flight and waited
-    for at `finish()`, so no stage ever blocks on a peer that is itself waiting to send.
-    Tensors travel contiguous (gloo needs it) in one fixed dtype, the parameters' (fp32 unless
-    asked otherwise), so the receiver can allocate without being told.
+    A post with receives is waited for at once (the next compute needs them); one with only sends
+    stays in flight until a later wait or `finish()`. Tensors travel contiguous (gloo needs it) in
+    one fixed dtype, the parameters', so the receiver can allocate without being told.
     """
 
-    peers: PipelinePeers
-    device: torch.device
-    dtype: torch.dtype = torch.float32  # of every boundary tensor: the parameters' dtype
-    comm_seconds: float = 0.0
+    def __init__(self, peers: PipelinePeers, device: torch.device, dtype: torch.dtype = torch.float32):
+        self.peers, self.device, self.dtype = peers, device, dtype
+        self.comm_seconds = 0.0
+        self._in_flight: list[Any] = []   # handles of send-only batches, with their buffers
 
-    def __post_init__(self) -> None:
-        self._pending: list[dist.Work] = []
-        self._keep: list[torch.Tensor] = []  # buffers of sends in flight
-
-    def recv_activation(self, shape: tuple[int, ...], micro: int) -> torch.Tensor:
-        return self._recv(self.peers.recv_activation_from, shape, _tag("F", micro))
-
-    def send_activation(self, x: torch.Tensor, micro: int) -> None:
-        self._send(x, self.peers.send_activation_to, _tag("F", micro))
-
-    def recv_gradient(self, shape: tuple[int, ...], micro: int) -> torch.Tensor:
-        return self._recv(self.peers.recv_gradient_from, shape, _tag("B", micro))
-
-    def send_gradient(self, g: torch.Tensor, micro: int) -> None:
-        self._send(g, self.peers.send_gradient_to, _tag("B", micro))
+    def post(self, post: Post, sends: Mapping[Transfer, torch.Tensor],
+             recv_shapes: Mapping[Transfer, tuple[int, ...]]) -> dict[Transfer, torch.Tensor]:
+        ops: list[PeerOp] = []
+        received: dict[Transfer, torch.Tensor] = {}
+        for t in post.transfers:
+            if t.direction == "recv":
+                src = self.peers.recv_activation_from if t.tensor == "activation" else self.peers.recv_gradient_from
+                if src is None:
+                    raise RuntimeError(f"this stage has no peer to receive {t.tensor} {t.micro} from")
+                buf = torch.empty(recv_shapes[t], dtype=self.dtype, device=self.device)
+                ops.append((t, src, buf))
+                received[t] = buf
+            else:
+                buf = sends[t].detach().to(self.dtype).contiguous()
+                dsts = self.peers.send_activation_to if t.tensor == "activation" else self.peers.send_gradient_to
+                ops += [(t, dst, buf) for dst in dsts]
+        if not ops:
+            return received
+        start = time.perf_counter()
+        handle = self._issue(ops)
+        if received:
+            self._wait(handle)
+        else:
+            self._in_flight.append(handle)
+        self.comm_seconds += time.perf_counter() - start
+        return received
 
     def finish(self) -> None:
         start = time.perf_counter()
-        for work in self._pending:
+        for handle in self._in_flight:
+            self._wait(handle)
+        self._in_flight.clear()
+        self.comm_seconds += time.perf_counter() - start
+
+    def _issue(self, ops: Sequence[PeerOp]) -> Any:
+        raise NotImplementedError
+
+    def _wait(self, handle: Any) -> None:
+        raise NotImplementedError
+
+
+class P2PTransport(BatchedStageTransport):
+    """The stage transport over torch.distributed's default group: one `batch_isend_irecv` per post."""
+
+    def _issue(self, ops: Sequence[PeerOp]) -> Any:
+        p2p = [dist.P2POp(dist.isend if t.direction == "send" else dist.irecv, buf, world_rank(peer), tag=_tag(t))
+               for t, peer, buf in ops]
+        return dist.batch_isend_irecv(p2p), [buf for _, _, buf in ops]   # buffers live until waited
+
+    def _wait(self, handle: Any) -> None:
+        works, _ = handle
+        for work in works:
             work.wait()
-        self.comm_seconds += time.perf_counter() - start
-        self._pending.clear()
-        self._keep.clear()
-
-    def _recv(self, src: int | None, shape: tuple[int, ...], tag: int) -> torch.Tensor:
-        if src is None:
-            raise RuntimeError("this stage has no peer to receive from")
-        buf = torch.empty(shape, dtype=self.dtype, device=self.device)
-        start = time.perf_counter()
-        dist.irecv(buf, src=world_rank(src), tag=tag).wait()
-        self.comm_seconds += time.perf_counter() - start
-        return buf
-
-    def _send(self, x: torch.Tensor, dsts: tuple[int, ...], tag: int) -> None:
-        if not dsts:
-            return
-        buf = x.detach().to(self.dtype).contiguous()
-        self._keep.append(buf)
-        for dst in dsts:
-            self._pending.append(dist.isend(buf, dst=world_rank(dst), tag=tag))
 
 
 @dataclass(frozen=True)

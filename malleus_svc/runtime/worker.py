@@ -99,7 +99,7 @@ class DeviceWorker:
         """Join the world of these devices (sorted ids); this device's rank is its place among them."""
         import torch.distributed as dist
 
-        from .groups import set_collective_timeout, set_world_devices
+        from .groups import prepare_world_for_batched_p2p, set_collective_timeout, set_world_devices
 
         if dist.is_initialized():
             raise RuntimeError(f"device {self.device_id}: torch.distributed is already initialised; "
@@ -114,6 +114,7 @@ class DeviceWorker:
         )
         set_world_devices(devices)
         set_collective_timeout(datetime.timedelta(seconds=float(timeout_s)))
+        prepare_world_for_batched_p2p()
         self.world_ready = True
         return backend
 
