@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_per_tp_sweep_predicts_heldout_micro_batches():
-    model, reports = run_sweeps("tiny", tps=(1, 2), layers=2, repeats=11, seed=0, clock="device")
+    model, reports = run_sweeps("tiny", tps=(1, 2), layers=2, repeats=5, seed=0, clock="device")
     assert sorted(model.coeffs) == [1, 2] and sorted(reports) == [1, 2]
     for tp, rep in reports.items():
         detail = "; ".join(f"{r['lengths']}: measured {r['measured_s'] * 1e3:.2f} ms, predicted "

@@ -202,8 +202,8 @@ def _rank_times(mixes, shape, layers, repeats, warmup, seed, threads, clock, tp=
         for _ in range(warmup):
             for i in order:
                 once(i)
-        if device:    # paced from here on, at a pace every rank of the group can hold
-            device.pace = _group_pace(device.host, tp)
+        if device:    # paced from here on, at a pace every rank of the group can hold on every mix
+            device.pace = _group_pace([_op_cost(device, lambda: once(i)) for i in order], tp)
         rng = random.Random(seed)
         comp = torch.zeros(len(mixes), repeats, dtype=torch.float64)
         comm = torch.zeros_like(comp)
@@ -224,16 +224,30 @@ def _rank_times(mixes, shape, layers, repeats, warmup, seed, threads, clock, tp=
     return comp.tolist(), comm.tolist()
 
 
-def _group_pace(host, tp):
-    """A pace this process's host cost allows, the same on every rank of a TP group (the costliest's)."""
+def _op_cost(device, run) -> "HostCost":
+    """What the host spent on the one op that `run` times on the (unpaced) `device` clock."""
+    from dataclasses import fields
+
+    from .device_clock import HostCost
+    before = {f.name: getattr(device.host, f.name) for f in fields(HostCost)}
+    run()
+    return HostCost(**{name: getattr(device.host, name) - v for name, v in before.items()})
+
+
+def _group_pace(costs, tp):
+    """A pace that every op of `costs` (one per mix, timed while the whole group computed) allows,
+    the same on every rank of a TP group: small mixes cost the host more per FLOP than large ones,
+    so the costliest op per FLOP, on the costliest rank, sets it."""
     import torch
     import torch.distributed as dist
 
     from .device_clock import HostCost, pace_for
-    worst = torch.tensor([host.flop_cpu_seconds / host.flops], dtype=torch.float64)
+    worst = torch.tensor([max(c.flop_cpu_seconds / c.flops for c in costs),
+                          max(c.flop_wall_seconds / c.flops for c in costs)], dtype=torch.float64)
     if tp.size > 1:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=tp.group)
-    cost = HostCost(flops=1.0, flop_cpu_seconds=float(worst), nbytes=1.0, byte_cpu_seconds=1.0)
+    cpu, wall = worst.tolist()
+    cost = HostCost(flops=1.0, flop_cpu_seconds=cpu, flop_wall_seconds=wall, nbytes=1.0, byte_cpu_seconds=1.0)
     return pace_for([cost], os.cpu_count() or 1, tp.size)
 
 
