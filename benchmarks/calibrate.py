@@ -16,6 +16,14 @@ replay of measured PP2 steps (instrumented workers, quiet machine) through the 1
 each op's measured wall time and zero hand-off reproduces the measured schedule to 0.5-4%; with
 each op's thread CPU time it is 4-21% short.
 
+The clock (`--clock`). By default (`device`) the workers run on the emulated-accelerator device
+clock (runtime/device_clock.py): after the group starts, one pace is sized from a rehearsal under a
+DP2 plan (`WorkerGroup.pace`, both devices computing at once) and kept for the whole bench, so every
+plan runs on the same emulated device. A paced op computes, then waits without a core until its
+nominal time: two devices no longer slow each other down, κ should fit to about 0 and compute,
+optimizer and hand-off alone should predict every plan. `host` runs the workers unpaced, as before
+the clock existed: what follows about κ is about that mode.
+
 So the simulator has two physical terms besides compute and gradient reduction, each measured
 directly or fitted on runs that are not the evaluated plans:
   * hand-off latency per micro-batch per boundary, forward (activation, device 0 → 1) and
@@ -119,6 +127,11 @@ def profile_plans(mbs: int = 1) -> dict[str, tuple[str, Plan]]:
     out["DP2 m=2/2"] = ("corun", dp2(2, 2, mbs))
     out["DP2 m=6/6"] = ("corun", dp2(6, 6, mbs))
     return out
+
+
+def pace_plan(mbs: int = 1) -> Plan:
+    """The plan the device clock's pace is sized under: both devices run every op kind at once."""
+    return dp2(1, 1, mbs)
 
 
 def validation_plans(mbs: int = 1) -> dict[str, Plan]:
@@ -278,6 +291,8 @@ class Samples:
     times: list[float] = field(default_factory=list)    # driver's iteration seconds
     loads: list[float] = field(default_factory=list)    # 1-minute load average after each step
     cpu: list[float] = field(default_factory=list)      # busiest device's compute thread CPU seconds
+    pace_ops: int = 0                                     # paced ops in the timed steps (device clock)
+    pace_on: int = 0                                      # of which computed within their device time
 
     QUANTILES = {"min": 0.0, "q10": 0.1, "q25": 0.25, "median": 0.5}
 
@@ -289,7 +304,11 @@ class Samples:
         return {"min_s": self.stat("min"), "q10_s": self.stat("q10"), "q25_s": self.stat("q25"),
                 "median_s": self.stat("median"),
                 "steps": len(self.times), "load1_min": min(self.loads), "load1_max": max(self.loads),
-                "cpu_at_min_s": self.cpu[i], "times_s": list(self.times)}
+                "cpu_at_min_s": self.cpu[i], "times_s": list(self.times),
+                "pace_ops": self.pace_ops, "pace_held": self.pace_held()}
+
+    def pace_held(self) -> float | None:
+        return self.pace_on / self.pace_ops if self.pace_ops else None
 
 
 def measure_rounds(group, plans: dict[str, Plan], shape, sampler, rounds: int, steps: int, optim,
@@ -297,6 +316,7 @@ def measure_rounds(group, plans: dict[str, Plan], shape, sampler, rounds: int, s
     """Every plan, `rounds` times in turn: apply it, one warm-up step, `steps` timed steps. Interleaving
     puts the profiling and validation runs under the same machine load."""
     out = {name: Samples() for name in plans}
+    last: dict[int, tuple[int, int]] = {}   # per device, its cumulative (paced ops, on pace)
     for r in range(rounds):   # odd rounds backwards: a drift in machine load does not favour one end
         for name, plan in (list(plans.items()) if r % 2 == 0 else list(plans.items())[::-1]):
             if log:
@@ -305,11 +325,35 @@ def measure_rounds(group, plans: dict[str, Plan], shape, sampler, rounds: int, s
             for k in range(steps + 1):
                 ids = [sampler.next_index() for _ in range(plan.global_batch)]
                 rec = group.step(ids)
+                ops, on = pace_delta(last, rec.devices)
                 if k:
+                    out[name].pace_ops += ops
+                    out[name].pace_on += on
                     out[name].times.append(rec.iteration_seconds)
                     out[name].loads.append(os.getloadavg()[0])
                     out[name].cpu.append(max(float(s.get("compute_seconds") or 0.0) for s in rec.devices.values()))
     return out
+
+
+def pace_delta(last: dict[int, tuple[int, int]], reports: dict[int, dict]) -> tuple[int, int]:
+    """(paced ops, on pace) since each reporting device's previous report; `last` is updated. The
+    workers' counts are cumulative; a report is read before the step's update, so an update is
+    counted with the next step (a plan's first timed step carries its warm-up's update)."""
+    ops = on = 0
+    for d, r in reports.items():
+        now = (int(r.get("pace_ops") or 0), int(r.get("pace_on") or 0))
+        before = last.get(d, (0, 0))
+        ops, on = ops + now[0] - before[0], on + now[1] - before[1]
+        last[d] = now
+    return ops, on
+
+
+def pace_group(group, plan: Plan, shape, tokens: int, optim):
+    """Pace every worker once, sized from a rehearsal under `plan` (both devices computing the whole
+    model at once): every plan then runs on the same emulated device. The pace is the workers'
+    clock's, which outlives the Engine that apply_plan rebuilds, so it holds for every later plan."""
+    group.apply_plan(plan, shape, seed=0, optim=optim)
+    return group.pace(tokens)
 
 
 class _Sampler:
@@ -451,7 +495,8 @@ def boundary_bytes(mbs: int, seq_len: int, hidden: int, itemsize: int = 4) -> in
     return mbs * seq_len * hidden * itemsize
 
 
-def run(steps: int, rounds: int, mbs: int, seq_len: int, repeats: int = 100) -> tuple[dict, list[dict]]:
+def run(steps: int, rounds: int, mbs: int, seq_len: int, repeats: int = 100,
+        clock: str = "device") -> tuple[dict, list[dict]]:
     from malleus_svc.config.presets import PRESETS
     from malleus_svc.runtime.cluster import WorkerGroup
     from malleus_svc.runtime.engine import OptimConfig
@@ -475,7 +520,14 @@ def run(steps: int, rounds: int, mbs: int, seq_len: int, repeats: int = 100) -> 
     t_start = time.time()
     with WorkerGroup(DEVICES, DEVICES) as group:
         group.set_data(spec, "pad", seq_len)
+        pace = None
+        if clock == "device":
+            pace = pace_group(group, pace_plan(mbs), shape, mbs * seq_len, optim)
+            log(f"device clock: {pace.flops_per_second / 1e9:.2f} GFLOP/s, {pace.bytes_per_second / 1e9:.2f} GB/s")
         samples = measure_rounds(group, plans, shape, sampler, rounds, steps, optim, log)
+    unpaced = [n for n, s in samples.items() if pace is not None and not s.pace_ops]
+    if unpaced:   # the pace was lost on the way (a rebuilt clock): the figures would be host time
+        raise RuntimeError(f"device clock: no paced ops in {unpaced}")
     prof = {n: (kind, p, samples[n].stat()) for n, (kind, p) in profiles.items()}
     fits = {c: calibrate_from(prof, mbs, seq_len, constant=c, handoff=handoff_s, sync=sync_s) for c in (False, True)}
     prof_min = {n: (kind, p, samples[n].stat("min")) for n, (kind, p) in profiles.items()}
@@ -491,6 +543,11 @@ def run(steps: int, rounds: int, mbs: int, seq_len: int, repeats: int = 100) -> 
     coeffs["allreduce"] = {"floats": floats, "seconds": reduce, "q25_s": float(np.quantile(reduce, 0.25)),
                            "median_s": float(np.median(reduce)), "per_block_s": sync_s}
     coeffs["measure_seconds"] = time.time() - t_start
+    coeffs["clock"] = clock
+    if pace is not None:
+        ops, on = sum(s.pace_ops for s in samples.values()), sum(s.pace_on for s in samples.values())
+        coeffs["pace"] = {"flops_per_second": pace.flops_per_second, "bytes_per_second": pace.bytes_per_second,
+                          "sized_under": "DP2 m=1/1", "ops": ops, "held": on / ops}
     out = []
     a, a_terms = fits[False]
     b, b_terms = fits[True]
@@ -506,7 +563,8 @@ def run(steps: int, rounds: int, mbs: int, seq_len: int, repeats: int = 100) -> 
                     "predicted_s": pred, "error": (pred - T) / T, "error_by_min": (pred_min - T_min) / T_min,
                     "predicted_with_constant_s": pred_d, "error_with_constant": (pred_d - T) / T,
                     "predicted_without_handoff_corun_s": bare, "error_without_handoff_corun": (bare - T) / T,
-                    "cpu_at_min_s": s.summary()["cpu_at_min_s"], "times_s": list(s.times)})
+                    "cpu_at_min_s": s.summary()["cpu_at_min_s"], "times_s": list(s.times),
+                    "pace_ops": s.pace_ops, "pace_held": s.pace_held()})
     return coeffs, out
 
 
@@ -528,8 +586,22 @@ def _describe(c: dict) -> str:
 
 
 def _profile_line(name: str, s: dict) -> str:
+    held = f", kept pace {s['pace_held']:.1%}" if s.get("pace_held") is not None else ""
     return (f"{name}: {s['q10_s']:.3f} s (min {s['min_s']:.3f}, load {s['load1_min']:.1f}–{s['load1_max']:.1f}, "
-            f"CPU {s['cpu_at_min_s']:.3f})")
+            f"compute {s['cpu_at_min_s']:.3f}{held})")
+
+
+def _clock_line(coeffs: dict) -> str:
+    p = coeffs.get("pace")
+    if not p:
+        return "Clock: host (workers unpaced, sharing the host's cores).\n\n"
+    return (f"Clock: device. One pace for the whole bench, sized by `WorkerGroup.pace` from a rehearsal under "
+            f"{p['sized_under']}: {p['flops_per_second'] / 1e9:.2f} GFLOP/s, {p['bytes_per_second'] / 1e9:.2f} GB/s "
+            f"for the update; {p['held']:.1%} of {p['ops']} paced ops in the timed steps kept pace.\n\n")
+
+
+def _share(x: float | None) -> str:
+    return "–" if x is None else f"{x:.1%}"
 
 
 def table(coeffs: dict, rows: list[dict]) -> str:
@@ -548,19 +620,21 @@ def table(coeffs: dict, rows: list[dict]) -> str:
                  f"lower quartile {r['q25_s'] * 1e3:.1f} ms, median {r['median_s'] * 1e3:.1f} ms; grad sync "
                  f"{r['per_block_s'] * 1e3:.2f} ms per block (embedding and head folded in, as in t1).\n\n")
     prof = " · ".join(_profile_line(k, v) for k, v in coeffs["profile"].items())
-    head = (hand + f"Fit A (simulator terms only, D = 0): {_describe(coeffs['simulator_terms'])}.\n\n"
+    head = (_clock_line(coeffs) + hand + f"Fit A (simulator terms only, D = 0): {_describe(coeffs['simulator_terms'])}.\n\n"
             f"Fit B (with a per-iteration constant D outside the simulator): {_describe(coeffs['with_constant'])}.\n\n"
-            f"Profiling runs (10th percentile of the iteration s over all rounds; CPU: the busiest device's "
-            f"compute thread time at the fastest step): {prof}.\n\n")
+            f"Profiling runs (10th percentile of the iteration s over all rounds; compute: the busiest device's "
+            f"compute seconds at the fastest step, thread CPU time on the host clock, device time on the "
+            f"device clock): {prof}.\n\n")
     out = ["| plan | measured s (q10) | min s | median s | load1 | simulate() s, fit A | error A | "
-           "error A, min estimator | fit A without hand-off and κ | simulate() + D s, fit B | error B | A within 15% |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "error A, min estimator | fit A without hand-off and κ | simulate() + D s, fit B | error B | A within 15% | "
+           "kept pace |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['plan']} | {r['measured_s']:.3f} | {r['min_s']:.3f} | {r['median_s']:.3f} | "
                    f"{r['load1_min']:.1f}–{r['load1_max']:.1f} | {r['predicted_s']:.3f} | {r['error']:+.1%} | "
                    f"{r['error_by_min']:+.1%} | {r['error_without_handoff_corun']:+.1%} | "
                    f"{r['predicted_with_constant_s']:.3f} | {r['error_with_constant']:+.1%} | "
-                   f"{'yes' if abs(r['error']) <= TARGET else 'no'} |")
+                   f"{'yes' if abs(r['error']) <= TARGET else 'no'} | {_share(r.get('pace_held'))} |")
     notes = []
     for label, key in (("A", "simulator_terms"), ("B", "with_constant")):
         c = coeffs[key]
@@ -603,8 +677,11 @@ def rescore_table(paths: Sequence[str]) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str]) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="malleus bench calibrate", description=__doc__.split("\n")[0])
+    ap.add_argument("--clock", choices=("device", "host"), default="device",
+                    help="device: workers paced as emulated accelerators (no co-run interference); "
+                         "host: unpaced, sharing the host's cores (κ measures that sharing)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per plan per round (one more warms up)")
     ap.add_argument("--rounds", type=int, default=8, help="interleaved rounds over all plans")
     ap.add_argument("--micro", type=int, default=1, help="samples per micro-batch")
@@ -613,6 +690,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--json", metavar="PATH", help="also dump the fitted coefficients and rows as JSON")
     ap.add_argument("--rescore", nargs="+", metavar="JSON",
                     help="measure nothing: refit recorded runs (their --json) with each step-time statistic")
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     if args.rescore:
         try:
@@ -629,7 +711,7 @@ def main(argv: list[str]) -> int:
     load0 = os.getloadavg()
     start_local_ray(DEVICES, include_dashboard=False, log_to_driver=False)
     try:
-        coeffs, rows = run(args.steps, args.rounds, args.micro, args.seq_len)
+        coeffs, rows = run(args.steps, args.rounds, args.micro, args.seq_len, clock=args.clock)
     finally:
         ray.shutdown()
     load = os.getloadavg()
@@ -645,7 +727,7 @@ def main(argv: list[str]) -> int:
         cmd = ("malleus bench calibrate " + " ".join(argv)).strip()
         worst = max(rows, key=lambda r: abs(r["error"]))
         write_section(f"Command: `{cmd}` — {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()}-core CPU machine, "
-                      f"{DEVICES} CPU worker actors, `small` preset, padded seq_len {args.seq_len}, "
+                      f"{DEVICES} CPU worker actors on the {args.clock} clock, `small` preset, padded seq_len {args.seq_len}, "
                       f"micro-batch {args.micro}, {args.rounds} interleaved rounds × {args.steps} timed steps per "
                       f"plan; load average (1/5/15 min) {load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f} at the start, "
                       f"{load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f} at the end; worst fit-A error "

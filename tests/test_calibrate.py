@@ -12,8 +12,8 @@ import pytest
 from benchmarks import BENCHES
 from benchmarks.calibrate import (LAYERS, ComputeFit, Handoff, Samples, Terms, boundary_bytes, calibrated_problem,
                                   calibrate_from, fit_compute, fit_corun, fit_handoff, fit_line, fit_monotone,
-                                  measure_rounds, model_floats, one_way, pp2, profile_plans, rescore, sim_seconds,
-                                  table, validation_plans)
+                                  measure_rounds, model_floats, one_way, pace_delta, pace_group, pace_plan, parser,
+                                  pp2, profile_plans, rescore, sim_seconds, table, validation_plans)
 from malleus_svc.config.presets import PRESETS
 from malleus_svc.plan import Plan
 from malleus_svc.runtime.data import split_for_plan
@@ -182,6 +182,11 @@ def test_samples_and_table():
     assert "κ = 0.120" in md and "| p | 0.400 | 0.380 |" in md and "+5.0% | +8.0% | -10.0% |" in md
     assert "| yes |" in md and "x: 0.415 s (min 0.400" in md
     assert "fit B: optimizer and D within 3x the fit RMS" in md      # 8 ms < 3 · 5 ms; D negative
+    assert "Clock: host" in md and md.splitlines()[-3].endswith("| yes | – |")
+    pace = {"flops_per_second": 2e10, "bytes_per_second": 3e9, "sized_under": "DP2 m=1/1", "ops": 400, "held": 0.99}
+    md = table(dict(coeffs, pace=pace), [dict(row, pace_held=0.98)])
+    assert "Clock: device" in md and "20.00 GFLOP/s, 3.00 GB/s" in md and "99.0% of 400 paced ops" in md
+    assert "| yes | 98.0% |" in md
 
 
 def test_measure_rounds_interleaves_and_skips_the_warm_up():
@@ -235,3 +240,48 @@ def test_rescoring_a_run_without_step_times_says_so(tmp_path):
     old.write_text(json.dumps({"coefficients": {"profile": {}}, "rows": [{"plan": "p", "measured_s": 0.4}]}))
     with pytest.raises(ValueError, match="keeps every step time"):
         rescore(old, "q10")
+
+
+def test_clock_defaults_to_the_device_clock():
+    assert parser().parse_args([]).clock == "device"
+    assert parser().parse_args(["--clock", "host"]).clock == "host"
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--clock", "wall"])
+
+
+def test_pace_group_paces_once_under_the_pace_plan():
+    """The pace is sized from one micro-batch's tokens after the pace plan is applied."""
+    calls = []
+
+    class Group:
+        def apply_plan(self, plan, shape, seed, optim):
+            calls.append(("apply", plan))
+
+        def pace(self, tokens):
+            calls.append(("pace", tokens))
+            return "pace"
+
+    assert pace_group(Group(), pace_plan(2), None, 2 * 128, None) == "pace"
+    assert calls == [("apply", pace_plan(2)), ("pace", 256)]
+    assert [p.micro_batches for p in pace_plan().pipelines] == [1, 1]      # both devices compute
+
+
+def test_pace_delta_counts_each_devices_ops_since_its_last_report():
+    last = {}
+    assert pace_delta(last, {0: {"pace_ops": 10, "pace_on": 9}, 1: {"pace_ops": 4, "pace_on": 4}}) == (14, 13)
+    assert pace_delta(last, {0: {"pace_ops": 15, "pace_on": 13}}) == (5, 4)          # device 1 suspended
+    assert pace_delta(last, {0: {"pace_ops": 15, "pace_on": 13}, 1: {"pace_ops": 6, "pace_on": 5}}) == (2, 1)
+    assert pace_delta({}, {0: {"compute_seconds": 0.1}}) == (0, 0)                  # unpaced: no counts
+
+
+def test_kappa_fits_to_zero_when_compute_does_not_depend_on_corunning():
+    """On the device clock a device's compute time does not depend on the other one: 'measurements'
+    made by the simulator with κ = 0 (hand-off and grad sync in place) must fit back κ ≈ 0."""
+    true = ComputeFit(**{**TRUE, "dispatch": 0.0}, residual_rms=0.0)
+    terms = Terms(handoff=(0.0004, 0.0003), corun=0.0, sync=0.002)
+    prof = {name: (kind, plan, sim_seconds(plan, true, 1, 128, terms))
+            for name, (kind, plan) in profile_plans().items()}
+    fit, got = calibrate_from(prof, 1, 128, constant=False, handoff=terms.handoff, sync=terms.sync)
+    assert got.corun == pytest.approx(0.0, abs=1e-4)
+    for name, plan in validation_plans().items():
+        assert sim_seconds(plan, fit, 1, 128, got) == pytest.approx(sim_seconds(plan, true, 1, 128, terms), rel=1e-3)
