@@ -6,6 +6,7 @@ and hands back what it returns (via torch.save).
 """
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import tempfile
@@ -22,7 +23,11 @@ def _worker(rank: int, world_size: int, init_method: str, out_dir: str, fn: Call
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+        del result
     finally:
+        # free what fn left in reference cycles (a DDP module and its reducer) while its process
+        # group is still up: freed at interpreter exit instead, after the group, it can abort
+        gc.collect()
         dist.destroy_process_group()
 
 
