@@ -82,11 +82,11 @@ AUTO_UTILIZATION = 0.75
 
 
 def pace_for(costs: list[HostCost], cores: int, workers: int, utilization: float = AUTO_UTILIZATION) -> Pace:
-    """The fastest pace that every device of a host can hold while all of them compute at once,
-    `utilization` of the time a unit of work takes the costliest device (per FLOP, and per byte for
-    memory-bound ops): its CPU cost spread over its share of the cores, `min(1, cores / workers)`
-    (a worker computes on one thread), or, when longer, the wall time it took in a rehearsal where
-    all devices computed at once (a host busy with other work shows there)."""
+    """The fastest pace that every device of a host can hold while all of them compute at once: a
+    unit of work (a FLOP, or a byte of a memory-bound op) is given 1/`utilization` of the time it
+    takes the costliest device, which is its CPU cost spread over its share of the cores,
+    `min(1, cores / workers)` (a worker computes on one thread), or, when longer, the wall time it
+    took in a rehearsal where all devices computed at once (a host busy with other work shows there)."""
     share = min(1.0, cores / max(1, workers))
 
     def slowest(work: str, cpu: str, wall: str) -> float:
