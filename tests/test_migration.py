@@ -11,26 +11,10 @@ import pytest
 import torch
 
 from malleus_svc.config.presets import ModelShape
-from _plans import BASELINE, PLAN_1, make_plan
+from _plans import BASELINE, PLAN_1, PLAN_A, PLAN_B, SHAPE_32, make_plan, random_plan
 from malleus_svc.plan import EMBEDDING, HEAD, Plan
 from malleus_svc.runtime.migrate import MigrationError, plan_migration, sharded_moves_by_fraction
 from malleus_svc.geometry import part_of, part_tensors, split_dim, tensor_spec
-
-
-SHAPE_32 = ModelShape(layers=32, hidden=64, heads=4, ffn=128, vocab=256, seq_len=64)
-
-# The Ray case: 8 devices, 2 logical nodes of 4. A: two pipelines, TP=2 groups, pipelines that
-# cross nodes, device 7 suspended. B: three pipelines, TP 1 and 2 for layers that were at TP 2,
-# layers moved between stages and nodes, device 2 suspended and device 7 back.
-PLAN_A = make_plan([
-    ([((0, 1), (0, 2)), ((4, 5), (2, 4))], 2),
-    ([((2, 3), (0, 3)), ((6,), (3, 4))], 2),
-], suspended=(7,), num_devices=8, layers=4, gpn=4, mbs=2)
-PLAN_B = make_plan([
-    ([((0,), (0, 4))], 1),
-    ([((1, 3), (0, 3)), ((4,), (3, 4))], 2),
-    ([((6, 7), (0, 2)), ((5,), (2, 4))], 1),
-], suspended=(2,), num_devices=8, layers=4, gpn=4, mbs=2)
 
 
 def _tiny():
@@ -136,26 +120,8 @@ def test_no_self_sends_and_every_row_covered_once_random_plans():
     rng = random.Random(7)
     shape = ModelShape(layers=6, hidden=32, heads=4, ffn=64, vocab=64, seq_len=16)
 
-    def rand_plan():
-        devs = list(range(8))
-        rng.shuffle(devs)
-        while True:
-            pipes, pos = [], 0
-            for _ in range(rng.randint(1, 3)):
-                k = rng.randint(1, 3)
-                bounds = [0, *sorted(rng.sample(range(1, 6), k - 1)), 6]
-                stages = []
-                for j in range(k):
-                    size = rng.choice([1, 2, 4])
-                    stages.append((devs[pos:pos + size], (bounds[j], bounds[j + 1])))
-                    pos += size
-                pipes.append((stages, rng.randint(1, 3)))
-            if pos <= 8:
-                return make_plan(pipes, suspended=devs[pos:], num_devices=8, layers=6, gpn=4)
-            pos = 0
-
     for _ in range(40):
-        old, new = rand_plan(), rand_plan()
+        old, new = random_plan(rng), random_plan(rng)
         sched = plan_migration(old, new, shape, bucket_bytes=rng.choice([1000, 5000, 1 << 20]))
         _check_complete(old, new, shape, sched)
         diff = Plan.diff(old, new)

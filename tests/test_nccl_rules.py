@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from _mp import run_on_gloo
-from _plans import BASELINE, PLAN_1, make_plan
-from test_migration import PLAN_A, PLAN_B, SHAPE_32
+from _plans import BASELINE, PLAN_1, PLAN_A, PLAN_B, SHAPE_32, make_plan, random_plan
 from malleus_svc.config.presets import ModelShape, preset
 from malleus_svc.plan import Pipeline, Plan, Stage
 from malleus_svc.runtime.groups import pipeline_peers
@@ -219,25 +218,6 @@ def test_engine_over_the_rules_transport_matches_the_reference():
 SHAPE_6 = ModelShape(layers=6, hidden=32, heads=4, ffn=64, vocab=64, seq_len=16)
 
 
-def _random_plan(rng: random.Random) -> Plan:
-    """As test_migration's random plans: 1-3 pipelines of 1-3 stages at TP 1, 2 or 4 on 8 devices."""
-    devs = list(range(8))
-    rng.shuffle(devs)
-    while True:
-        pipes, pos = [], 0
-        for _ in range(rng.randint(1, 3)):
-            k = rng.randint(1, 3)
-            bounds = [0, *sorted(rng.sample(range(1, 6), k - 1)), 6]
-            stages = []
-            for j in range(k):
-                size = rng.choice([1, 2, 4])
-                stages.append((devs[pos:pos + size], (bounds[j], bounds[j + 1])))
-                pos += size
-            pipes.append((stages, rng.randint(1, 3)))
-        if pos <= 8:
-            return make_plan(pipes, suspended=devs[pos:], num_devices=8, layers=6, gpn=4)
-
-
 def _full_states(shape: ModelShape):
     """Whole tensors with distinct moments, as ShardStates every rank can send any rows of."""
     from malleus_svc.runtime.engine import full_shard_states
@@ -282,7 +262,7 @@ def test_migration_exchanges_pass_the_rules_worked_example():
 def test_migration_exchanges_pass_the_rules_random_plans():
     rng = random.Random(7)
     for _ in range(12):
-        old, new = _random_plan(rng), _random_plan(rng)
+        old, new = random_plan(rng), random_plan(rng)
         _migrate_under_rules(old, new, SHAPE_6, bucket_bytes=rng.choice([1000, 5000, 1 << 20]))
 
 
