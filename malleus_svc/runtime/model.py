@@ -87,6 +87,7 @@ class Attention(nn.Module):
     def __init__(self, shape: ModelShape, tp: TensorParallel, specs: Mapping[str, TensorSpec]):
         super().__init__()
         self.tp, self.head_dim = tp, shape.head_dim
+        self.attend = varlen_causal_attention   # runtime.memory swaps in flash-attn's saved-tensor footprint
         for name in ("wq", "wk", "wv", "wo"):
             setattr(self, name, _parameter(specs[f"attn.{name}"], tp))
 
@@ -98,7 +99,7 @@ class Attention(nn.Module):
         k = F.linear(x, self.wk).view(tokens, -1, d)
         v = F.linear(x, self.wv).view(tokens, -1, d)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        o = varlen_causal_attention(q, k, v, cu_seqlens).reshape(tokens, -1)
+        o = self.attend(q, k, v, cu_seqlens).reshape(tokens, -1)
         return reduce_from_region(F.linear(o, self.wo), self.tp)
 
 
