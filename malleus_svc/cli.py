@@ -1,4 +1,4 @@
-"""`malleus` command line: plan, train, demo, simulate, bench; submit, status, replan, rates, stop.
+"""`malleus` command line: plan, memory, train, demo, simulate, bench; submit, status, replan, rates, stop.
 
 Every user error (bad scenario, bad plan file, infeasible problem, unknown job, refused request,
 unreachable cluster) ends with one clear line on stderr and exit code 2, never a traceback.
@@ -59,6 +59,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(plan.to_json())
     return 0
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    from .planner import plan as make_plan
+    from .service.memory import print_memory
+
+    scenario = load_scenario(_scenario_path(args.scenario))
+    plan = Plan.load(args.plan) if args.plan else None
+    if plan is None and scenario.shape is not None:
+        plan = make_plan(build_problem(scenario)).plan
+    return print_memory(scenario, plan, args.json)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -136,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--objective", choices=("paper", "bubble", "full"), help="override the scenario's objective")
     p.add_argument("--json", action="store_true", help="also print the plan JSON")
     p.set_defaults(func=cmd_plan)
+
+    m = sub.add_parser("memory", help="per-device peak memory of a plan, measured on the modules built on the "
+                       "meta device, beside the planner's memory model (exit 1 if a device is over)")
+    m.add_argument("scenario", help="scenario file, or a bundled scenario name")
+    m.add_argument("--plan", help="the plan (JSON) to measure; default: plan the scenario as `malleus plan` does")
+    m.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    m.set_defaults(func=cmd_memory)
 
     t = sub.add_parser("train", help="train under a plan on a Ray cluster (same as python -m malleus_svc.train)",
                        add_help=False)

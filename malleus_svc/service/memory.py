@@ -1,0 +1,153 @@
+"""`malleus memory SCENARIO [--plan PLAN]`: per-device peak memory of a plan, measured on the real
+modules built on the meta device (`runtime.memory`), beside the planner's memory model.
+
+The planner's figure is its memory row for the stage at the same depth,
+h · (K[d] · l + E · [first or last stage]) + X0 (`simulate.memory.device_peak_mb`), with K and E as
+the planner got them: the scenario's `profile:` where it gives them, the analytic model otherwise.
+The `analytic` column is that row with the analytic model from the model's shape, whatever the
+scenario says. Each distinct stage shape is built once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from functools import lru_cache
+
+from malleus_svc.config import ConfigError
+from malleus_svc.config.presets import ModelShape
+from malleus_svc.config.scenario import Scenario
+from malleus_svc.costmodel import analytic
+from malleus_svc.plan import Plan, PlanError
+from malleus_svc.planner.build import build_problem
+from malleus_svc.planner.describe import _ranges
+from malleus_svc.planner.problem import PlannerProblem
+from malleus_svc.runtime.engine import validate_plan_for_model
+from malleus_svc.runtime.memory import StageFootprint, StageMemory, stage_footprint
+from malleus_svc.simulate.memory import device_peak_mb
+
+GB = 1024.0 ** 3
+MB = 1024.0 ** 2
+GAP_TARGET = 0.10    # the planner's model should be within 10% of the measured figure
+
+
+@dataclasses.dataclass(frozen=True)
+class StageReport:
+    pipeline: int
+    stage: int
+    devices: tuple[int, ...]
+    layers: int
+    tp: int
+    in_flight: int
+    measured: StageMemory
+    reserved_mb: float
+    planner_mb: float
+    analytic_mb: float
+    capacity_mb: float
+
+    @property
+    def total_mb(self) -> float:
+        return self.measured.total / MB + self.reserved_mb
+
+    def gap(self, model_mb: float) -> float:
+        """(model - measured) / measured: negative when the model promises less than the stage takes."""
+        return model_mb / self.total_mb - 1.0
+
+    @property
+    def fits(self) -> bool:
+        return self.total_mb <= self.capacity_mb
+
+    def to_dict(self) -> dict:
+        return {"pipeline": self.pipeline, "stage": self.stage, "devices": list(self.devices),
+                "layers": self.layers, "tp": self.tp, "in_flight": self.in_flight,
+                **{f"{k}_mb": round(v / MB, 1) for k, v in self.measured.terms()},
+                "reserved_mb": self.reserved_mb, "total_mb": round(self.total_mb, 1),
+                "planner_mb": round(self.planner_mb, 1), "planner_gap": round(self.gap(self.planner_mb), 4),
+                "analytic_mb": round(self.analytic_mb, 1), "analytic_gap": round(self.gap(self.analytic_mb), 4),
+                "capacity_mb": self.capacity_mb, "fits": self.fits}
+
+
+def _analytic_problem(sc: Scenario, problem: PlannerProblem) -> PlannerProblem:
+    mem = problem.memory
+    auto = analytic.memory_profile(sc.shape, sc.tp, sc.pp, sc.micro_batch, mem.gpu_memory_mb, mem.reserved_mb,
+                                   mem.safety_margin_mb, sc.device)
+    return dataclasses.replace(problem, memory=auto)
+
+
+def plan_memory(sc: Scenario, plan: Plan) -> list[StageReport]:
+    """One row per stage of `plan`: measured terms at its 1F1B depth, the planner's and analytic rows."""
+    if sc.shape is None:
+        raise ConfigError("model", sc.num_layers, "a model shape (a preset or hidden/heads/ffn/vocab/seq_len): "
+                                                  "memory is measured on the modules built from it")
+    if (plan.num_devices, plan.num_layers) != (sc.num_devices, sc.num_layers):
+        raise PlanError(f"plan {plan.plan_id} is for {plan.num_devices} devices and {plan.num_layers} layers, "
+                        f"the scenario has {sc.num_devices} and {sc.num_layers}")
+    try:
+        validate_plan_for_model(sc.shape, plan)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    problem = build_problem(sc)
+    auto = _analytic_problem(sc, problem)
+    footprint = lru_cache(maxsize=None)(_footprint)
+    rows = []
+    for i, pipe in enumerate(plan.pipelines):
+        last = len(pipe.stages) - 1
+        for j, st in enumerate(pipe.stages):
+            depth = min(len(pipe.stages) - j, pipe.micro_batches)
+            ends = j in (0, last)
+            fp = footprint(sc.shape, st.num_layers, j == 0, j == last, st.tp, sc.micro_batch)
+            rows.append(StageReport(
+                i, j, tuple(st.devices), st.num_layers, st.tp, depth, fp.at_depth(depth),
+                problem.memory.reserved_mb,
+                device_peak_mb(problem, st.tp, st.num_layers, depth, ends),
+                device_peak_mb(auto, st.tp, st.num_layers, depth, ends), sc.gpu_memory_mb))
+    return rows
+
+
+def _footprint(shape: ModelShape, layers: int, first: bool, last: bool, tp: int, micro_batch: int) -> StageFootprint:
+    return stage_footprint(shape, layers, has_embedding=first, has_head=last, tp=tp, micro_batch=micro_batch)
+
+
+_TERMS = ("params", "grads", "adam", "bf16", "activations", "boundary", "logits")
+
+
+def memory_table(rows: list[StageReport]) -> str:
+    head = ("pipe", "stage", "devices", "layers", "tp", "in flight", *_TERMS, "reserved", "measured",
+            "planner", "gap", "analytic", "gap", "device", "")
+    table = [head]
+    for r in rows:
+        terms = dict(r.measured.terms())
+        table.append((str(r.pipeline) if r.stage == 0 else "", str(r.stage), _ranges(r.devices), str(r.layers),
+                      str(r.tp), str(r.in_flight), *(f"{terms[t] / GB:.1f}" for t in _TERMS),
+                      f"{r.reserved_mb * MB / GB:.1f}", f"{r.total_mb * MB / GB:.1f}",
+                      f"{r.planner_mb * MB / GB:.1f}", f"{100 * r.gap(r.planner_mb):+.0f}%",
+                      f"{r.analytic_mb * MB / GB:.1f}", f"{100 * r.gap(r.analytic_mb):+.0f}%",
+                      f"{r.capacity_mb * MB / GB:.1f}", "OK" if r.fits else "OVER"))
+    widths = [max(len(row[c]) for row in table) for c in range(len(head))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def verdict(rows: list[StageReport]) -> str:
+    over = [r for r in rows if not r.fits]
+    worst = max(rows, key=lambda r: r.total_mb)
+    planner = max(rows, key=lambda r: abs(r.gap(r.planner_mb)))
+    auto = max(rows, key=lambda r: abs(r.gap(r.analytic_mb)))
+    fit = (f"every device fits (largest {worst.total_mb / 1024:.1f} of {worst.capacity_mb / 1024:.1f} GB)" if not over
+           else f"{len(over)} of {len(rows)} stages OVER device memory (largest {worst.total_mb / 1024:.1f} GB on "
+                f"pipeline {worst.pipeline} stage {worst.stage}, devices have {worst.capacity_mb / 1024:.1f} GB)")
+    return (f"{fit}; planner's model within {100 * abs(planner.gap(planner.planner_mb)):.0f}% of the measured figure "
+            f"(worst: pipeline {planner.pipeline} stage {planner.stage}), analytic model within "
+            f"{100 * abs(auto.gap(auto.analytic_mb)):.0f}%; target {100 * GAP_TARGET:.0f}%")
+
+
+def print_memory(sc: Scenario, plan: Plan, as_json: bool = False) -> int:
+    """The table and the verdict of `malleus memory`; 0 if every device fits, 1 if not."""
+    rows = plan_memory(sc, plan)
+    print(f"memory of plan {plan.plan_id} for {sc.name}: micro-batch {sc.micro_batch} x {sc.shape.seq_len} tokens; "
+          f"GB per device (2^30 bytes); gap = planner / measured - 1")
+    print(memory_table(rows))
+    print(verdict(rows))
+    if as_json:
+        print(json.dumps([r.to_dict() for r in rows], indent=2))
+    return 0 if all(r.fits for r in rows) else 1
