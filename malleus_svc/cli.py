@@ -63,9 +63,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_memory(args: argparse.Namespace) -> int:
     from .planner import plan as make_plan
-    from .service.memory import print_memory
+    from .service.memory import measured_profile, print_memory
 
     scenario = load_scenario(_scenario_path(args.scenario))
+    if args.profile and scenario.shape is not None:
+        layer_mb, embedding_mb = measured_profile(scenario)
+        print(f"  layer_memory_mb: {layer_mb}\n  embedding_memory_mb: {embedding_mb}")
+        return 0
     plan = Plan.load(args.plan) if args.plan else None
     if plan is None and scenario.shape is not None:
         plan = make_plan(build_problem(scenario)).plan
@@ -153,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("scenario", help="scenario file, or a bundled scenario name")
     m.add_argument("--plan", help="the plan (JSON) to measure; default: plan the scenario as `malleus plan` does")
     m.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    m.add_argument("--profile", action="store_true", help="print measured layer_memory_mb and embedding_memory_mb "
+                   "for the scenario's profile: instead of the table")
     m.set_defaults(func=cmd_memory)
 
     t = sub.add_parser("train", help="train under a plan on a Ray cluster (same as python -m malleus_svc.train)",

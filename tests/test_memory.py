@@ -92,3 +92,21 @@ def test_cli_bad_input_is_one_line_and_exit_2(capsys, tmp_path):
     assert err.startswith("malleus: error: scenario") and "\n" not in err
     assert main(["memory", "llama70b-64gpu", "--plan", str(tmp_path / "missing.json")]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_measured_profile_makes_the_planner_fit_and_agree_on_full_groups():
+    from malleus_svc.config import Scenario
+    from malleus_svc.config.scenario import read_mapping
+    from malleus_svc.planner import plan
+    from malleus_svc.planner.build import build_problem
+    from malleus_svc.cli import BUNDLED
+    from malleus_svc.service.memory import measured_profile, plan_memory
+
+    d = read_mapping(BUNDLED / "llama70b-64gpu.yaml")
+    d["profile"]["layer_memory_mb"], d["profile"]["embedding_memory_mb"] = measured_profile(Scenario.from_dict(d))
+    sc = Scenario.from_dict(d)
+    rows = plan_memory(sc, plan(build_problem(sc)).plan)
+    assert all(r.fits for r in rows)
+    full = [r for r in rows if r.tp == sc.tp and 0 < r.stage]
+    assert full and all(abs(r.gap(r.planner_mb)) < 0.03 for r in full)
+    assert all(r.gap(r.planner_mb) > -0.03 for r in rows)   # smaller groups: the planner over-counts, safely

@@ -31,10 +31,9 @@ fragmentation and NCCL buffers, which the scenario's reserved memory and safety 
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, fields
 from typing import Callable, Iterator
-
-import contextlib
 
 import torch
 import torch.nn.functional as F

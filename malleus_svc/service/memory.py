@@ -87,14 +87,13 @@ def plan_memory(sc: Scenario, plan: Plan) -> list[StageReport]:
         raise PlanError(str(e)) from None
     problem = build_problem(sc)
     auto = _analytic_problem(sc, problem)
-    footprint = lru_cache(maxsize=None)(_footprint)
     rows = []
     for i, pipe in enumerate(plan.pipelines):
         last = len(pipe.stages) - 1
         for j, st in enumerate(pipe.stages):
             depth = min(len(pipe.stages) - j, pipe.micro_batches)
             ends = j in (0, last)
-            fp = footprint(sc.shape, st.num_layers, j == 0, j == last, st.tp, sc.micro_batch)
+            fp = _footprint(sc.shape, st.num_layers, j == 0, j == last, st.tp, sc.micro_batch)
             rows.append(StageReport(
                 i, j, tuple(st.devices), st.num_layers, st.tp, depth, fp.at_depth(depth),
                 problem.memory.reserved_mb,
@@ -103,6 +102,7 @@ def plan_memory(sc: Scenario, plan: Plan) -> list[StageReport]:
     return rows
 
 
+@lru_cache(maxsize=64)
 def _footprint(shape: ModelShape, layers: int, first: bool, last: bool, tp: int, micro_batch: int) -> StageFootprint:
     return stage_footprint(shape, layers, has_embedding=first, has_head=last, tp=tp, micro_batch=micro_batch)
 
@@ -139,6 +139,19 @@ def verdict(rows: list[StageReport]) -> str:
     return (f"{fit}; planner's model within {100 * abs(planner.gap(planner.planner_mb)):.0f}% of the measured figure "
             f"(worst: pipeline {planner.pipeline} stage {planner.stage}), analytic model within "
             f"{100 * abs(auto.gap(auto.analytic_mb)):.0f}%; target {100 * GAP_TARGET:.0f}%")
+
+
+def measured_profile(sc: Scenario) -> tuple[list[float], float]:
+    """`layer_memory_mb` (d = max(pp, 2)..1) and `embedding_memory_mb` for the scenario's `profile:`,
+    measured: a block is the difference of 2- and 1-block stages at the scenario's TP (boundary
+    tensors cancel), E the larger extra of the first and the last stage over a 1-block middle one."""
+    def total_mb(layers: int, first: bool, last: bool, depth: int) -> float:
+        return _footprint(sc.shape, layers, first, last, sc.tp, sc.micro_batch).at_depth(depth).total / MB
+
+    depths = range(max(sc.pp, 2), 0, -1)
+    layer_mb = [round(total_mb(2, False, False, d) - total_mb(1, False, False, d), 1) for d in depths]
+    ends = max(total_mb(1, True, False, 1), total_mb(1, False, True, 1)) - total_mb(1, False, False, 1)
+    return layer_mb, round(ends, 1)
 
 
 def print_memory(sc: Scenario, plan: Plan, as_json: bool = False) -> int:
