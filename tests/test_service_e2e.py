@@ -61,7 +61,8 @@ def _wait(what: str, check, timeout: float, every: float = 1.0):
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+    # `ray start --block` does not exit on SIGTERM by itself: give its children a moment, then kill.
+    for sig, wait in ((signal.SIGTERM, 3), (signal.SIGKILL, 10)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
