@@ -99,12 +99,14 @@ class DeviceWorker:
         """Join the world of these devices (sorted ids); this device's rank is its place among them."""
         import torch.distributed as dist
 
+        from .collective_env import prepare_collective_env
         from .groups import prepare_world_for_batched_p2p, set_collective_timeout, set_world_devices
 
         if dist.is_initialized():
             raise RuntimeError(f"device {self.device_id}: torch.distributed is already initialised; "
                                "create a new WorkerGroup instead of re-initialising a worker")
         backend = "nccl" if self.use_gpu else "gloo"
+        prepare_collective_env(backend, os.environ)
         dist.init_process_group(
             backend=backend,
             init_method=f"tcp://{addr}:{port}",
