@@ -16,10 +16,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from malleus_svc.runtime.groups import prepare_world
+
 
 def _worker(rank: int, world_size: int, init_method: str, out_dir: str, fn: Callable, args: tuple) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    prepare_world()   # as a worker does right after joining its world
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))

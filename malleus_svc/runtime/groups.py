@@ -62,17 +62,23 @@ def world_rank(device: int) -> int:
                            "a plan gave work to a device that is gone") from None
 
 
-def prepare_world_for_batched_p2p() -> None:
+def prepare_world() -> None:
     """Call on every rank right after `init_process_group`, before any other communication.
 
-    torch's `batch_isend_irecv` requires, under NCCL, that the first collective call on a group
-    involve all of its ranks; a pipeline's first post involves only two stages' ranks, so without
-    this the world communicator could be first used by a subset, with undefined behaviour (hangs).
-    One all-reduce over the world makes that first call. gloo has no such rule: nothing to do.
+    * Under NCCL, torch's `batch_isend_irecv` requires the first collective call on a group to
+      involve all of its ranks; a pipeline's first post involves only two stages' ranks, so one
+      all-reduce over the world makes that first call (gloo has no such rule).
+    * A gloo group over the whole world carries the runtime's own small handshakes
+      (`_agree_on_name_salt`): over the NCCL world each handshake pair would open an NCCL
+      communicator of its own, never freed. Made on every backend, so CPU runs take this path too.
     """
-    if "nccl" not in str(dist.get_backend()):
-        return
-    dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())))
+    global _SIDE
+    if "nccl" in str(dist.get_backend()):
+        dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())))
+    _SIDE = dist.new_group(backend="gloo", timeout=_TIMEOUT)
+
+
+_SIDE: "dist.ProcessGroup | None" = None   # the world's gloo side group (prepare_world)
 
 
 _GROUP_CACHE: dict[tuple[int, tuple[int, ...]], "dist.ProcessGroup"] = {}
@@ -80,7 +86,9 @@ _GROUP_CACHE: dict[tuple[int, tuple[int, ...]], "dist.ProcessGroup"] = {}
 
 def clear_group_cache() -> None:
     """Forget cached groups (after the default process group has been destroyed and re-made)."""
+    global _SIDE
     _GROUP_CACHE.clear()
+    _SIDE = None
 
 
 @dataclass(frozen=True)
@@ -226,20 +234,19 @@ def _agree_on_name_salt(ranks: tuple[int, ...]) -> None:
     world = getattr(dist.distributed_c10d, "_world", None)
     if world is None or not hasattr(world, "pg_names"):
         return  # a torch without the salt: nothing to agree on
-    device = torch.device("cpu")
-    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
+    if _SIDE is None:
+        raise RuntimeError("groups.prepare_world() was not called after init_process_group")
     me, leader = dist.get_rank(), ranks[0]
-    count = torch.tensor([len(world.pg_names)], dtype=torch.int64, device=device)
+    count = torch.tensor([len(world.pg_names)], dtype=torch.int64)   # host memory: the side group is gloo
     if me == leader:
         other = torch.empty_like(count)
         for r in ranks[1:]:
-            dist.recv(other, src=r, tag=_SALT_TAG)
+            dist.recv(other, src=r, tag=_SALT_TAG, group=_SIDE)
             count = torch.maximum(count, other)
         for r in ranks[1:]:
-            dist.send(count, dst=r, tag=_SALT_TAG)
+            dist.send(count, dst=r, tag=_SALT_TAG, group=_SIDE)
     else:
-        dist.send(count, dst=leader, tag=_SALT_TAG)
-        dist.recv(count, src=leader, tag=_SALT_TAG)
+        dist.send(count, dst=leader, tag=_SALT_TAG, group=_SIDE)
+        dist.recv(count, src=leader, tag=_SALT_TAG, group=_SIDE)
     while len(world.pg_names) < int(count):
         dist.new_group([me], use_local_synchronization=True, timeout=_TIMEOUT)

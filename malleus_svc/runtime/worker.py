@@ -100,7 +100,7 @@ class DeviceWorker:
         import torch.distributed as dist
 
         from .collective_env import prepare_collective_env
-        from .groups import prepare_world_for_batched_p2p, set_collective_timeout, set_world_devices
+        from .groups import prepare_world, set_collective_timeout, set_world_devices
 
         if dist.is_initialized():
             raise RuntimeError(f"device {self.device_id}: torch.distributed is already initialised; "
@@ -116,7 +116,7 @@ class DeviceWorker:
         )
         set_world_devices(devices)
         set_collective_timeout(datetime.timedelta(seconds=float(timeout_s)))
-        prepare_world_for_batched_p2p()
+        prepare_world()
         self.world_ready = True
         return backend
 
