@@ -53,7 +53,7 @@ def read_mapping(path: str | Path) -> dict:
 def read_bytes(p: Path) -> bytes:
     """A file's bytes, at most MAX_FILE_BYTES of them (ConfigError otherwise)."""
     if not p.is_file():      # also refuses FIFOs and devices, whose reads might never end
-        raise ConfigError("file", str(p), "no such file")
+        raise ConfigError("file", str(p), "not a regular file" if p.exists() else "no such file")
     try:
         with p.open("rb") as f:
             data = f.read(MAX_FILE_BYTES + 1)
