@@ -5,7 +5,7 @@ reading it (a plan over 10**18 devices builds sets of that size). Error messages
 """
 from __future__ import annotations
 
-MAX_FILE_BYTES = 16 * 1024 * 1024   # a JSON file: plan, checkpoint manifest (~2 KB a layer), scenario
+MAX_FILE_BYTES = 16 * 1024 * 1024   # a JSON file: plan, checkpoint manifest (one entry a layer), scenario
 MAX_YAML_BYTES = 1024 * 1024        # a YAML file (hand-written; parsing costs ~20x JSON's per byte)
 MAX_DEPTH = 64                      # nesting of lists/mappings in a file (real files: < 10)
 MAX_INT_DIGITS = 400                # an integer literal's digits (a float holds < 10**309)
