@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from malleus_svc.config.errors import ConfigError, shorten
+from malleus_svc.config.files import parse_document, read_document
+from malleus_svc.config.limits import MAX_DEVICES, MAX_GLOBAL_BATCH, MAX_LAYERS
 from malleus_svc.geometry import EMBEDDING, HEAD, Part, finest_partition, model_parts, shard_map
 
 PLAN_FORMAT_VERSION = 1
@@ -31,6 +35,18 @@ PLAN_FORMAT_VERSION = 1
 
 class PlanError(ValueError):
     """A plan that is malformed or inconsistent; the message says what and where."""
+
+
+def _check_count(what: str, value: int, top: int) -> None:
+    if value < 1:
+        raise PlanError(f"{what} must be >= 1, got {value}")
+    if value > top:
+        raise PlanError(f"{what} must be <= {top} (config.limits), got {value}")
+
+
+def _finite(x: float | None) -> float | None:
+    """An informative number as written to JSON: None where it is not finite (no standard JSON for it)."""
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
 @dataclass(frozen=True)
@@ -148,14 +164,11 @@ class Plan:
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
-        if self.num_devices < 1:
-            raise PlanError(f"num_devices must be >= 1, got {self.num_devices}")
-        if self.num_layers < 1:
-            raise PlanError(f"num_layers must be >= 1, got {self.num_layers}")
-        if self.micro_batch_size < 1:
-            raise PlanError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        if self.gpus_per_node < 1:
-            raise PlanError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        # Sizes first: validation builds sets as large as num_devices.
+        _check_count("num_devices", self.num_devices, MAX_DEVICES)
+        _check_count("num_layers", self.num_layers, MAX_LAYERS)
+        _check_count("micro_batch_size", self.micro_batch_size, MAX_GLOBAL_BATCH)
+        _check_count("gpus_per_node", self.gpus_per_node, MAX_DEVICES)
         if not self.pipelines:
             raise PlanError("a plan needs at least one pipeline")
         seen: dict[int, str] = {}
@@ -170,8 +183,7 @@ class Plan:
         for i, pipe in enumerate(self.pipelines):
             if not pipe.stages:
                 raise PlanError(f"pipeline {i} has no stages")
-            if pipe.micro_batches < 1:
-                raise PlanError(f"pipeline {i}: micro_batches must be >= 1, got {pipe.micro_batches}")
+            _check_count(f"pipeline {i}: micro_batches", pipe.micro_batches, MAX_GLOBAL_BATCH)
             expected = 0
             for j, st in enumerate(pipe.stages):
                 where = f"pipeline {i} stage {j}"
@@ -216,16 +228,17 @@ class Plan:
         d.update(
             global_batch=self.global_batch,
             objective=self.objective,
-            objective_value=self.objective_value,
-            predicted_iteration_seconds=self.predicted_iteration_seconds,
-            ideal_iteration_seconds=self.ideal_iteration_seconds,
-            solve_seconds=self.solve_seconds,
+            objective_value=_finite(self.objective_value),
+            predicted_iteration_seconds=_finite(self.predicted_iteration_seconds),
+            ideal_iteration_seconds=_finite(self.ideal_iteration_seconds),
+            solve_seconds=_finite(self.solve_seconds),
             inputs=dict(self.inputs),
         )
         return d
 
     def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
+        # Standard JSON only: readers (ours included) refuse NaN and Infinity.
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
@@ -233,7 +246,7 @@ class Plan:
             raise PlanError(f"a plan must be a JSON object, got {type(d).__name__}")
         version = d.get("format_version", PLAN_FORMAT_VERSION)
         if version != PLAN_FORMAT_VERSION:
-            raise PlanError(f"plan format_version {version!r} is not supported (this build reads {PLAN_FORMAT_VERSION})")
+            raise PlanError(f"plan format_version {shorten(version)} is not supported (this build reads {PLAN_FORMAT_VERSION})")
         try:
             pipelines = tuple(
                 Pipeline(
@@ -258,23 +271,24 @@ class Plan:
                 solve_seconds=d.get("solve_seconds"),
                 inputs=dict(d.get("inputs") or {}),
             )
+            stated = int(d.get("global_batch", plan.global_batch))
         except KeyError as e:
-            raise PlanError(f"plan is missing the field {e.args[0]!r}") from None
-        except (TypeError, ValueError) as e:
+            raise PlanError(f"plan is missing the field {shorten(e.args[0])}") from None
+        except (TypeError, ValueError, OverflowError) as e:
             if isinstance(e, PlanError):
                 raise
-            raise PlanError(f"plan has a field of the wrong type: {e}") from None
-        if "global_batch" in d and int(d["global_batch"]) != plan.global_batch:
-            raise PlanError(f"global_batch {d['global_batch']} disagrees with micro_batch_size x "
+            raise PlanError(f"plan has a field of the wrong type: {shorten(str(e))}") from None
+        if stated != plan.global_batch:
+            raise PlanError(f"global_batch {stated} disagrees with micro_batch_size x "
                             f"sum(micro_batches) = {plan.global_batch}")
         return plan
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
+    def from_json(cls, text: str | bytes) -> "Plan":
         try:
-            return cls.from_dict(json.loads(text))
-        except json.JSONDecodeError as e:
-            raise PlanError(f"plan is not valid JSON: {e}") from None
+            return cls.from_dict(parse_document(text, "json", "plan"))
+        except ConfigError as e:
+            raise PlanError(str(e)) from None
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
@@ -282,7 +296,9 @@ class Plan:
         if not p.is_file():
             raise PlanError(f"plan file {str(p)!r} does not exist")
         try:
-            return cls.from_json(p.read_text())
+            return cls.from_dict(read_document(p, "json"))
+        except ConfigError as e:
+            raise PlanError(str(e)) from None
         except PlanError as e:
             raise PlanError(f"{p}: {e}") from None
 

@@ -9,11 +9,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from malleus_svc.config.errors import ConfigError, shorten
+from malleus_svc.config.files import parse_document
 from malleus_svc.config.presets import ModelShape
 from malleus_svc.plan import Plan
 
@@ -78,28 +81,28 @@ class Manifest:
             "format": FORMAT, "format_version": self.format_version, "step": self.step,
             "created_unix": self.created_unix,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created_unix)),
-            "model_shape": dict(self.model_shape), "data": dict(self.data), "plan": self.plan,
-            "optim": self.optim, "extra": dict(self.extra),
+            "model_shape": dict(self.model_shape), "data": _finite(dict(self.data)), "plan": _finite(self.plan),
+            "optim": _finite(self.optim), "extra": _finite(dict(self.extra)),
             "files": {n: dataclasses.asdict(f) for n, f in sorted(self.files.items())},
         }
 
     def to_json(self) -> str:
         body = self._body()
-        return json.dumps({**body, "manifest_sha256": _digest(body)}, indent=1) + "\n"
+        return json.dumps({**body, "manifest_sha256": _digest(body)}, indent=1, allow_nan=False) + "\n"
 
     @classmethod
-    def from_json(cls, text: str, where: Path | None = None) -> "Manifest":
+    def from_json(cls, text: str | bytes, where: Path | None = None) -> "Manifest":
         def bad(why: str) -> CheckpointError:
             return CheckpointError(f"manifest.json: {why}", where)
 
         try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise bad(f"not valid JSON ({e})") from None
+            d = parse_document(text, "json", "manifest.json")
+        except ConfigError as e:
+            raise CheckpointError(str(e), where) from None
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise bad(f"not a {FORMAT} manifest")
         if d.get("format_version") != FORMAT_VERSION:
-            raise bad(f"format_version {d.get('format_version')!r} is not supported (this build reads {FORMAT_VERSION})")
+            raise bad(f"format_version {shorten(d.get('format_version'))} is not supported (this build reads {FORMAT_VERSION})")
         stored = d.pop("manifest_sha256", None)
         actual = _digest(d)
         if stored != actual:
@@ -112,9 +115,21 @@ class Manifest:
                     extra=dict(d.get("extra") or {}), format_version=int(d["format_version"]))
             m.shape  # noqa: B018 - the model shape must be a valid ModelShape
             m.sampler_state  # noqa: B018
-        except (KeyError, TypeError, ValueError) as e:
-            raise bad(f"missing or malformed field: {e!r}") from None
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            raise bad(f"missing or malformed field: {shorten(e)}") from None
         return m
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every non-finite float replaced by None: the manifest is standard JSON, which
+    readers (ours included) require, and a diverged loss in `extra` must not make it unreadable."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _digest(body: Mapping[str, Any]) -> str:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from malleus_svc.config.errors import ConfigError
+from malleus_svc.config.files import read_bytes
 from malleus_svc.config.presets import ModelShape
 
 from .errors import CheckpointError, CheckpointMismatchError
@@ -49,13 +51,13 @@ def list_checkpoints(root: str | Path) -> list[Path]:
 
 def read_manifest(path: str | Path) -> Manifest:
     path = Path(path)
+    if not (path / MANIFEST).exists():
+        raise CheckpointError(f"no {MANIFEST} (an incomplete checkpoint)", path)
     try:
-        text = (path / MANIFEST).read_text()
-    except FileNotFoundError:
-        raise CheckpointError(f"no {MANIFEST} (an incomplete checkpoint)", path) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{MANIFEST} cannot be read: {e}", path) from None
-    m = Manifest.from_json(text, path)
+        data = read_bytes(path / MANIFEST)      # size-capped: a manifest is parsed before it is verified
+    except ConfigError as e:
+        raise CheckpointError(f"{MANIFEST} cannot be read: {e.accepted}", path) from None
+    m = Manifest.from_json(data, path)
     if step_of_dir(path) is not None and step_of_dir(path) != m.step:
         raise CheckpointError(f"{MANIFEST} says step {m.step}, the directory name says {step_of_dir(path)}", path)
     return m

@@ -5,6 +5,7 @@ import math
 from typing import Any, Iterable, Mapping
 
 from .errors import ConfigError
+from .limits import MAX_NUMBER
 
 _MISSING = object()
 
@@ -40,7 +41,9 @@ class Section:
     def section(self, key: str, required: bool = False) -> "Section":
         return Section(self.raw(key, _MISSING if required else None), self._field(key), self.source)
 
-    def int(self, key: str, default: Any = _MISSING, minimum: int | None = None) -> int:
+    def int(self, key: str, default: Any = _MISSING, minimum: int | None = None,
+            maximum: float = MAX_NUMBER) -> int:
+        """`maximum`: one of config.limits; every number has one (hostile sizes must not reach the planner)."""
         v = self.raw(key, default)
         if isinstance(v, bool) or not isinstance(v, int):
             if isinstance(v, float) and v.is_integer():
@@ -49,12 +52,14 @@ class Section:
                 raise self.error(key, v, "expected an integer")
         if minimum is not None and v < minimum:
             raise self.error(key, v, f"expected an integer >= {minimum}")
+        if v > maximum:
+            raise self.error(key, v, f"expected an integer <= {maximum:.16g} (config.limits)")
         return v
 
     def float(self, key: str, default: Any = _MISSING, minimum: float | None = None,
-              exclusive: bool = False) -> float:
+              exclusive: bool = False, maximum: float = MAX_NUMBER) -> float:
         v = self.raw(key, default)
-        return check_float(v, self._field(key), minimum, exclusive, self.source)
+        return check_float(v, self._field(key), minimum, exclusive, self.source, maximum)
 
     def bool(self, key: str, default: Any = _MISSING) -> bool:
         v = self.raw(key, default)
@@ -70,13 +75,13 @@ class Section:
         return v
 
     def float_list(self, key: str, default: Any = _MISSING, minimum: float | None = None,
-                   exclusive: bool = False) -> tuple[float, ...] | None:
+                   exclusive: bool = False, maximum: float = MAX_NUMBER) -> tuple[float, ...] | None:
         v = self.raw(key, default)
         if v is None:
             return None
         if not isinstance(v, (list, tuple)) or not v:
             raise self.error(key, v, "expected a non-empty list of numbers")
-        return tuple(check_float(x, f"{self._field(key)}[{i}]", minimum, exclusive, self.source)
+        return tuple(check_float(x, f"{self._field(key)}[{i}]", minimum, exclusive, self.source, maximum)
                      for i, x in enumerate(v))
 
     def done(self) -> None:
@@ -88,12 +93,17 @@ class Section:
 
 
 def check_float(v: Any, field: str, minimum: float | None = None, exclusive: bool = False,
-                source: str | None = None) -> float:
+                source: str | None = None, maximum: float = MAX_NUMBER) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ConfigError(field, v, "expected a number", source)
-    v = float(v)
+    try:
+        v = float(v)
+    except OverflowError:      # an int no float holds (from Python callers; files refuse it earlier)
+        raise ConfigError(field, v, f"expected a number <= {maximum:.16g} (config.limits)", source) from None
     if not math.isfinite(v):
         raise ConfigError(field, v, "expected a finite number", source)
     if minimum is not None and (v <= minimum if exclusive else v < minimum):
         raise ConfigError(field, v, f"expected a number {'>' if exclusive else '>='} {minimum}", source)
+    if v > maximum:
+        raise ConfigError(field, v, f"expected a number <= {maximum:.16g} (config.limits)", source)
     return v

@@ -31,7 +31,9 @@ from typing import Any
 
 from .errors import ConfigError
 from .fields import Section
-from .scenario import SCENARIO_KEYS, Scenario, read_mapping
+from .limits import MAX_MEMORY_MB, MAX_RATE, MAX_SAMPLES, MAX_SECONDS
+from .files import read_mapping
+from .scenario import SCENARIO_KEYS, Scenario
 
 JOB_KEYS = ("data", "train", "emulate", "ray", "metrics", "checkpoint", "control")
 DATA_SOURCES = ("synthetic", "python-stdlib")
@@ -218,10 +220,10 @@ def _parse_data(s: Section, shape) -> DataConfig:
     if source == "python-stdlib" and vocab < 256:
         raise s.error("vocab", vocab, "python-stdlib is byte-level: vocab must be >= 256 (and the model's vocab too)")
     if source == "synthetic":
-        num_samples = s.int("num_samples", 1024, minimum=1)
+        num_samples = s.int("num_samples", 1024, minimum=1, maximum=MAX_SAMPLES)
     else:
         num_samples = s.raw("num_samples", None)
-        num_samples = None if num_samples is None else s.int("num_samples", minimum=1)
+        num_samples = None if num_samples is None else s.int("num_samples", minimum=1, maximum=MAX_SAMPLES)
     max_files = s.raw("max_files", None)
     if max_files is not None:
         if source != "python-stdlib":
@@ -302,7 +304,7 @@ def _parse_stragglers(v: Any, where: str, num_devices: int, source: str | None) 
         dev = s.int("device")
         if not 0 <= dev < num_devices:
             raise s.error("device", dev, f"expected a device id in 0..{num_devices - 1}")
-        factor = s.float("factor", minimum=1.0)
+        factor = s.float("factor", minimum=1.0, maximum=MAX_RATE)
         at = s.int("at_step", 0, minimum=0)
         until = s.raw("until_step", None)
         if until is not None:
@@ -357,16 +359,16 @@ def parse_control(s: Section) -> ControlConfig:
         warmup=s.int("warmup", d.warmup, minimum=1),
         skip_after_migration=s.int("skip_after_migration", d.skip_after_migration, minimum=0),
         band=s.float("band", d.band, minimum=0, exclusive=True),
-        threshold=s.float("threshold", d.threshold, minimum=1.0),
+        threshold=s.float("threshold", d.threshold, minimum=1.0, maximum=MAX_RATE),
         confirm=s.int("confirm", d.confirm, minimum=1),
         min_interval=s.int("min_interval", d.min_interval, minimum=0),
         grace=s.float("grace", d.grace, minimum=0),
-        migration_overhead_s=s.float("migration_overhead_s", d.migration_overhead_s, minimum=0),
+        migration_overhead_s=s.float("migration_overhead_s", d.migration_overhead_s, minimum=0, maximum=MAX_SECONDS),
         seconds_per_byte=s.float("seconds_per_byte", d.seconds_per_byte, minimum=0),
-        bucket_mb=s.int("bucket_mb", d.bucket_mb, minimum=1),
-        collective_timeout_s=s.float("collective_timeout_s", d.collective_timeout_s, minimum=0, exclusive=True),
-        replace_timeout_s=s.float("replace_timeout_s", d.replace_timeout_s, minimum=0, exclusive=True),
-        rejoin_check_s=s.float("rejoin_check_s", d.rejoin_check_s, minimum=0),
+        bucket_mb=s.int("bucket_mb", d.bucket_mb, minimum=1, maximum=MAX_MEMORY_MB),
+        collective_timeout_s=s.float("collective_timeout_s", d.collective_timeout_s, minimum=0, exclusive=True, maximum=MAX_SECONDS),
+        replace_timeout_s=s.float("replace_timeout_s", d.replace_timeout_s, minimum=0, exclusive=True, maximum=MAX_SECONDS),
+        rejoin_check_s=s.float("rejoin_check_s", d.rejoin_check_s, minimum=0, maximum=MAX_SECONDS),
         length_window=s.int("length_window", d.length_window, minimum=1),
     )
     s.done()

@@ -23,8 +23,8 @@ Format (YAML or JSON; see README "Scenario format"):
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -32,11 +32,15 @@ from typing import Any, Mapping
 from .device import DeviceSpec
 from .errors import ConfigError
 from .fields import Section, check_float
+from .files import read_mapping
+from .limits import (MAX_DEVICES, MAX_GLOBAL_BATCH, MAX_LAYERS, MAX_MEMORY_MB, MAX_MODEL_DIM, MAX_NAME,
+                     MAX_RATE, MAX_SECONDS)
 from .presets import PRESETS, ModelShape
 
 SCENARIO_KEYS = ("name", "cluster", "model", "parallel", "batch", "profile", "device", "rates",
                  "excluded", "planner")
 _SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelShape))
+NAME_PATTERN = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_NAME}}}")   # safe in actor names, paths, logs
 OBJECTIVES = ("paper", "bubble", "full")          # the planner's objectives (planner.problem)
 SOLVERS = ("closed_form", "highs", "both")        # how the planner's lower level is solved (planner.lower)
 
@@ -89,12 +93,14 @@ class Scenario:
     @classmethod
     def from_dict(cls, d: Any, source: str | None = None) -> "Scenario":
         root = Section(d, "", source)
-        name = str(root.raw("name", "scenario"))
+        name = parse_name(root)
 
         cl = root.section("cluster", required=True)
-        nodes = cl.int("nodes", minimum=1)
-        gpn = cl.int("gpus_per_node", minimum=1)
-        mem_mb = cl.float("gpu_memory_mb", 81920.0, minimum=0, exclusive=True)
+        nodes = cl.int("nodes", minimum=1, maximum=MAX_DEVICES)
+        gpn = cl.int("gpus_per_node", minimum=1, maximum=MAX_DEVICES)
+        if nodes * gpn > MAX_DEVICES:
+            raise cl.error("nodes", nodes, f"nodes x gpus_per_node at most {MAX_DEVICES} devices (limits.MAX_DEVICES)")
+        mem_mb = cl.float("gpu_memory_mb", 81920.0, minimum=0, exclusive=True, maximum=MAX_MEMORY_MB)
         cl.done()
 
         shape, num_layers = _parse_model(root, source)
@@ -117,7 +123,8 @@ class Scenario:
                     raise ConfigError("parallel.tp", tp, f"tp must divide the model's {what} ({n})", source)
 
         bt = root.section("batch", required=True)
-        gb, mb = bt.int("global", minimum=1), bt.int("micro", 1, minimum=1)
+        gb = bt.int("global", minimum=1, maximum=MAX_GLOBAL_BATCH)
+        mb = bt.int("micro", 1, minimum=1, maximum=MAX_GLOBAL_BATCH)
         bt.done()
         if gb % mb:
             raise ConfigError("batch.global", gb, f"must be a multiple of batch.micro = {mb}", source)
@@ -127,7 +134,7 @@ class Scenario:
 
         dev = _parse_device(root.section("device"))
         prof = root.section("profile")
-        tp_alpha = prof.float_list("tp_alpha", None, minimum=0, exclusive=True)
+        tp_alpha = prof.float_list("tp_alpha", None, minimum=1.0, maximum=MAX_RATE)
         n_alpha = int(math.log2(tp)) + 1
         if tp_alpha is None:
             if shape is None:
@@ -137,16 +144,21 @@ class Scenario:
                               f"{', '.join(str(tp >> r) for r in range(n_alpha))}", source)
         elif abs(tp_alpha[0] - 1.0) > 1e-9:
             raise ConfigError("profile.tp_alpha", list(tp_alpha), "the first value (full-size group) must be 1", source)
-        reserved = prof.float("reserved_memory_mb", 4500.0, minimum=0)
-        safety = prof.float("safety_margin_mb", 4096.0, minimum=0)
-        layer_mb = prof.float_list("layer_memory_mb", None, minimum=0, exclusive=True)
-        emb = prof.float("embedding_memory_mb", minimum=0) if prof.has("embedding_memory_mb") else None
+        elif any(b < a for a, b in zip(tp_alpha, tp_alpha[1:])):
+            raise ConfigError("profile.tp_alpha", list(tp_alpha), "non-decreasing: a smaller TP group is never "
+                              "faster per block", source)
+        reserved = prof.float("reserved_memory_mb", 4500.0, minimum=0, maximum=MAX_MEMORY_MB)
+        safety = prof.float("safety_margin_mb", 4096.0, minimum=0, maximum=MAX_MEMORY_MB)
+        layer_mb = prof.float_list("layer_memory_mb", None, minimum=0, exclusive=True, maximum=MAX_MEMORY_MB)
+        emb = (prof.float("embedding_memory_mb", minimum=0, maximum=MAX_MEMORY_MB)
+               if prof.has("embedding_memory_mb") else None)
         if shape is None:
             for key, v in (("layer_memory_mb", layer_mb), ("embedding_memory_mb", emb)):
                 if v is None:
                     raise ConfigError(f"profile.{key}", None, "required when the model gives only `layers`", source)
-        t0 = prof.float("t0_seconds", minimum=0, exclusive=True) if prof.has("t0_seconds") else None
-        tp_weight = prof.float_list("tp_weight", None, minimum=0, exclusive=True)
+        t0 = (prof.float("t0_seconds", minimum=0, exclusive=True, maximum=MAX_SECONDS)
+              if prof.has("t0_seconds") else None)
+        tp_weight = prof.float_list("tp_weight", None, minimum=0, exclusive=True, maximum=MAX_RATE)
         prof.done()
         profile = Profile(tp_alpha=None if tp_alpha is None else tuple(tp_alpha[:n_alpha]),
                           layer_memory_mb=None if layer_mb is None else tuple(layer_mb), embedding_memory_mb=emb,
@@ -178,7 +190,8 @@ def _parse_model(root: Section, source: str | None) -> tuple[ModelShape | None, 
         base = PRESETS[name].to_dict()
     for f in _SHAPE_FIELDS:
         if m.has(f):
-            base[f] = None if (f == "kv_heads" and m.raw(f) is None) else m.int(f, minimum=1)
+            top = MAX_LAYERS if f == "layers" else MAX_MODEL_DIM
+            base[f] = None if (f == "kv_heads" and m.raw(f) is None) else m.int(f, minimum=1, maximum=top)
     m.done()
     if "layers" not in base:
         raise ConfigError("model.layers", None, "required (or name a preset)", source)
@@ -211,9 +224,9 @@ def _parse_planner(s: Section) -> dict[str, Any]:
     if s.has("solver"):
         out["solver"] = s.choice("solver", SOLVERS)
     if s.has("straggler_threshold"):
-        out["straggler_threshold"] = s.float("straggler_threshold", minimum=1.0)
+        out["straggler_threshold"] = s.float("straggler_threshold", minimum=1.0, maximum=MAX_RATE)
     if s.has("time_limit_s"):
-        out["time_limit_s"] = s.float("time_limit_s", minimum=0, exclusive=True)
+        out["time_limit_s"] = s.float("time_limit_s", minimum=0, exclusive=True, maximum=MAX_SECONDS)
     if s.has("mip_gap"):
         out["mip_gap"] = s.float("mip_gap", minimum=0)
     for flag in ("allow_split", "allow_reshape"):
@@ -225,13 +238,13 @@ def _parse_planner(s: Section) -> dict[str, Any]:
 
 def validate_rates(rates: Any, num_devices: int, source: str | None = None,
                    field_name: str = "rates") -> dict[int, float]:
-    """device -> rate, each device in range and each rate a finite number >= 1 (1 = healthy)."""
+    """device -> rate, each device in range and each rate a number in [1, MAX_RATE] (1 = healthy)."""
     if not isinstance(rates, Mapping):
         raise ConfigError(field_name, rates, "expected a mapping of device id -> straggling rate, e.g. {5: 3.0}", source)
     out: dict[int, float] = {}
     for k, v in rates.items():
         dev = _device_id(k, num_devices, f"{field_name} key", source)
-        rate = check_float(v, f"{field_name}[{dev}]", minimum=0, exclusive=True, source=source)
+        rate = check_float(v, f"{field_name}[{dev}]", minimum=0, exclusive=True, maximum=MAX_RATE, source=source)
         if rate < 1.0:
             raise ConfigError(f"{field_name}[{dev}]", v, "a straggling rate is time on this device / time on a healthy one, so >= 1.0", source)
         out[dev] = rate
@@ -254,21 +267,11 @@ def _parse_devices(v: Any, n: int, field_name: str, source: str | None) -> list[
     return [_device_id(x, n, field_name, source) for x in v]
 
 
-def read_mapping(path: str | Path) -> dict:
-    """Read a YAML or JSON file into a dict, with a clear error for missing or malformed files."""
-    import yaml
-
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError("file", str(p), "no such file")
-    text = p.read_text()
-    try:
-        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ConfigError("file", str(p), f"not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError("file", str(p), "expected a mapping at the top level")
-    return data
+def parse_name(root: Section) -> str:
+    name = root.raw("name", "scenario")
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        raise root.error("name", name, f"1 to {MAX_NAME} letters, digits, '.', '_' or '-' (limits.MAX_NAME)")
+    return name
 
 
 def load_scenario(path: str | Path) -> Scenario:

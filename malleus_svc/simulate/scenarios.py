@@ -100,7 +100,7 @@ def large_scenario(num_devices: int, seed: int = 0, fraction: float = 0.01) -> S
     rng = random.Random(seed)
     k = max(1, round(num_devices * fraction))
     rates = {d: rng.choice(LARGE_RATES) for d in sorted(rng.sample(range(num_devices), k))}
-    d = {"name": f"70b-{num_devices}gpu/seed{seed}",
+    d = {"name": f"70b-{num_devices}gpu-seed{seed}",
          "cluster": {"nodes": num_devices // 8, "gpus_per_node": 8, "gpu_memory_mb": GPU_MEMORY_MB},
          "model": "llama-70b", "parallel": {"dp": dp, "tp": 8, "pp": 4}, "batch": {"global": 32 * dp, "micro": 1},
          "profile": copy.deepcopy(PROFILES["llama-70b"]), "rates": rates, "planner": {"objective": "full"}}

@@ -1,0 +1,22 @@
+"""Upper limits on input files and the numbers in them.
+
+Each is far above any real cluster, model or file, and far below what would exhaust the machine
+reading it (a plan over 10**18 devices builds sets of that size). Error messages name the limit.
+"""
+from __future__ import annotations
+
+MAX_FILE_BYTES = 16 * 1024 * 1024   # a JSON file: plan, checkpoint manifest (one entry a layer), scenario
+MAX_YAML_BYTES = 1024 * 1024        # a YAML file (hand-written; parsing costs ~20x JSON's per byte)
+MAX_DEPTH = 64                      # nesting of lists/mappings in a file (real files: < 10)
+MAX_INT_DIGITS = 400                # an integer literal's digits (a float holds < 10**309)
+
+MAX_NAME = 64                       # scenario/job name: [A-Za-z0-9._-], 1..64 characters
+MAX_DEVICES = 65_536                # nodes x gpus_per_node
+MAX_LAYERS = 10_000                 # transformer blocks
+MAX_MODEL_DIM = 10_000_000          # hidden, heads, ffn, vocab, seq_len
+MAX_GLOBAL_BATCH = 10_000_000       # samples per iteration (and micro-batch size, counts)
+MAX_SAMPLES = 100_000_000          # samples in a dataset (the synthetic one keeps a length per sample)
+MAX_RATE = 1e6                      # a straggling rate, emulated slow-down or tp_alpha
+MAX_SECONDS = 1e9                   # any time in seconds
+MAX_MEMORY_MB = 1e9                 # any memory in MB
+MAX_NUMBER = float(2 ** 53)         # any other number (the largest integer a float holds exactly)

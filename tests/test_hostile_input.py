@@ -1,0 +1,315 @@
+"""Hostile input files (scenario, job, plan, checkpoint manifest) get one clear line, in bounded
+time and memory: never a traceback, a hang or an exhausted machine. The reader is
+malleus_svc/config/files.py, the limits malleus_svc/config/limits.py."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from malleus_svc import cli
+from malleus_svc.checkpoint.errors import CheckpointError
+from malleus_svc.checkpoint.manifest import Manifest
+from malleus_svc.config import ConfigError, Scenario
+from malleus_svc.config.files import parse_document
+from malleus_svc.config.job import JobConfig, load_job_config
+from malleus_svc.config.limits import MAX_DEVICES, MAX_FILE_BYTES, MAX_LAYERS, MAX_RATE, MAX_YAML_BYTES
+from malleus_svc.plan import Plan, PlanError
+
+REPO = Path(__file__).resolve().parent.parent
+GOOD = {"name": "ok", "cluster": {"nodes": 1, "gpus_per_node": 4, "gpu_memory_mb": 16000}, "model": "tiny",
+        "parallel": {"dp": 2, "tp": 1, "pp": 2}, "batch": {"global": 8, "micro": 1}}
+DEEP = 100_000
+
+
+def alias_bomb() -> str:
+    """A ~1 KB YAML document that expands to 9**10 strings when its aliases are followed."""
+    lines = ['a0: &a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for i in range(1, 10):
+        p = f"*a{i - 1}"
+        lines.append(f"a{i}: &a{i} [{', '.join([p] * 9)}]")
+    lines.append("cluster: *a9")
+    return "\n".join(lines) + "\n"
+
+
+def refused(tmp_path: Path, capsys, name: str, content: str | bytes, *args: str) -> str:
+    """Run `malleus plan` on a file with this content; it must exit 2 with one line, returned."""
+    f = tmp_path / name
+    f.write_bytes(content if isinstance(content, bytes) else content.encode())
+    assert cli.main(["plan", str(f), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("malleus: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert len(err) < 600, err
+    return err
+
+
+def good_with(**changes) -> str:
+    d = json.loads(json.dumps(GOOD))
+    for path, value in changes.items():
+        *parents, last = path.split("__")
+        node = d
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[last] = value
+    return json.dumps(d)
+
+
+# ---------------------------------------------------------------------- the alias bomb
+def test_alias_bomb_is_refused_fast_in_bounded_memory(tmp_path):
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(alias_bomb())
+    assert len(bomb.read_bytes()) < 1200
+    # Time and peak memory of the refusal alone (imports done first), in a fresh process.
+    probe = textwrap.dedent(f"""
+        import json, resource, time, sys
+        from malleus_svc import cli
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        t = time.perf_counter()
+        rc = cli.main(["plan", {str(bomb)!r}])
+        seconds = time.perf_counter() - t
+        grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+        print(json.dumps({{"rc": rc, "seconds": seconds, "grown_mb": grown_mb}}))
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["rc"] == 2 and got["seconds"] < 2.0 and got["grown_mb"] < 200, got
+    assert out.stderr.count("\n") == 1 and "anchor" in out.stderr, out.stderr
+    # The command line itself: exit 2, one line on stderr, no traceback.
+    run = subprocess.run([sys.executable, "-m", "malleus_svc.cli", "plan", str(bomb)], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and "Traceback" not in run.stderr, run.stderr
+    assert "aliases" in run.stderr
+
+
+# ---------------------------------------------------------------------- one line for each kind of hostile file
+@pytest.mark.parametrize("name, content, says", [
+    ("dup.yaml", "cluster: {nodes: 1}\ncluster: {nodes: 2}\n", "key = 'cluster'"),
+    ("dupnested.yaml", "cluster: {nodes: 1, nodes: 2}\n", "appears twice"),
+    ("dup.json", '{"cluster": {"nodes": 1, "nodes": 2}}', "appears twice"),
+    ("bytes.yaml", b"name: \xff\xfe\n", "UTF-8"),
+    ("bytes.json", b'{"name": "\xc3\x28"}', "UTF-8"),
+    ("deep.yaml", "x: " + "[" * DEEP + "]" * DEEP + "\n", "nest"),
+    ("deepblock.yaml", "".join(" " * i + "- \n" for i in range(0, 400, 2)), "nested at most"),
+    ("deep.json", "[" * DEEP + "]" * DEEP, "nested at most"),
+    ("deepobj.json", '{"a": ' * DEEP + "1" + "}" * DEEP, "nested at most"),
+    ("digits.yaml", "cluster: {nodes: " + "9" * 5001 + "}\n", "MAX_INT_DIGITS"),
+    ("digits.json", '{"cluster": {"nodes": ' + "9" * 5001 + "}}", "MAX_INT_DIGITS"),
+    ("hex.yaml", "cluster: {nodes: 0x" + "f" * 300 + "}\n", "1.8e308"),
+    ("e400.json", '{"cluster": {"gpu_memory_mb": 1e400}}', "number = '1e400'"),
+    ("e400.yaml", "cluster: {gpu_memory_mb: 1.0e+400}\n", "1.8e308"),
+    ("nan.json", '{"rates": {"1": NaN}}', "NaN and Infinity"),
+    ("inf.json", '{"rates": {"1": -Infinity}}', "NaN and Infinity"),
+    ("nan.yaml", "rates: {1: .nan}\n", "not .nan"),
+    ("anchor.yaml", "cluster: &c {nodes: 1}\n", "anchors and aliases"),
+    ("intkey.yaml", "1: 2\n", "top-level keys are field names"),
+    ("nullkey.yaml", "~: 2\n", "top-level keys are field names"),
+    ("listkey.yaml", "? [1, 2]\n: 3\n", "not lists or mappings"),
+    ("python.yaml", "cluster: !!python/object/apply:os.system [echo hi]\n", "not valid YAML"),
+    ("date.yaml", "name: 2001-13-45\n", "not valid YAML"),
+    ("two.yaml", "a: 1\n---\nb: 2\n", "single document"),
+    ("list.json", "[1, 2]", "mapping at the top level"),
+    ("empty.json", "", "not valid JSON"),
+])
+def test_hostile_scenario_files_get_one_line(tmp_path, capsys, name, content, says):
+    assert says in refused(tmp_path, capsys, name, content)
+
+
+def test_files_over_the_size_cap_are_refused_unread(tmp_path, capsys):
+    assert "MAX_YAML_BYTES" in refused(tmp_path, capsys, "big.yaml", "#" * (MAX_YAML_BYTES + 1))
+    big = tmp_path / "big.json"
+    with big.open("wb") as f:          # sparse: the cap, not the disk, is what is tested
+        f.truncate(MAX_FILE_BYTES + 1)
+    assert cli.main(["plan", str(big)]) == 2
+    assert "MAX_FILE_BYTES" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "a b", "x" * 65, "", "tab\there", "名前", 7, None, ["a"]])
+def test_bad_names_are_refused(tmp_path, capsys, name):
+    assert "name = " in refused(tmp_path, capsys, "s.json", good_with(name=name))
+
+
+@pytest.mark.parametrize("name", ["ok", "tiny", "llama70b-64gpu", "paper-fig4-16gpu", "a.b_c-1", "x" * 64])
+def test_good_names_are_kept(name):
+    assert Scenario.from_dict({**GOOD, "name": name}).name == name
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"rates": {"1": MAX_RATE * 10}}, "rates[1]"),
+    ({"rates": {"1": 1e300}}, "<= 1000000"),
+    ({"cluster__nodes": MAX_DEVICES + 1}, "cluster.nodes"),
+    ({"cluster__nodes": 300, "cluster__gpus_per_node": 256}, "MAX_DEVICES"),
+    ({"cluster__gpu_memory_mb": 1e12}, "cluster.gpu_memory_mb"),
+    ({"model": {"preset": "tiny", "layers": MAX_LAYERS + 1}}, "model.layers"),
+    ({"model": {"preset": "tiny", "hidden": 10 ** 15}}, "model.hidden"),
+    ({"batch__global": 10 ** 8}, "batch.global"),
+    ({"profile__t0_seconds": 1e10}, "profile.t0_seconds"),
+    ({"profile__tp_alpha": [1, 0.5]}, "profile.tp_alpha"),
+    ({"planner__time_limit_s": 1e300}, "planner.time_limit_s"),
+    ({"cluster__nodes": 10 ** 300}, "cluster.nodes"),
+])
+def test_out_of_range_numbers_are_refused(tmp_path, capsys, changes, says):
+    err = refused(tmp_path, capsys, "s.json", good_with(**changes))
+    assert says in err and "is not valid" in err, err
+
+
+def test_tp_alpha_is_at_least_one_and_non_decreasing():
+    prof = {"tp_alpha": [1, 2, 1.5], "layer_memory_mb": [100, 90], "embedding_memory_mb": 10}
+    d = {**GOOD, "cluster": {"nodes": 1, "gpus_per_node": 4}, "model": {"layers": 8},
+         "parallel": {"dp": 1, "tp": 4, "pp": 1}, "profile": prof}
+    with pytest.raises(ConfigError, match="non-decreasing"):
+        Scenario.from_dict(d)
+    prof["tp_alpha"] = [1, 0.9, 2]
+    with pytest.raises(ConfigError, match=">= 1.0"):
+        Scenario.from_dict(d)
+    prof["tp_alpha"] = [1, 2, 2]
+    assert Scenario.from_dict(d).profile.tp_alpha == (1.0, 2.0, 2.0)
+
+
+def test_job_files_go_through_the_same_reader(tmp_path):
+    f = tmp_path / "job.yaml"
+    f.write_text((REPO / "examples/tiny_job.yaml").read_text() + "train: {steps: 1}\n")
+    with pytest.raises(ConfigError, match="appears twice"):
+        load_job_config(f)
+    job = yaml.safe_load((REPO / "examples/tiny_job.yaml").read_text())
+    job["control"] = {"collective_timeout_s": 1e12}
+    with pytest.raises(ConfigError, match="control.collective_timeout_s"):
+        JobConfig.from_dict(job)
+
+
+def test_long_values_are_shortened_in_messages():
+    e = ConfigError("name", "x" * 10_000, "short")
+    assert len(str(e)) < 150 and "..." in str(e)
+    e = ConfigError("key\nwith a newline", 10 ** 5000, "short", source="f.yaml")
+    assert "\n" not in str(e)
+
+
+# ---------------------------------------------------------------------- plans and manifests
+def plan_dict() -> dict:
+    from malleus_svc.plan import Pipeline, Stage
+    return Plan(num_devices=2, num_layers=4, micro_batch_size=1,
+                pipelines=(Pipeline((Stage((0,), (0, 2)), Stage((1,), (2, 4))), 2),)).to_dict()
+
+
+@pytest.mark.parametrize("text, says", [
+    ('{"num_devices": 2, "num_devices": 3}', "appears twice"),
+    ("[" * DEEP + "]" * DEEP, "nested at most"),
+    ('{"num_devices": NaN}', "NaN"),
+    ('{"num_devices": ' + "9" * 5001 + "}", "MAX_INT_DIGITS"),
+    (b"\xff", "UTF-8"),
+])
+def test_hostile_plan_files_are_one_plan_error(tmp_path, capsys, text, says):
+    f = tmp_path / "plan.json"
+    f.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(PlanError, match=says) as e:
+        Plan.load(f)
+    assert "\n" not in str(e.value)
+    # the CLI's --previous reads it the same way
+    scenario = tmp_path / "s.json"
+    scenario.write_text(json.dumps(GOOD))
+    assert cli.main(["plan", str(scenario), "--previous", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err
+
+
+@pytest.mark.parametrize("field, value", [("num_devices", 10 ** 18), ("num_layers", 10 ** 12),
+                                          ("micro_batch_size", 10 ** 15), ("gpus_per_node", 1e300)])
+def test_plan_sizes_are_bounded_before_anything_is_built(field, value):
+    d = plan_dict()
+    d[field] = value
+    d.pop("global_batch")
+    with pytest.raises(PlanError, match="config.limits"):
+        Plan.from_json(json.dumps(d))
+
+
+def test_plans_are_written_as_standard_json():
+    from dataclasses import replace
+    plan = replace(Plan.from_dict(plan_dict()), objective_value=math.inf, predicted_iteration_seconds=math.nan)
+    text = plan.to_json()
+    assert "Infinity" not in text and "NaN" not in text
+    assert Plan.from_json(text) == plan
+
+
+def test_manifests_refuse_duplicates_and_are_written_as_standard_json():
+    with pytest.raises(CheckpointError, match="appears twice"):
+        Manifest.from_json('{"format": "x", "format": "y"}')
+    from malleus_svc.checkpoint.manifest import CheckpointMeta, build_manifest
+    from malleus_svc.config import PRESETS
+    meta = CheckpointMeta(step=3, shape=PRESETS["tiny"], data={"position": 3, "num_samples": 8},
+                          extra={"records": [{"step": 1, "loss": math.nan}], "rate": math.inf})
+    text = build_manifest(meta, {}).to_json()
+    assert "NaN" not in text and "Infinity" not in text
+    back = Manifest.from_json(text)
+    assert back.extra["records"][0]["loss"] is None and back.step == 3
+
+
+# ---------------------------------------------------------------------- fuzz: a config or a ConfigError
+FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+keys = (st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8)
+        | st.sampled_from(sorted(GOOD) + ["rates", "profile", "planner", "excluded"]))
+leaves = (st.none() | st.booleans() | st.integers(-(10 ** 400), 10 ** 400) | st.floats()
+          | st.text(max_size=12) | st.sampled_from([1, 2, 4, 8, 16000, "tiny", 1e308, -0.0]))
+docs = st.recursive(leaves, lambda inner: st.lists(inner, max_size=4)
+                    | st.dictionaries(keys, inner, max_size=5), max_leaves=20)
+
+
+@st.composite
+def nested(draw):
+    """A document, or GOOD with one section replaced by a generated one, wrapped in lists up to 200 deep."""
+    doc = draw(docs)
+    if draw(st.booleans()):
+        doc = {**GOOD, draw(st.sampled_from(sorted(GOOD) + ["rates", "profile"])): doc}
+    for _ in range(draw(st.integers(0, 200)) if draw(st.booleans()) else 0):
+        doc = [doc]
+    return doc
+
+
+def load_or_refuse(data: bytes | str, fmt: str) -> None:
+    """The reader and the scenario/job parsers: a value or a ConfigError, nothing else."""
+    try:
+        doc = parse_document(data, fmt, "fuzz")
+        if isinstance(doc, dict) and all(isinstance(k, str) for k in doc):
+            Scenario.from_dict({k: v for k, v in doc.items() if k != "data"}, source="fuzz")
+            JobConfig.from_dict(doc, source="fuzz")
+    except ConfigError as e:
+        assert "\n" not in str(e) and len(str(e)) < 1000, str(e)
+
+
+@FUZZ
+@given(st.binary(max_size=400), st.sampled_from(["yaml", "json"]))
+def test_arbitrary_bytes_give_a_config_or_a_config_error(data, fmt):
+    load_or_refuse(data, fmt)
+    try:
+        Plan.from_json(data)
+    except PlanError as e:
+        assert "\n" not in str(e)
+
+
+@FUZZ
+@given(nested())
+def test_generated_yaml_gives_a_config_or_a_config_error(doc):
+    load_or_refuse(yaml.safe_dump(doc, width=1 << 20), "yaml")
+
+
+@FUZZ
+@given(nested())
+def test_generated_json_gives_a_config_or_a_config_error(doc):
+    try:
+        text = json.dumps(doc)
+    except (TypeError, ValueError):     # keys json cannot write (or an int beyond str conversion)
+        return
+    load_or_refuse(text, "json")
+    try:
+        Plan.from_json(text)
+    except PlanError as e:
+        assert "\n" not in str(e)
