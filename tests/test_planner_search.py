@@ -2,6 +2,7 @@
 for the authors' faults, reshaping, infeasibility and speed."""
 from __future__ import annotations
 
+import itertools
 import random
 import re
 import time
@@ -269,3 +270,39 @@ def test_speed_1024_devices():
     res = plan(pr)
     assert time.perf_counter() - t < 20
     check(pr, res.plan)
+
+
+def _family(num_groups: int, P: int, lo: int, hi: int) -> list[tuple[int, ...]]:
+    """Every non-increasing sequence of P values in [lo, hi] summing to num_groups (brute force)."""
+    return [tuple(sorted(c, reverse=True)) for c in itertools.combinations_with_replacement(range(lo, hi + 1), P)
+            if sum(c) == num_groups]
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 5, 7])
+def test_stage_plans_are_the_family_or_its_most_balanced(P):
+    from malleus_svc.planner.organize import stage_plans
+    for G in range(P, 6 * P + 3):
+        q, r = divmod(G, P)
+        family = _family(G, P, max(1, q - 1), min(q + r + 1, q + 2))
+        mean = G / P
+        for cap in (48, 4):
+            got = stage_plans(G, P, max_plans=cap)
+            if len(family) <= cap:
+                assert got == sorted(family, reverse=True), (G, P)
+            else:
+                best = sorted(family, key=lambda S: (sum(abs(s - mean) for s in S), S))[:cap]
+                assert got == best, (G, P, cap)
+        q, r = divmod(G, P)
+        assert stage_plans(G, P, authors=True) == sorted(_family(G, P, max(1, q - 1), q + r + 1), reverse=True)
+
+
+def test_thousands_of_pipelines_plan_without_deep_recursion():
+    """4,096 groups in 1,024 pipelines: the stage-count family and the template walk take no
+    frame per pipeline (Python's default recursion limit is 1,000)."""
+    from malleus_svc.planner.grouping import Group
+    from malleus_svc.planner.organize import NORMAL, dfs_templates, stage_plans
+    plans = stage_plans(4096, 1024)
+    assert len(plans) == 48 and plans[0] == (4,) * 1024 and all(sum(S) == 4096 for S in plans)
+    slow = Group(devices=(0,), rate=3.0, h=1, node=0)
+    template = next(dfs_templates([slow], plans[0], budget=[10_000]))
+    assert len(template) == 1024 and template[0][0] == 0 and all(g == NORMAL for pipe in template[1:] for g in pipe)

@@ -21,7 +21,9 @@ Two generators, one scorer:
 """
 from __future__ import annotations
 
+import heapq
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
@@ -197,25 +199,78 @@ def stage_plans(num_groups: int, num_pipelines: int, baseline_stages: int | None
         return [(baseline_stages,) * P]
     q, r = divmod(num_groups, P)
     lo, hi = max(1, q - 1), q + r + 1
-    if not authors:
-        hi = min(hi, q + 2)
-    out: list[tuple[int, ...]] = []
+    if authors:
+        return _all_stage_plans(num_groups, P, lo, hi)
+    return _balanced_stage_plans(num_groups, P, max_plans)
 
-    def rec(prefix: list[int], left: int, cap: int) -> None:
+
+def _all_stage_plans(num_groups: int, P: int, lo: int, hi: int) -> list[tuple[int, ...]]:
+    """Every non-increasing sequence of P counts in [lo, hi] summing to num_groups, in descending
+    lexicographic order (an explicit stack: its depth would be the pipeline count)."""
+    out: list[tuple[int, ...]] = []
+    stack: list[tuple[tuple[int, ...], int, int]] = [((), num_groups, hi)]
+    while stack:
+        prefix, left, cap = stack.pop()
         slots = P - len(prefix)
         if slots == 0:
             if left == 0:
-                out.append(tuple(prefix))
-            return
-        for v in range(min(cap, left - lo * (slots - 1)), lo - 1, -1):
-            if v * slots < left:
-                break
-            rec(prefix + [v], left - v, v)
-    rec([], num_groups, hi)
-    if authors or len(out) <= max_plans:
-        return out
+                out.append(prefix)
+            continue
+        values = [v for v in range(min(cap, left - lo * (slots - 1)), lo - 1, -1) if v * slots >= left]
+        stack.extend((prefix + (v,), left - v, v) for v in reversed(values))   # largest popped first
+    return out
+
+
+def _balanced_stage_plans(num_groups: int, P: int, max_plans: int) -> list[tuple[int, ...]]:
+    """Our family, S_i in [max(1, q-1), min(q+r+1, q+2)]: a non-increasing sequence is its counts
+    (a of q-1, c of q, b of q+1, d of q+2), and the two sums fix c = P - r - 2a + d and
+    b = r + a - 2d, so the family is the feasible (a, d) pairs. Its deviation from the even split
+    grows with a and with d, so the most balanced come out of a best-first merge over d, without
+    listing the family (~10^8 members at 32 pipelines, unbounded beyond): fewer than `max_plans`
+    members come back all, in descending lexicographic order, else the `max_plans` least deviating."""
+    q, r = divmod(num_groups, P)
+    a_free = q - 1 >= 1               # q-1 is allowed only when it is at least 1
+    d_free = q + r + 1 >= q + 2       # q+2 only when the remainder allows it (r >= 1)
+
+    def a_range(d: int) -> range:
+        return range(max(0, 2 * d - r), (P - r + d) // 2 + 1 if a_free else 1)
+
+    def sequence(a: int, d: int) -> tuple[int, ...]:
+        c, b = P - r - 2 * a + d, r + a - 2 * d
+        return (q + 2,) * d + (q + 1,) * b + (q,) * c + (q - 1,) * a
+
+    ds = [d for d in range(P + 1 if d_free else 1) if len(a_range(d))]
+    if sum(len(a_range(d)) for d in ds) <= max_plans:
+        return sorted((sequence(a, d) for d in ds for a in a_range(d)), reverse=True)
     mean = num_groups / P
-    return sorted(out, key=lambda S: (sum(abs(s - mean) for s in S), S))[:max_plans]
+
+    def deviation(a: int, d: int) -> float:
+        counts = ((q + 2, d), (q + 1, r + a - 2 * d), (q, P - r - 2 * a + d), (q - 1, a))
+        return sum(n * abs(v - mean) for v, n in counts)
+
+    heap = [(deviation(a_range(d)[0], d), d, a_range(d)[0]) for d in ds]
+    heapq.heapify(heap)
+    picked: list[tuple[int, int]] = []
+    cutoff = math.inf
+    while heap and (len(picked) < max_plans or heap[0][0] <= cutoff + 1e-9):   # ties with the last kept too
+        dev, d, a = heapq.heappop(heap)
+        picked.append((a, d))
+        cutoff = dev
+        if a + 1 in a_range(d):
+            heapq.heappush(heap, (deviation(a + 1, d), d, a + 1))
+    # the exact order of the whole family's sort (ties included) on what the merge picked
+    plans = [sequence(a, d) for a, d in picked]
+    return sorted(plans, key=lambda S: (sum(abs(s - mean) for s in S), S))[:max_plans]
+
+
+MAX_DFS_DEPTH = 256   # pipelines the template DFS walks while special groups are left (one frame each)
+
+
+def _spend(budget: list[int] | None, visits: int) -> None:
+    if budget is not None:
+        budget[0] -= visits
+        if budget[0] < 0:
+            raise TooManyTemplates()
 
 
 def dfs_templates(specials: Sequence[Group], stages: Sequence[int], authors: bool = False,
@@ -238,6 +293,12 @@ def dfs_templates(specials: Sequence[Group], stages: Sequence[int], authors: boo
             if not left:
                 yield tuple(acc)
             return
+        if not left:   # the rest is all normal groups: one way, without one frame per pipeline
+            _spend(budget, 2 * (P - i))      # what the frames would have counted
+            yield tuple(acc) + tuple((NORMAL,) * stages[j] for j in range(i, P))
+            return
+        if i >= MAX_DFS_DEPTH:   # special groups spread over this many pipelines: past the DFS's reach
+            raise TooManyTemplates()
         sym = authors or (i > 0 and stages[i] == stages[i - 1])
         max_c = min(stages[i], len(left), prev_count if sym and i > 0 else len(left))
         seen: set = set()
