@@ -71,7 +71,7 @@ def paper_scenario(setup: str, situation: str = "healthy") -> Scenario:
     if situation not in SITUATIONS:
         raise ValueError(f"unknown situation {situation!r}; known: {', '.join(SITUATIONS)}")
     d = scenario_dict(setup, SITUATIONS[situation][nodes * 8])
-    d["name"] = f"{setup}/{situation}"
+    d["name"] = f"{setup}-{situation}"   # a name is [A-Za-z0-9._-]; the source keeps the CLI spelling
     return Scenario.from_dict(d, source=f"simulate:{setup}/{situation}")
 
 
