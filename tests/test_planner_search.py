@@ -306,3 +306,19 @@ def test_thousands_of_pipelines_plan_without_deep_recursion():
     slow = Group(devices=(0,), rate=3.0, h=1, node=0)
     template = next(dfs_templates([slow], plans[0], budget=[10_000]))
     assert len(template) == 1024 and template[0][0] == 0 and all(g == NORMAL for pipe in template[1:] for g in pipe)
+
+
+def test_a_4096_device_layout_of_1024_pipelines_plans():
+    """dp 1024 x tp 1 x pp 4 with two stragglers: every pipeline-count path (stage plans, template
+    walk, local search, fill) at a thousand pipelines; planning time is `malleus bench planner`'s."""
+    from malleus_svc.config import Scenario
+    from malleus_svc.planner import plan
+    from malleus_svc.planner.build import build_problem
+    sc = Scenario.from_dict({"name": "dp1024", "cluster": {"nodes": 512, "gpus_per_node": 8, "gpu_memory_mb": 81920},
+                             "model": "gpt-1.3b", "parallel": {"dp": 1024, "tp": 1, "pp": 4},
+                             "batch": {"global": 4096, "micro": 1}, "rates": {5: 3.0, 2900: 2.0}})
+    p = plan(build_problem(sc)).plan
+    used = {d for pipe in p.pipelines for st in pipe.stages for d in st.devices}
+    assert used | set(p.suspended) == set(range(4096)) and not used & set(p.suspended)
+    assert all(pipe.stages[0].layers[0] == 0 and pipe.stages[-1].layers[1] == 24 for pipe in p.pipelines)
+    assert sum(pipe.micro_batches for pipe in p.pipelines) == 4096

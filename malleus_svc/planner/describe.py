@@ -1,6 +1,8 @@
 """A plan as a table a person reads: pipelines, stages, devices, layers, micro-batches, times."""
 from __future__ import annotations
 
+import math
+
 from ..plan import Plan, PlanDiff
 from .problem import PlannerProblem
 
@@ -43,8 +45,10 @@ def plan_table(plan: Plan, problem: PlannerProblem) -> str:
 def summary_line(plan: Plan, ideal: float | None, solve_seconds: float | None, candidates: int | None) -> str:
     obj = plan.objective_value
     parts = [f"objective ({plan.objective}) {obj:.1f} t0"]
-    if ideal:
+    if ideal and math.isfinite(ideal):
         parts.append(f"straggler-free {ideal:.1f} t0 ({obj / ideal:.3f}x)")
+    elif ideal:   # the layout as given does not fit memory even without stragglers
+        parts.append("straggler-free: the given layout does not fit")
     if plan.predicted_iteration_seconds is not None:
         parts.append(f"predicted iteration {plan.predicted_iteration_seconds:.3f} s")
     if solve_seconds is not None:

@@ -21,6 +21,7 @@ Two generators, one scorer:
 """
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import math
@@ -352,6 +353,20 @@ def greedy_templates(specials: Sequence[Group], num_normal: int, num_pipelines: 
     return out
 
 
+def _moves(pipes: list[list[int]]) -> Iterator[tuple[int, int, int, int]]:
+    """`improve`'s moves in its order, made as they are tried: (from pipeline a, special group x,
+    to pipeline b, the placeholder or the special group y > x that x trades places with). Only
+    pipelines holding special groups are sources, so thousands of all-normal pipelines cost little."""
+    special = [[g for g in p if g != NORMAL] for p in pipes]
+    has_normal = [NORMAL in p for p in pipes]
+    for a, xs in enumerate(special):
+        for b in (b for b in range(len(pipes)) if b != a) if xs else ():
+            for x in xs:
+                if has_normal[b]:
+                    yield a, x, b, NORMAL
+                yield from ((a, x, b, y) for y in special[b] if y > x)
+
+
 def improve(template: Template, specials: Sequence[Group], scorer: Scorer, tp: int,
             max_evals: int = 200) -> tuple[Template, Score | None]:
     """Bounded first-improvement local search: move one special group to another pipeline
@@ -366,14 +381,7 @@ def improve(template: Template, specials: Sequence[Group], scorer: Scorer, tp: i
     while improved and evals < max_evals:
         improved = False
         pipes = [list(p) for p in template]
-        moves = []
-        for a, b in itertools.permutations(range(len(pipes)), 2):
-            for x in (g for g in pipes[a] if g != NORMAL):
-                if NORMAL in pipes[b]:
-                    moves.append((a, x, b, NORMAL))
-                for y in (g for g in pipes[b] if g != NORMAL and g > x):
-                    moves.append((a, x, b, y))
-        for a, x, b, y in moves:
+        for a, x, b, y in _moves(pipes):
             if evals >= max_evals:
                 break
             new = [list(p) for p in pipes]
@@ -401,6 +409,7 @@ def fill(template: Template, specials: Sequence[Group], normals: Sequence[Group]
     """
     prev = previous_ranges or {}
     free = sorted(normals, key=lambda g: (g.node, g.devices))
+    by_node = _FreeByNode(free) if not prev else None   # without a previous plan nothing is kept: O(1) picks
     out: list[list[Group]] = []
     for i, pipe in enumerate(template):
         start, row = 0, []
@@ -411,6 +420,9 @@ def fill(template: Template, specials: Sequence[Group], normals: Sequence[Group]
                 row.append(specials[g])
                 continue
             last_node = row[-1].node if row else None
+            if by_node is not None:
+                row.append(by_node.take(last_node))
+                continue
 
             def key(c: Group) -> tuple:
                 kept = sum(max(0, min(hi, prev[d][1]) - max(lo, prev[d][0])) for d in c.devices if d in prev)
@@ -420,3 +432,21 @@ def fill(template: Template, specials: Sequence[Group], normals: Sequence[Group]
             row.append(pick)
         out.append(row)
     return out
+
+
+class _FreeByNode:
+    """`fill`'s pick when nothing is kept, min of (node != last_node, node, devices), without a scan:
+    the first free group of `last_node`, else the first free group of the lowest node."""
+
+    def __init__(self, free: Sequence[Group]):          # sorted by (node, devices)
+        self.groups: dict[int, collections.deque] = {}
+        for g in free:
+            self.groups.setdefault(g.node, collections.deque()).append(g)
+        self.nodes = collections.deque(sorted(self.groups))
+
+    def take(self, node: int | None) -> Group:
+        if not self.groups.get(node):
+            while not self.groups[self.nodes[0]]:
+                self.nodes.popleft()
+            node = self.nodes[0]
+        return self.groups[node].popleft()
