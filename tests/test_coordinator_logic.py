@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parent.parent
 def coordinator(**kwargs) -> JobCoordinator:
     d = yaml.safe_load((REPO / "examples/tiny_job.yaml").read_text())
     d["metrics"], d["train"]["steps"] = {"enabled": False}, 200
-    c = JobCoordinator(JobConfig.from_dict(d), workers=FakeWorkers, grace=1000.0, **kwargs)
+    kwargs.setdefault("workers", FakeWorkers)
+    c = JobCoordinator(JobConfig.from_dict(d), grace=1000.0, **kwargs)
     c.setup()
     return c
 
@@ -113,3 +114,46 @@ def test_an_exclusion_plans_the_device_out_and_an_inclusion_back_in():
     c.include([2])
     settle(c)
     assert 2 not in c.plan.excluded, outcomes(c)
+
+
+class _NodeComesBack(FakeWorkers):
+    """Devices 2 and 3 cannot be placed at start; their node is back from the third iteration."""
+
+    def __init__(self, job):
+        super().__init__(job)
+        self.gone, self.calls = {2, 3}, 0
+
+    def rejoinable(self) -> list[int]:
+        self.calls += 1
+        return sorted(self.gone) if self.calls >= 3 else []
+
+    def rejoin(self, devices, plan_for) -> list[int]:
+        self.gone -= set(devices)
+        self.plan = plan_for(frozenset(self.gone))
+        return sorted(devices)
+
+
+def test_a_planner_failure_when_devices_rejoin_keeps_the_job_and_its_plan():
+    """The planner raises on the re-plan with the devices back (fault injected into the real
+    planner): the job keeps training on the plan it had, says why, and plans them in later."""
+    from malleus_svc.control.policy import Planner
+
+    real = Planner.default()
+    fail = {"on": False}
+
+    def replan(problem, previous):
+        if fail["on"]:
+            raise RuntimeError("injected planner fault")
+        return real.replan(problem, previous)
+    c = coordinator(workers=_NodeComesBack, planner=Planner(real.evaluate, real.rebalance, replan), rejoin_check_s=0.0)
+    before = c.plan
+    assert {2, 3} <= set(before.excluded)
+    fail["on"] = True
+    run(c, 4)
+    assert c.group.gone == set() and c.plan.plan_id == before.plan_id and c.status()["error"] is None
+    events = str(c.status()["events"])
+    assert "injected planner fault" in events and f"plan {before.plan_id} kept" in events, events
+    fail["on"] = False
+    c.replan("the rejoined devices", force=True)
+    settle(c)
+    assert not {2, 3} & set(c.plan.excluded) and {2, 3} <= set(c.plan.roles()), outcomes(c)

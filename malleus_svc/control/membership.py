@@ -67,12 +67,30 @@ class Membership:
         if not self.failure.rejoin_due(self.group.gone) or not (ready := self.group.rejoinable()):
             return
         old, t0 = self.plan, time.perf_counter()
-        back = self.group.rejoin(ready, self._plan_without)
+
+        def plan_or_keep(gone: frozenset) -> Plan:
+            # More devices never make the running plan invalid (it leaves them out), so a planner
+            # that fails here costs the extra devices until a later round, never the job.
+            try:
+                return self._plan_without(gone)
+            except Exception as e:  # noqa: BLE001 - whatever the planner raised, the job goes on
+                self._event("error", f"planning with devices {sorted(ready)} back failed ({_one_line(e)}); "
+                                     f"plan {old.plan_id} kept, they stay out of it until a later round")
+                return old
+        back = self.group.rejoin(ready, plan_or_keep)
         if not back:
             return
         baselines = probe_baselines(self.group, back, rounds=5)   # fresh processes: their own probe baselines
         with self._lock:
             self.hooks.emulation.forget(back)          # emulation (tests) re-applies to the fresh workers
             self.measurement.set_probe_baselines(baselines)
-        self._membership_changed(old, f"devices {back} rejoined in {time.perf_counter() - t0:.1f} s")
+        detail = f"devices {back} rejoined in {time.perf_counter() - t0:.1f} s"
+        if self.group.plan.plan_id == old.plan_id:    # the planner failed: same plan, no plan change
+            self._event("membership", f"{detail}; plan {old.plan_id} kept")
+        else:
+            self._membership_changed(old, detail)
 
+
+def _one_line(e: Exception) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
