@@ -247,6 +247,73 @@ def test_pickled_objects_are_refused_not_executed(tmp_path):
     assert marker.exists()
 
 
+def _resign(d: Path, name: str, **entry) -> None:
+    """Rewrite the manifest's entry for `name` (and its own sha256), as an attacker with write access would."""
+    import hashlib
+
+    m = read_manifest(d)
+    files = dict(m.files)
+    if not entry:
+        data = (d / name).read_bytes()
+        entry = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    files[name] = dataclasses.replace(files[name], **entry)
+    (d / "manifest.json").write_text(dataclasses.replace(m, files=files).to_json())
+
+
+def _symlink_out(d: Path, outside: Path) -> None:
+    (outside / "stolen.pt").write_bytes((d / "embedding.pt").read_bytes())
+    (d / "embedding.pt").unlink()
+    (d / "embedding.pt").symlink_to(outside / "stolen.pt")
+
+
+def _fifo(d: Path, outside: Path) -> None:
+    (d / "embedding.pt").unlink()
+    os.mkfifo(d / "embedding.pt")
+
+
+def _sparse(d: Path, outside: Path) -> None:
+    with open(d / "embedding.pt", "r+b") as f:
+        f.truncate(8 << 30)                      # 8 GiB of holes: a read of it all would take minutes
+
+
+def _sparse_promised(d: Path, outside: Path) -> None:
+    _sparse(d, outside)
+    _resign(d, "embedding.pt", bytes=8 << 30)   # and a manifest that says so
+
+
+def _float64(d: Path, outside: Path) -> None:
+    good = torch.load(d / "embedding.pt", weights_only=True)
+    good["tensors"]["embedding.weight"]["exp_avg"] = good["tensors"]["embedding.weight"]["exp_avg"].double()
+    torch.save(good, d / "embedding.pt")
+    _resign(d, "embedding.pt")
+
+
+@pytest.mark.parametrize("craft, reason", [
+    (_symlink_out, "embedding.pt is a symlink"), (_fifo, "embedding.pt is not a regular file"),
+    (_sparse, "has 8589934592 bytes, the manifest says"), (_sparse_promised, "takes at most"),
+    (_float64, "expected a float32 tensor"),
+])
+def test_crafted_part_files_are_skipped_before_they_are_read(tmp_path, craft, reason):
+    """A FIFO, a symlink out of the directory, a sparse 8 GiB file (with or without a manifest
+    promising it) and a tensor of the wrong dtype: the checkpoint is skipped with the reason, in
+    bounded time (nothing blocks or reads gigabytes), and the previous good one is loaded."""
+    root, outside = tmp_path / "ckpt", tmp_path / "outside"
+    outside.mkdir()
+    write_steps(root, [1, 2])
+    craft(root / "step-00000002", outside)
+    done: dict = {}
+    reader = threading.Thread(target=lambda: done.update(ckpt=load_latest(root)), daemon=True)
+    t0 = time.monotonic()
+    reader.start()
+    reader.join(10)
+    if reader.is_alive() and os.path.exists(root / "step-00000002" / "embedding.pt"):
+        with contextlib.suppress(OSError):   # unblock a reader stuck on the FIFO before failing
+            os.close(os.open(root / "step-00000002" / "embedding.pt", os.O_WRONLY | os.O_NONBLOCK))
+    assert not reader.is_alive() and time.monotonic() - t0 < 5, "the reader blocked or read too much"
+    ckpt = done["ckpt"]
+    assert ckpt.step == 1 and len(ckpt.skipped) == 1 and reason in ckpt.skipped[0][1], ckpt.skipped
+
+
 # --------------------------------------------------------------------------- asynchronous writer
 def test_error_in_the_writer_thread_surfaces_on_the_next_call(tmp_path):
     root = tmp_path / "ckpt"

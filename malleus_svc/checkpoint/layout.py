@@ -60,6 +60,18 @@ def expected_files(shape: ModelShape) -> dict[str, int | str]:
     return {part_file_name(p): p for p in model_parts(shape.layers)}
 
 
+# torch.save's zip and pickle around the tensors: measured at ~1.5 KiB per tensor for a tiny part;
+# the bound is generous, it only has to stop a manifest from promising gigabytes.
+_FILE_OVERHEAD_BYTES, _TENSOR_OVERHEAD_BYTES = 64 * 1024, 16 * 1024
+
+
+def max_part_file_bytes(shape: ModelShape, part: int | str) -> int:
+    """The most bytes a part file of this model may have: fp32 parameter and Adam moments of every
+    tensor of the part, plus the container's overhead."""
+    specs = part_tensors(shape, part)
+    return sum(len(_MOMENTS) * 4 * t.numel + _TENSOR_OVERHEAD_BYTES for t in specs) + _FILE_OVERHEAD_BYTES
+
+
 def _plain_cpu(t: Any, what: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise CheckpointError(f"{what} is a {type(t).__name__}, not a tensor")
@@ -128,9 +140,9 @@ def unpack_into(out: dict[str, torch.Tensor], payload: Any, file: str, shape: Mo
             raise bad(f"{name} is a {type(entry).__name__}, expected a dict")
         for key, suffix in _MOMENTS:
             t = entry.get(key)
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != spec.shape:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise bad(f"{name} {key} is {got}, expected a tensor of shape {spec.shape}")
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != spec.shape or t.dtype != torch.float32:
+                got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise bad(f"{name} {key} is {got}, expected a float32 tensor of shape {spec.shape}")
             out[name + suffix] = t
         step = entry.get("step")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:

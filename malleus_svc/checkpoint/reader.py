@@ -1,6 +1,7 @@
 """Finding, verifying and loading checkpoints.
 
-Every file's size and sha256 are checked against the manifest before its bytes are deserialised,
+Every file's kind (regular, not a link), size and sha256 are checked against the manifest, and the
+manifest's sizes against the model, before a byte is deserialised;
 and deserialisation is `torch.load(weights_only=True)` only: a checkpoint is data, never code.
 `load_latest` walks the published checkpoints newest first and returns the first that verifies,
 reporting (log + `Checkpoint.skipped`) every newer one it passed over and why.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from malleus_svc.config.files import read_bytes
 from malleus_svc.config.presets import ModelShape
 
 from .errors import CheckpointError, CheckpointMismatchError
-from .layout import MANIFEST, expected_files, step_of_dir, unpack_into
+from .layout import MANIFEST, expected_files, max_part_file_bytes, step_of_dir, unpack_into
 from .manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,7 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if step_of_dir(p) is not None and p.is_dir()]
+    found = [p for p in root.iterdir() if step_of_dir(p) is not None and p.is_dir() and not p.is_symlink()]
     return sorted(found, key=step_of_dir, reverse=True)
 
 
@@ -75,14 +77,27 @@ def check_shape(manifest: Manifest, shape: ModelShape, path: Path | None = None)
 
 
 def _read_verified(path: Path, name: str, entry) -> bytes:
+    """A part file's bytes, trusted only once they match the manifest. Before reading: a regular
+    file of this directory (a symlink could point anywhere, a FIFO blocks a read forever) of the
+    size the manifest says (a sparse or swapped file is refused without being read)."""
     try:
-        data = (path / name).read_bytes()
+        st = (path / name).lstat()
     except FileNotFoundError:
         raise CheckpointError(f"{name} is missing", path) from None
     except OSError as e:
         raise CheckpointError(f"{name} cannot be read: {e}", path) from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+        raise CheckpointError(f"{name} is {kind}; a checkpoint holds only the regular files it wrote", path)
+    if st.st_size != entry.bytes:
+        raise CheckpointError(f"{name} has {st.st_size} bytes, the manifest says {entry.bytes} (truncated or overwritten)", path)
+    try:
+        with (path / name).open("rb") as f:
+            data = f.read(entry.bytes + 1)
+    except OSError as e:
+        raise CheckpointError(f"{name} cannot be read: {e}", path) from None
     if len(data) != entry.bytes:
-        raise CheckpointError(f"{name} has {len(data)} bytes, the manifest says {entry.bytes} (truncated or overwritten)", path)
+        raise CheckpointError(f"{name} has {len(data)} bytes, the manifest says {entry.bytes} (changed while read)", path)
     actual = hashlib.sha256(data).hexdigest()
     if actual != entry.sha256:
         raise CheckpointError(f"{name} sha256 mismatch: expected {entry.sha256}, actual {actual} (the file is damaged)", path)
@@ -114,6 +129,11 @@ def _checked_manifest(path: Path, shape: ModelShape | None) -> Manifest:
     if set(manifest.files) != set(wanted):
         raise CheckpointError(f"{MANIFEST} lists files {sorted(manifest.files)}, a model of {manifest.shape} "
                               f"needs {sorted(wanted)}", path)
+    for name, entry in manifest.files.items():
+        most = max_part_file_bytes(manifest.shape, wanted[name])
+        if not 0 < entry.bytes <= most:
+            raise CheckpointError(f"{MANIFEST} says {name} has {entry.bytes} bytes; that part of a model of "
+                                  f"{manifest.shape} takes at most {most}", path)
     return manifest
 
 
