@@ -157,3 +157,28 @@ def test_a_planner_failure_when_devices_rejoin_keeps_the_job_and_its_plan():
     c.replan("the rejoined devices", force=True)
     settle(c)
     assert not {2, 3} & set(c.plan.excluded) and {2, 3} <= set(c.plan.roles()), outcomes(c)
+
+
+@pytest.mark.parametrize("extra, applied", [
+    ({"external_rates": {"1": 2.0}, "excluded": [2]}, True),
+    ({"external_rates": {"1": 1e308}}, False),                    # finite, >= 1, and no plan survives it
+    ({"external_rates": {"9": 2.0}}, False),                      # no such device
+    ({"excluded": [0, 1, 2, 3]}, False),                          # nothing left to train on
+    ({"external_rates": {"1": "2"}, "excluded": [0.5]}, False),
+])
+def test_a_checkpoints_rates_and_exclusions_pass_the_client_checks(extra, applied):
+    """What a checkpoint carries besides the model is input too: resumed through the same checks
+    as set_rates and exclude, and refused as a whole (with the reason in the events) if any fails."""
+    from types import SimpleNamespace
+
+    c = coordinator()
+    ckpt = SimpleNamespace(manifest=SimpleNamespace(extra={"records": [], **extra}), path=Path("step-00000004"),
+                           skipped=[])
+    with c._lock:
+        c._resume_from(ckpt, 4)
+    st = c.status()
+    if applied:
+        assert st["external_rates"] == {"1": 2.0} and st["excluded"] == [2]
+    else:
+        assert st["external_rates"] == {} and st["excluded"] == []
+        assert "not applied" in str(st["events"]), st["events"]

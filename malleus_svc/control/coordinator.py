@@ -171,8 +171,17 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
         health signals and exclusions (they outlive a restart, like the model does)."""
         extra = ckpt.manifest.extra
         self.history.records = [r for r in extra.get("records", []) if r["step"] < start_step]
-        self.measurement.set_external({int(d): float(r) for d, r in extra.get("external_rates", {}).items()})
-        self.excluded |= {int(d) for d in extra.get("excluded", [])}
+        try:   # the client calls' own checks: a checkpoint's extras are input like any other
+            rates = extra.get("external_rates") or {}
+            clean = check.check_rates(rates, self.job.num_devices, self.job.name) if rates else {}
+            devs = extra.get("excluded") or []
+            excluded = check.check_devices(devs, "excluded", self.job.num_devices, self.job.name) if devs else []
+            check.check_exclude(excluded, set(), set(), self.job.num_devices, self.job.name)
+        except MalleusError as e:
+            self._event("error", f"the checkpoint's external rates and exclusions are not applied: {e}")
+        else:
+            self.measurement.set_external(clean)
+            self.excluded |= set(excluded)
         self.origin["resumed_from"] = {"path": str(ckpt.path), "step": start_step,
                                        "skipped": [f"{p.name}: {why}" for p, why in ckpt.skipped]}
         self._event("resumed", f"from {ckpt.path.name} at step {start_step}"

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from malleus_svc.config.limits import MAX_RATE
+
 
 class MalleusError(ValueError):
     """A client call the coordinator refuses; the message says why. Nothing changed."""
@@ -54,9 +56,9 @@ def check_rates(rates: Any, num_devices: int, job: str) -> dict[int, float | Non
             continue
         if not is_number(r):
             raise MalleusError(f"rate for device {d} must be a finite number >= 1.0 (or None to clear), got {r!r}")
-        if float(r) < 1.0:
-            raise MalleusError(f"rate for device {d} must be >= 1.0 (1.0 = healthy, 3.0 = three times slower), "
-                               f"got {r!r}")
+        if not 1.0 <= float(r) <= MAX_RATE:
+            raise MalleusError(f"rate for device {d} must be in [1.0, {MAX_RATE:g}] (1.0 = healthy, 3.0 = three "
+                               f"times slower), got {r!r}")
         clean[d] = float(r)
     return clean
 
@@ -90,8 +92,9 @@ def check_emulation(factors: Any, jitter: Any, num_devices: int, job: str) -> tu
     clean = {}
     for d, f in (factors or {}).items():
         d = check_device(d, num_devices, job)
-        if not is_number(f) or float(f) < 1.0:
-            raise MalleusError(f"slowdown factor for device {d} must be a finite number >= 1.0, got {f!r}")
+        if not is_number(f) or not 1.0 <= float(f) <= MAX_RATE:
+            raise MalleusError(f"slowdown factor for device {d} must be a finite number >= 1.0 and at most "
+                               f"{MAX_RATE:g}, got {f!r}")
         clean[d] = float(f)
     return clean, jitter
 

@@ -13,6 +13,7 @@ import json
 import math
 
 from malleus_svc.config.errors import ConfigError
+from malleus_svc.config.limits import MAX_RATE
 from malleus_svc.control.client import MalleusError, connect
 from malleus_svc.control.coordinator import describe_plan
 
@@ -128,8 +129,9 @@ def parse_rate_assignments(items: list[str], flag: str = "--set") -> dict[int, f
             r = float(rate)
         except ValueError:
             raise ConfigError(flag, item, "a rate is a number >= 1.0 (1 = healthy, 3 = three times slower)") from None
-        if not math.isfinite(r) or r < 1.0:
-            raise ConfigError(flag, item, "a rate is a finite number >= 1.0 (1 = healthy, 3 = three times slower)")
+        if not math.isfinite(r) or not 1.0 <= r <= MAX_RATE:
+            raise ConfigError(flag, item, f"a rate is a finite number >= 1.0 and at most {MAX_RATE:g} (1 = healthy, "
+                                          "3 = three times slower)")
         out[d] = r
     return out
 
