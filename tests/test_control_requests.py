@@ -56,3 +56,22 @@ def test_reasons_steps_and_emulation():
         check.check_emulation(None, 2.0, 8, "j")
     with pytest.raises(MalleusError, match=">= 1.0"):
         check.check_emulation({3: 0.5}, None, 8, "j")
+
+
+def test_the_call_budget_allows_a_burst_then_the_steady_rate():
+    now = [100.0]
+    budget = check.CallBudget("j", rate=5.0, burst=20, clock=lambda: now[0])
+    for _ in range(20):
+        budget.take()
+    with pytest.raises(MalleusError, match=r"at most 5 changing calls per second \(bursts of 20\); retry in 0.2 s"):
+        budget.take()
+    now[0] += 1.0                      # one second: five more
+    for _ in range(5):
+        budget.take()
+    with pytest.raises(MalleusError, match="retry in"):
+        budget.take()
+    now[0] += 3600.0                   # idle for long: the burst again, never more
+    for _ in range(20):
+        budget.take()
+    with pytest.raises(MalleusError):
+        budget.take()

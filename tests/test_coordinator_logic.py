@@ -182,3 +182,40 @@ def test_a_checkpoints_rates_and_exclusions_pass_the_client_checks(extra, applie
     else:
         assert st["external_rates"] == {} and st["excluded"] == []
         assert "not applied" in str(st["events"]), st["events"]
+
+
+def test_a_loop_of_client_calls_is_refused_past_the_budget_and_refusals_change_nothing():
+    c = coordinator()
+    run(c, 4)
+    accepted, refused = 0, []
+    for i in range(100):
+        try:
+            c.set_rates({1: 2.0 if i % 2 else None})
+            accepted += 1
+        except MalleusError as e:
+            refused.append(str(e))
+    assert 20 <= accepted <= 22 and len(refused) == 100 - accepted, (accepted, refused[:1])
+    assert "changing calls per second" in refused[0] and "retry in" in refused[0]
+    last = 2.0 if (accepted - 1) % 2 else None         # the last accepted call's value
+    assert c.status()["external_rates"] == ({"1": 2.0} if last else {})
+    assert len(c.status()["pending_requests"]) <= accepted
+
+
+def test_a_forced_replan_waits_for_min_interval_unless_urgent():
+    c = coordinator()
+    run(c, 4)
+    c.exclude([2])
+    settle(c)
+    changed = c.policy.last_change_step
+    c.replan("again", force=True)                       # right after a plan change: held
+    assert c.rounds.state is RoundState.IDLE and len(c.rounds.pending) == 1
+    assert "held until a re-plan is due" in str(c.status()["events"])
+    while c.step < changed + c.policy.min_interval - 1:
+        c._iteration()
+        assert c.rounds.pending, "started before min_interval"
+    settle(c)
+    assert not c.rounds.pending and c.get_history()[-1]["reason"].endswith("again"), outcomes(c)
+    c.include([2])
+    settle(c)
+    c.replan("now", force=True, urgent=True)            # urgent: a round starts at once
+    assert c.rounds.state is not RoundState.IDLE or c.get_history()[-1]["reason"].endswith("now")

@@ -14,19 +14,23 @@ from .status import status, summary
 class ClientAPI:
     """Mixed into JobCoordinator (which provides the state and `_submit`); under its lock."""
 
-    def replan(self, reason: str = "user request", force: bool = False) -> dict:
+    def replan(self, reason: str = "user request", force: bool = False, urgent: bool = False) -> dict:
         """Ask for a re-plan (coalesced with any in flight). force: adopt the planner's plan even if
-        keeping the current one is predicted to finish sooner."""
+        keeping the current one is predicted to finish sooner; it waits, like the rate trigger, until
+        `min_interval` iterations have passed since the last plan change, unless `urgent`."""
+        self.calls.take()
         reason = check.check_reason(reason)
         with self._lock:
             self._check_running(RequestKind.REQUEST)
-            req = self._submit(RequestKind.REQUEST, reason, bool(force))
+            hold = bool(force) and not urgent and not self.policy.due(self.step, self.policy.last_change_step)
+            req = self._submit(RequestKind.REQUEST, reason, bool(force), hold=hold)
             cur = self.rounds.current
             return {"request": req.id, "pending": [r.id for r in self.rounds.pending], "round": cur.id if cur else None}
 
     def set_rates(self, rates: Mapping[Any, Any]) -> dict:
         """External health signals (DCGM/NVML, an operator): device -> straggling rate >= 1.0.
         They take precedence over measured rates for those devices until cleared with None."""
+        self.calls.take()
         clean = check.check_rates(rates, self.job.num_devices, self.job.name)
         with self._lock:
             self._check_running()
@@ -42,6 +46,7 @@ class ClientAPI:
             return self.set_rates({d: None for d in list(self.measurement.external)})
 
     def exclude(self, devices: Any) -> dict:
+        self.calls.take()
         devs = check.check_devices(devices, "exclude", self.job.num_devices, self.job.name)
         with self._lock:
             self._check_running()
@@ -52,6 +57,7 @@ class ClientAPI:
             return {"excluded": sorted(self.excluded), "request": req.id}
 
     def include(self, devices: Any) -> dict:
+        self.calls.take()
         devs = check.check_devices(devices, "include", self.job.num_devices, self.job.name)
         with self._lock:
             self._check_running()
@@ -64,6 +70,7 @@ class ClientAPI:
     def emulate(self, factors: Mapping[int, float] | None = None, jitter: float | None = None) -> dict:
         """EMULATION ONLY (demos/tests): slow devices from the next iteration on (1.0 = off), and/or
         set the per-step jitter. The coordinator never reads these factors to estimate rates."""
+        self.calls.take()
         clean, jitter = check.check_emulation(factors, jitter, self.job.num_devices, self.job.name)
         with self._lock:
             return self.hooks.emulation.set(clean, jitter)

@@ -114,10 +114,10 @@ class Client:
         return self._call("metrics", since)
 
     # ------------------------------------------------------------------ asking
-    def replan(self, reason: str = "user request", force: bool = False) -> dict:
+    def replan(self, reason: str = "user request", force: bool = False, urgent: bool = False) -> dict:
         if not isinstance(reason, str) or not reason.strip():
             raise MalleusError(f"reason must be a non-empty string, got {reason!r}")
-        return self._call("replan", reason, force)
+        return self._call("replan", reason, force, urgent)
 
     def set_rates(self, rates: Mapping[int, float | None]) -> dict:
         if not isinstance(rates, Mapping) or not rates:

@@ -79,6 +79,7 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
         self.hooks = Hooks(workers or (lambda j: ray_workers(j, knobs, cpus_per_worker)), planner or Planner.default(),
                            emulation or Emulation(job.emulate), delays or Delays())
         self.rounds = Rounds()
+        self.calls = check.CallBudget(job.name)     # client calls that change the job: rate-limited
         self.history = History(job.name)
         self.lengths = LengthView(job, knobs.length_window)
         self.checkpoints = JobCheckpoints(job.checkpoint, job.shape)

@@ -19,21 +19,25 @@ class Replanning:
 
     def _decide(self) -> None:
         with self._lock:
-            if not self.measurement.calibrated or self.rounds.state is not RoundState.IDLE or self.rounds.pending:
+            if self.rounds.state is RoundState.IDLE and self.rounds.pending:   # requests held for min_interval
+                if self.policy.due(self.step, self.policy.last_change_step):
+                    self._start_round()
+                return
+            if not self.measurement.calibrated or self.rounds.state is not RoundState.IDLE:
                 return
             trig = self.policy.trigger(self.basis, self.effective_rates(), self.plan, self.step,
                                        self.policy.last_change_step)
             if trig is not None:
                 self._submit(RequestKind(trig.reason), trig.detail)
 
-    def _submit(self, kind: RequestKind, detail: str, force: bool = False):
-        """(lock held) Queue a request: start a round now, or merge into the pending one. None when
-        the policy takes no requests."""
+    def _submit(self, kind: RequestKind, detail: str, force: bool = False, hold: bool = False):
+        """(lock held) Queue a request: start a round now, or merge into the pending one (`hold`: it
+        waits for the iteration at which a re-plan is due). None when the policy takes no requests."""
         if not self.policy.replans:
             return None
         req = self.rounds.add(kind, detail, self.step, force)
-        self._event("request", f"#{req.id} {kind.value}: {detail}")
-        if self.rounds.state is RoundState.IDLE and self.plan is not None:
+        self._event("request", f"#{req.id} {kind.value}: {detail}" + (" (held until a re-plan is due)" if hold else ""))
+        if self.rounds.state is RoundState.IDLE and self.plan is not None and not hold:
             self._start_round()
         return req
 

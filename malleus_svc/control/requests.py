@@ -4,6 +4,7 @@ what passed."""
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Mapping
 
 from malleus_svc.config.limits import MAX_RATE
@@ -103,3 +104,28 @@ def check_steps(steps: Any) -> int:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise MalleusError(f"steps must be an integer >= 1, got {steps!r}")
     return steps
+
+
+# Client calls that change the job, per job: a steady rate and a burst. A loop of calls would
+# otherwise grow the pending requests and the history with its own speed, and queue a round per call.
+CALLS_PER_SECOND = 5.0
+CALL_BURST = 20
+
+
+class CallBudget:
+    """A token bucket over the job's changing client calls (refused calls count too: they cost the
+    coordinator a check each). `take` raises MalleusError with the wait when the budget is spent."""
+
+    def __init__(self, job: str, rate: float = CALLS_PER_SECOND, burst: int = CALL_BURST,
+                 clock=time.monotonic):
+        self.job, self.rate, self.burst, self.clock = job, float(rate), float(burst), clock
+        self.tokens, self.at = float(burst), clock()
+
+    def take(self) -> None:
+        now = self.clock()
+        self.tokens, self.at = min(self.burst, self.tokens + (now - self.at) * self.rate), now
+        if self.tokens < 1.0:
+            wait = (1.0 - self.tokens) / self.rate
+            raise MalleusError(f"job {self.job!r} takes at most {self.rate:g} changing calls per second (bursts of "
+                               f"{self.burst:g}); retry in {wait:.1f} s")
+        self.tokens -= 1.0

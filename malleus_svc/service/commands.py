@@ -35,7 +35,8 @@ def add_parsers(sub) -> None:
     p = job_parser("replan", "ask a running job to re-plan now (coalesced with any re-plan in flight)")
     p.add_argument("--reason", default="operator request", help="recorded in the job's history and metrics")
     p.add_argument("--force", action="store_true", help="adopt the planner's plan even if keeping the current "
-                   "one is predicted to finish sooner")
+                   "one is predicted to finish sooner (after the job's min_interval since its last plan change)")
+    p.add_argument("--urgent", action="store_true", help="with --force: do not wait for min_interval")
     p.set_defaults(func=cmd_replan)
     p = job_parser("rates", "show a job's straggling rates, or set/clear external ones")
     p.add_argument("--set", action="append", default=[], metavar="DEVICE=RATE",
@@ -78,7 +79,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_replan(args: argparse.Namespace) -> int:
-    ans = _client(args).replan(reason=args.reason, force=args.force)
+    ans = _client(args).replan(reason=args.reason, force=args.force, urgent=args.urgent)
     return _print(args, ans, f"re-plan requested (request #{ans['request']}); "
                              f"`malleus status {args.job}` shows the round, the history its outcome")
 
