@@ -58,8 +58,8 @@ def check_rates(rates: Any, num_devices: int, job: str) -> dict[int, float | Non
         if not is_number(r):
             raise MalleusError(f"rate for device {d} must be a finite number >= 1.0 (or None to clear), got {r!r}")
         if not 1.0 <= float(r) <= MAX_RATE:
-            raise MalleusError(f"rate for device {d} must be in [1.0, {MAX_RATE:g}] (1.0 = healthy, 3.0 = three "
-                               f"times slower), got {r!r}")
+            raise MalleusError(f"rate for device {d} must be >= 1.0 and at most {MAX_RATE:g} (1.0 = healthy, "
+                               f"3.0 = three times slower), got {r!r}")
         clean[d] = float(r)
     return clean
 

@@ -92,7 +92,7 @@ class DeviceWorker:
         """
         ip = ray.util.get_node_ip_address()
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
+            s.bind((ip, 0))          # the cluster address the rendezvous is given, not every interface
             return ip, s.getsockname()[1]
 
     def init_world(self, addr: str, port: int, devices: Sequence[int], timeout_s: float = 120.0) -> str:
