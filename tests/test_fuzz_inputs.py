@@ -5,6 +5,7 @@ nothing. Any other exception is a traceback from deep inside, and fails."""
 from __future__ import annotations
 
 import copy
+import json
 import math
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from malleus_svc.config import ConfigError
 from malleus_svc.config.job import JobConfig
 from malleus_svc.config.scenario import Scenario
 from malleus_svc.control.coordinator import JobCoordinator, MalleusError
+from malleus_svc.control.requests import CallBudget
 from malleus_svc.control.state import JobState, RoundState
 from malleus_svc.service.commands import parse_rate_assignments
 from malleus_svc.planner.build import build_problem
@@ -89,15 +91,18 @@ def test_job_files_either_load_or_name_the_field(doc):
 def test_scenarios_either_load_and_plan_or_name_the_field(doc):
     from malleus_svc.planner import InfeasibleError
     scenario_doc = {k: v for k, v in doc.items() if k not in ("data", "train", "emulate", "ray", "metrics", "checkpoint")}
+    from malleus_svc.planner import plan
     try:
         problem = build_problem(Scenario.from_dict(scenario_doc))
+        result = plan(problem)        # every file that validates plans, or says why it cannot
     except ConfigError as e:
         assert e.field and e.accepted, e
         return
     except InfeasibleError as e:      # a valid file that no plan can satisfy: says why
         assert str(e)
         return
-    assert problem.num_devices >= 1
+    assert problem.num_devices >= 1 and result.plan.num_devices == problem.num_devices
+    assert math.isfinite(result.plan.objective_value) and json.loads(result.plan.to_json())
 
 
 @FUZZ
@@ -121,6 +126,7 @@ def coordinator():
     job = JobConfig.from_dict({**{k: v for k, v in BASE.items() if k not in ("checkpoint", "rates")},
                                "metrics": {"enabled": False}, "train": {"steps": 100000}})
     c = JobCoordinator(job, workers=FakeWorkers, grace=1000.0)
+    c.calls = CallBudget(job.name, rate=1e9, burst=10**9)   # every example reaches the checks (the limit has its own tests)
     c.setup()
     c.state = JobState.TRAINING
     for _ in range(3):
