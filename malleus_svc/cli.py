@@ -1,4 +1,4 @@
-"""`malleus` command line: plan, memory, train, demo, simulate, bench; submit, status, replan, rates, stop.
+"""`malleus` command line: plan, memory, export, train, demo, simulate, bench; submit, status, replan, rates, stop.
 
 Every user error (bad scenario, bad plan file, infeasible problem, unknown job, refused request,
 unreachable cluster) ends with one clear line on stderr and exit code 2, never a traceback.
@@ -74,6 +74,19 @@ def cmd_memory(args: argparse.Namespace) -> int:
     if plan is None and scenario.shape is not None:
         plan = make_plan(build_problem(scenario)).plan
     return print_memory(scenario, plan, args.json)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .checkpoint import CheckpointError
+    from .checkpoint.hf import export_checkpoint
+
+    try:
+        out, shape, step = export_checkpoint(args.checkpoint, args.out_dir)
+    except CheckpointError as e:
+        raise ConfigError("checkpoint", args.checkpoint, e.reason) from None
+    print(f"exported step {step} of a {shape.layers}-layer model ({shape.hidden} hidden, vocab {shape.vocab}) to "
+          f"{out}: config.json and model.safetensors for transformers' LlamaForCausalLM")
+    return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -160,6 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--profile", action="store_true", help="print measured layer_memory_mb and embedding_memory_mb "
                    "for the scenario's profile: instead of the table")
     m.set_defaults(func=cmd_memory)
+
+    e = sub.add_parser("export", help="a checkpoint as a Hugging Face LLaMA folder (config.json + model.safetensors)")
+    e.add_argument("checkpoint", help="a checkpoint's step-XXXXXXXX directory, or a job's checkpoint dir (the newest)")
+    e.add_argument("out_dir", help="the folder to write; `model: {from_pretrained: OUT_DIR}` starts a job from it")
+    e.set_defaults(func=cmd_export)
 
     t = sub.add_parser("train", help="train under a plan on a Ray cluster (same as python -m malleus_svc.train)",
                        add_help=False)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install malleus-svc with its test extras. Idempotent; safe to re-run.
+# Create .venv and install malleus-svc with its test and data (Hugging Face) extras. Idempotent; safe to re-run.
 # torch is pinned here (not in the package metadata): 2.13.0 is the CPU build this project's
 # machines carry locally; any other spec would pull several GB of CUDA wheels.
 set -euo pipefail
@@ -12,7 +12,7 @@ fi
 if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
   .venv/bin/python -m pip install -q "torch==2.13.0"
 fi
-.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -m pip install -q -e ".[test,data]"
 # A real Prometheus for tests/test_service_e2e.py (Debian's package; skipped where apt is not ours to use).
 if ! command -v prometheus >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

@@ -7,6 +7,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+# Constants of the architecture itself (every shape shares them; a checkpoint of another value is
+# another model): the RMSNorm epsilon and the rotary base.
+NORM_EPS = 1e-5
+ROPE_BASE = 10000.0
+
 
 @dataclass(frozen=True)
 class ModelShape:

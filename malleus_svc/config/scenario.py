@@ -33,6 +33,7 @@ from .device import DeviceSpec
 from .errors import ConfigError
 from .fields import Section, check_float
 from .files import read_mapping
+from .hf_config import read_hf_config, shape_from_hf_config
 from .limits import (MAX_DEVICES, MAX_GLOBAL_BATCH, MAX_LAYERS, MAX_MEMORY_MB, MAX_MODEL_DIM, MAX_NAME,
                      MAX_RATE, MAX_SECONDS)
 from .presets import PRESETS, ModelShape
@@ -76,6 +77,7 @@ class Scenario:
     excluded: frozenset[int] = frozenset()
     planner: Mapping[str, Any] = field(default_factory=dict)
     device: DeviceSpec = field(default_factory=DeviceSpec)   # what the derived profile terms assume
+    pretrained: str | None = None       # model.from_pretrained: a Hugging Face LLaMA folder the job starts from
 
     @property
     def num_devices(self) -> int:
@@ -103,7 +105,7 @@ class Scenario:
         mem_mb = cl.float("gpu_memory_mb", 81920.0, minimum=0, exclusive=True, maximum=MAX_MEMORY_MB)
         cl.done()
 
-        shape, num_layers = _parse_model(root, source)
+        shape, num_layers, pretrained = _parse_model(root, source)
 
         par = root.section("parallel", required=True)
         dp, tp, pp = par.int("dp", minimum=1), par.int("tp", minimum=1), par.int("pp", minimum=1)
@@ -172,16 +174,28 @@ class Scenario:
         root.done()
         return cls(name=name, nodes=nodes, gpus_per_node=gpn, gpu_memory_mb=mem_mb, num_layers=num_layers,
                    shape=shape, dp=dp, tp=tp, pp=pp, global_batch=gb, micro_batch=mb, profile=profile,
-                   rates=rates, excluded=frozenset(excluded), planner=planner, device=dev)
+                   rates=rates, excluded=frozenset(excluded), planner=planner, device=dev, pretrained=pretrained)
 
 
-def _parse_model(root: Section, source: str | None) -> tuple[ModelShape | None, int]:
+def _parse_model(root: Section, source: str | None) -> tuple[ModelShape | None, int, str | None]:
+    """(shape, layers, the pretrained folder or None): a preset name, an explicit shape, or
+    `from_pretrained: DIR` (the shape from its config.json; `seq_len` may be given beside it)."""
     raw = root.raw("model")
     if isinstance(raw, str):
         if raw not in PRESETS:
             raise ConfigError("model", raw, f"unknown preset; known presets: {', '.join(sorted(PRESETS))}", source)
-        return PRESETS[raw], PRESETS[raw].layers
+        return PRESETS[raw], PRESETS[raw].layers, None
     m = Section(raw, "model", source)
+    if m.has("from_pretrained"):
+        folder = m.raw("from_pretrained")
+        if not isinstance(folder, str) or not folder.strip():
+            raise m.error("from_pretrained", folder, "a folder path (config.json and *.safetensors)")
+        if source and not Path(folder).is_absolute():     # relative to the file that names it
+            folder = str(Path(source).parent / folder)
+        seq_len = m.int("seq_len", minimum=1, maximum=MAX_MODEL_DIM) if m.has("seq_len") else None
+        m.done()
+        shape = shape_from_hf_config(read_hf_config(folder), str(Path(folder) / "config.json"), seq_len)
+        return shape, shape.layers, folder
     base: dict[str, Any] = {}
     if m.has("preset"):
         name = m.raw("preset")
@@ -198,7 +212,7 @@ def _parse_model(root: Section, source: str | None) -> tuple[ModelShape | None, 
     missing = [f for f in _SHAPE_FIELDS if f not in base and f != "kv_heads"]
     if missing:
         if len(missing) == len(_SHAPE_FIELDS) - 2:  # only `layers`: the profile must carry the numbers
-            return None, base["layers"]
+            return None, base["layers"], None
         raise ConfigError(f"model.{missing[0]}", None,
                           f"required with an explicit shape (give all of {', '.join(_SHAPE_FIELDS[:-1])}, or only layers plus a full profile)", source)
     shape = ModelShape(**base)
@@ -206,7 +220,7 @@ def _parse_model(root: Section, source: str | None) -> tuple[ModelShape | None, 
         raise ConfigError("model.hidden", shape.hidden, f"must be divisible by heads = {shape.heads}", source)
     if shape.heads % shape.n_kv_heads:
         raise ConfigError("model.kv_heads", shape.kv_heads, f"must divide heads = {shape.heads}", source)
-    return shape, shape.layers
+    return shape, shape.layers, None
 
 
 def _parse_device(s: Section) -> DeviceSpec:

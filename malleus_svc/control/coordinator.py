@@ -136,6 +136,10 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
                 pace = group.pace(plan.micro_batch_size * job.data.seq_len, emulated.flops_per_second,
                                   emulated.bytes_per_second)
                 start_step = 0
+                if ckpt is None and job.scenario.pretrained:   # a Hugging Face LLaMA folder's weights
+                    from malleus_svc.checkpoint.hf import pretrained_state
+                    group.load_full_state(pretrained_state(job.scenario.pretrained, job.shape))
+                    self._event("start", f"weights from {job.scenario.pretrained}")
                 if ckpt is not None:  # parameters, Adam state and the data position, under this plan
                     from malleus_svc.checkpoint import restore_group
                     start_step = restore_group(group, ckpt, sampler)

@@ -37,6 +37,14 @@ _BLOCK: tuple[_Row, ...] = (   # in initialisation order
 _HEAD: tuple[_Row, ...] = (("final_norm.weight", None, lambda s: (s.hidden,)),
                            ("head.weight", None, lambda s: (s.vocab, s.hidden)))
 
+# The same tensors under Hugging Face LLaMA's names (`transformers.LlamaForCausalLM`'s state dict).
+_HF_WHOLE = {"embedding.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
+             "head.weight": "lm_head.weight"}
+_HF_BLOCK = {"attn_norm.weight": "input_layernorm.weight", "attn.wq": "self_attn.q_proj.weight",
+             "attn.wk": "self_attn.k_proj.weight", "attn.wv": "self_attn.v_proj.weight",
+             "attn.wo": "self_attn.o_proj.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
+             "mlp.w_gate": "mlp.gate_proj.weight", "mlp.w_up": "mlp.up_proj.weight", "mlp.w_down": "mlp.down_proj.weight"}
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -110,6 +118,14 @@ def _row(name: str) -> _Row:
         if prefix + row[0] == name:
             return row
     raise KeyError(f"{name!r} is not a tensor of this model")
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face LLaMA name of tensor `name` (``blocks.3.attn.wq`` -> ``model.layers.3.self_attn.q_proj.weight``)."""
+    part = part_of(name)
+    if isinstance(part, int):
+        return f"model.layers.{part}.{_HF_BLOCK[name.split('.', 2)[2]]}"
+    return _HF_WHOLE[name]
 
 
 def split_dim(name: str) -> int | None:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from malleus_svc.config.presets import ROPE_BASE
+
 try:  # optional, GPU only
     from flash_attn import flash_attn_varlen_func as _flash_varlen
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     _flash_varlen = None
 
-ROPE_BASE = 10000.0
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, device: torch.device | None = None

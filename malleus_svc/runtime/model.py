@@ -20,14 +20,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from malleus_svc.config.presets import ModelShape
+from malleus_svc.config.presets import NORM_EPS, ModelShape
 from malleus_svc.geometry import (EMBEDDING, HEAD, Part, TensorSpec, part_tensors, shard_rows, split_dim,
                                   tp_divisibility_error)
 from malleus_svc.runtime.attention import apply_rotary, rotary_tables, varlen_causal_attention
 from malleus_svc.runtime.tensor_parallel import SINGLE, TensorParallel, copy_to_region, reduce_from_region
 
 INIT_STD = 0.02
-NORM_EPS = 1e-5
 
 
 def take_shard(name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:

@@ -1,0 +1,150 @@
+"""Hugging Face LLaMA weights in and out (checkpoint/hf.py, config/hf_config.py): the project's
+model and `transformers.LlamaForCausalLM` loaded from an exported folder give the same logits;
+import then export is bitwise; a job starts from such a folder; what is not a LLaMA the project
+can train is refused in one line."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from malleus_svc.checkpoint import CheckpointWriter
+from malleus_svc.checkpoint.hf import WEIGHTS_FILE, pretrained_state, read_pretrained, write_hf
+from malleus_svc.cli import main
+from malleus_svc.config import ConfigError
+from malleus_svc.config.presets import PRESETS, ModelShape
+from malleus_svc.config.scenario import Scenario
+from malleus_svc.runtime.model import full_model
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = PRESETS["tiny"]
+GQA = ModelShape(layers=3, hidden=96, heads=6, ffn=160, vocab=120, seq_len=48, kv_heads=2)
+
+
+def _params(shape: ModelShape, seed: int) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in full_model(shape, seed).named_parameters()}
+
+
+@pytest.mark.parametrize("shape", [TINY, GQA], ids=["mha", "gqa"])
+def test_transformers_gives_the_same_logits_from_the_exported_folder(shape, tmp_path):
+    params = _params(shape, seed=3)
+    write_hf(params, shape, tmp_path)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ours = full_model(shape, seed=3).eval()
+    tokens = torch.randint(0, shape.vocab, (shape.seq_len,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = hf(tokens[None]).logits[0]
+        mine = ours(tokens, torch.arange(shape.seq_len), torch.tensor([0, shape.seq_len], dtype=torch.int32))
+    assert theirs.shape == mine.shape == (shape.seq_len, shape.vocab)
+    assert torch.allclose(theirs, mine, atol=1e-4, rtol=0), (theirs - mine).abs().max()
+
+
+def test_import_then_export_is_bitwise(tmp_path):
+    write_hf(_params(GQA, seed=1), GQA, tmp_path / "a")
+    shape, state = read_pretrained(tmp_path / "a")
+    assert shape == GQA
+    write_hf(state, shape, tmp_path / "b")
+    a = safetensors_torch.load_file(str(tmp_path / "a" / WEIGHTS_FILE))
+    b = safetensors_torch.load_file(str(tmp_path / "b" / WEIGHTS_FILE))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) and a[k].dtype == torch.float32 for k in a)
+    assert (tmp_path / "a" / "config.json").read_text() == (tmp_path / "b" / "config.json").read_text()
+    assert all(float(state[k].abs().sum()) == 0 for k in state if k.endswith((":exp_avg", ":exp_avg_sq")))
+
+
+def test_malleus_export_writes_a_checkpoint_transformers_loads(tmp_path, capsys):
+    from test_checkpoint import make_state, meta
+    with CheckpointWriter(tmp_path / "ckpt") as w:
+        w.save(make_state(seed=2, step=5), meta(5))
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
+    assert "exported step 5" in capsys.readouterr().out
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    state = make_state(seed=2, step=5)
+    assert torch.equal(hf.model.layers[2].self_attn.k_proj.weight, state["blocks.2.attn.wk"])
+    assert torch.equal(hf.lm_head.weight, state["head.weight"])
+    capsys.readouterr()                                  # transformers' own progress bar
+    assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "hf2")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no checkpoint here" in err
+
+
+def test_a_tied_head_starts_as_the_embedding(tmp_path):
+    params = _params(TINY, seed=4)
+    write_hf(params, TINY, tmp_path)
+    full = safetensors_torch.load_file(str(tmp_path / WEIGHTS_FILE))
+    del full["lm_head.weight"]
+    safetensors_torch.save_file(full, str(tmp_path / WEIGHTS_FILE))
+    state = pretrained_state(tmp_path, TINY)
+    assert torch.equal(state["head.weight"], params["embedding.weight"])
+
+
+def _scenario(folder, **model) -> dict:
+    return {"name": "hf", "cluster": {"nodes": 1, "gpus_per_node": 4, "gpu_memory_mb": 16000},
+            "model": {"from_pretrained": str(folder), **model}, "parallel": {"dp": 2, "tp": 1, "pp": 2},
+            "batch": {"global": 8, "micro": 2}}
+
+
+@pytest.mark.parametrize("edit, field", [
+    ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "architectures"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}, "rope_theta"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0}}, "rope_parameters"),
+    ({"rms_norm_eps": 1e-6}, "rms_norm_eps"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"num_key_value_heads": 5}, "num_key_value_heads"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+])
+def test_what_the_model_is_not_is_refused_naming_the_field(tmp_path, edit, field):
+    write_hf(_params(TINY, seed=0), TINY, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **edit}))
+    with pytest.raises(ConfigError) as e:
+        Scenario.from_dict(_scenario(tmp_path))
+    assert field in e.value.field and "\n" not in str(e.value)
+
+
+def test_the_shape_comes_from_the_config_and_a_tensor_of_another_shape_is_refused(tmp_path):
+    write_hf(_params(TINY, seed=0), TINY, tmp_path)
+    sc = Scenario.from_dict(_scenario(tmp_path, seq_len=32))
+    assert sc.shape == ModelShape(**{**TINY.to_dict(), "seq_len": 32}) and sc.pretrained == str(tmp_path)
+    full = safetensors_torch.load_file(str(tmp_path / WEIGHTS_FILE))
+    full["model.layers.1.mlp.up_proj.weight"] = torch.zeros(3, 3)
+    safetensors_torch.save_file(full, str(tmp_path / WEIGHTS_FILE))
+    with pytest.raises(ConfigError, match=r"model.layers.1.mlp.up_proj.weight of shape \(128, 64\)"):
+        pretrained_state(tmp_path, TINY)
+    with pytest.raises(ConfigError, match="config.json"):
+        Scenario.from_dict(_scenario(tmp_path / "missing"))
+
+
+def _train(job: dict, folder: Path, ray_cluster: str) -> list[float]:
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    out = folder / "metrics.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "malleus_svc.train", str(path), "--steps", "3", "--static",
+                           "--metrics-out", str(out), "--address", ray_cluster],
+                          cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(x)["loss"] for x in out.read_text().splitlines()]
+
+
+@pytest.mark.ray
+def test_a_job_starts_from_a_pretrained_folder(ray_cluster, tmp_path):
+    """The tiny job from a folder holding exactly its seed-0 initial weights trains exactly as the
+    job that initialises them itself; from another model's weights it does not."""
+    base = yaml.safe_load((REPO / "examples/tiny_job.yaml").read_text())
+    base["metrics"] = {"enabled": False}
+    write_hf(_params(TINY, seed=base["train"]["seed"]), TINY, tmp_path / "same")
+    write_hf(_params(TINY, seed=5), TINY, tmp_path / "other")
+    runs = {}
+    for name, model in (("own", "tiny"), ("same", {"from_pretrained": str(tmp_path / "same")}),
+                        ("other", {"from_pretrained": str(tmp_path / "other")})):
+        (tmp_path / name).mkdir(exist_ok=True)
+        runs[name] = _train({**base, "name": f"hf-{name}", "model": model}, tmp_path / name, ray_cluster)
+    assert runs["same"] == pytest.approx(runs["own"], rel=1e-6, abs=0) and len(runs["own"]) == 3
+    assert abs(runs["other"][0] - runs["own"][0]) > 1e-3
