@@ -98,11 +98,12 @@ def _make_blocks(shape, layers: int, seed: int, tp=None):
 
 
 def time_micro_batches(mixes: Sequence[Mix], shape="tiny", layers: int = 2, repeats: int = 21, warmup: int = 1,
-                       seed: int = 0, threads: int = 1, stat: str = "lower_half", clock: str = "thread",
+                       seed: int = 0, threads: int = 1, stat: str | None = None, clock: str = "thread",
                        normalise_rounds: bool = True, tp: int = 1) -> list[float]:
     """Seconds of forward + backward of each packed mix through `layers` runtime blocks: the
     `stat` ("median", "min" or "lower_half": the median of the faster half) of `repeats` rounds,
-    each round first divided by how slow the machine was during it (`_normalise_rounds`).
+    each round first divided by how slow the machine was during it (`_normalise_rounds`); by
+    default `_stat_for(clock)`.
 
     `clock="thread"` reads this thread's CPU time: with one torch thread the forward and the CPU
     backward both run on it, and time the OS gave to other processes is not counted (on a shared
@@ -125,6 +126,7 @@ def _timed_parts(mixes, shape, layers, repeats, warmup, seed, threads, stat, clo
     if clock not in ("thread", "wall", "device"):
         raise LengthError("clock", clock, "'thread' (this thread's CPU time), 'wall' or 'device' (the paced "
                                           "device clock)")
+    stat = _stat_for(stat, clock)
     if stat not in _STATS:
         raise LengthError("stat", stat, f"one of {sorted(_STATS)}")
     if not (isinstance(tp, int) and tp >= 1) or tp_divisibility_error(shape, tp):
@@ -330,9 +332,15 @@ def _lower_half(xs: Sequence[float]) -> float:
 _STATS = {"median": statistics.median, "min": min, "lower_half": _lower_half}
 
 
+def _stat_for(stat: str | None, clock: str) -> str:
+    """The summary of a mix's rounds: as asked, else "min" on the device clock (an op never beats
+    its pace, so interference only adds and the fastest round is the cleanest), else "lower_half"."""
+    return stat or ("min" if clock == "device" else "lower_half")
+
+
 def run_sweep(shape="tiny", *, layers: int = 2, repeats: int = 21, warmup: int = 1, seed: int = 0,
               train_mixes: Sequence[Mix] | None = None, test_mixes: Sequence[Mix] | None = None,
-              threads: int = 1, stat: str = "lower_half", clock: str = "thread",
+              threads: int = 1, stat: str | None = None, clock: str = "thread",
               normalise_rounds: bool = True, tp: int = 1) -> tuple[LengthCost, dict]:
     """Time, fit (TP degree `tp`, per layer) and evaluate on held-out mixes (`heldout_mixes`:
     random lognormal packs, none fitted on). ~6-12 s on one core with the defaults at TP 1,
@@ -342,6 +350,7 @@ def run_sweep(shape="tiny", *, layers: int = 2, repeats: int = 21, warmup: int =
     t0 = time.perf_counter()
     train = [tuple(m) for m in (train_mixes if train_mixes is not None else TRAIN_MIXES)]
     test = [tuple(m) for m in (test_mixes if test_mixes is not None else heldout_mixes(seed=seed + 1))]
+    stat = _stat_for(stat, clock)
     comp, comm = _timed_parts(train + test, shape, layers, repeats, warmup, seed, threads, stat, clock,
                               normalise_rounds, tp)
     measured = [a + b for a, b in zip(comp, comm)]
