@@ -158,9 +158,18 @@ def check_train_bf16(device: torch.device, shape: ModelShape, steps: int = 4) ->
                   f"<= {TRAIN_BF16_LOSS_RTOL:g}, and falls")
 
 
+# On CUDA the throttled ops must be GPU-bound. A launch-bound op (a small model: the GPU idles
+# between kernels while the host launches them) measures its launch time when healthy, but only
+# its kernels once the host runs ahead of a GPU busy with an emulated straggler's sleeps, so the
+# emulated rate would fall short of the one asked for. This shape keeps an H100 busy (about 2e12
+# FLOPs per micro-batch forward of ~4k tokens) in a few GB.
+GPU_BOUND_SHAPE = ModelShape(layers=4, hidden=2048, heads=16, ffn=5632, vocab=32000, seq_len=2048)
+
+
 def check_throttled_clock(device: torch.device, shape: ModelShape, steps: int = 5) -> Result:
-    plan = _one_device_plan(shape, micro_batches=2, micro_batch_size=4)
-    batches = global_batches(shape, 1, 2, 4)[0]
+    micro_batch_size = 8 if device.type == "cuda" else 4
+    plan = _one_device_plan(shape, micro_batches=2, micro_batch_size=micro_batch_size)
+    batches = global_batches(shape, 1, 2, micro_batch_size)[0]
     clock = make_clock(device.type == "cuda")
     engine = Engine(shape, plan, 0, seed=SEED, optim=OPTIM, device=device, clock=clock)
     if isinstance(clock, PacedClock):   # a CPU device keeps a pace the host can hold
@@ -287,7 +296,7 @@ def _run(device: torch.device, shape: ModelShape) -> list[Result]:
         ("attention-sdpa-bf16", lambda: check_sdpa_bf16(device)),
         ("attention-flash", lambda: check_flash(device)),
         ("train-bf16", lambda: check_train_bf16(device, shape)),
-        ("throttled-clock", lambda: check_throttled_clock(device, shape)),
+        ("throttled-clock", lambda: check_throttled_clock(device, GPU_BOUND_SHAPE if device.type == "cuda" else shape)),
         ("pipeline-2-stage, migration", lambda: check_two_devices(device, shape)),
     ]
     for name, check in checks:
