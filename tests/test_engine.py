@@ -15,7 +15,6 @@ from _mp import run_on_gloo
 from malleus_svc.config.presets import ModelShape, preset
 from malleus_svc.geometry import one_f_one_b
 from malleus_svc.plan import Pipeline, Plan, Stage
-from malleus_svc.runtime.attention import varlen_causal_attention
 from malleus_svc.runtime.batch import IGNORE_INDEX, MicroBatch
 from malleus_svc.runtime.engine import (STEP, Engine, OptimConfig, assemble_full, full_shard_states)
 from malleus_svc.runtime.model import Block, StageModel, full_model, init_part, take_shard
@@ -178,29 +177,7 @@ def test_an_update_waits_for_apply_and_a_new_step_drops_an_unapplied_one():
     assert twice and "no finished train_step" in twice
 
 
-# ---------------------------------------------------------------------------- varlen attention
-def test_varlen_attention_matches_masked_attention_per_sequence():
-    gen = torch.Generator().manual_seed(0)
-    cu = torch.tensor([0, 5, 6, 17], dtype=torch.int32)
-    q = torch.randn(17, 4, 8, generator=gen, requires_grad=True)
-    k = torch.randn(17, 2, 8, generator=gen, requires_grad=True)   # grouped-query: 2 kv heads
-    v = torch.randn(17, 2, 8, generator=gen, requires_grad=True)
-    out = varlen_causal_attention(q, k, v, cu)
-    # Naive oracle: full attention scores with a block-diagonal causal mask.
-    seq = torch.repeat_interleave(torch.arange(3), cu[1:] - cu[:-1])
-    idx = torch.arange(17)
-    allowed = (seq[:, None] == seq[None, :]) & (idx[None, :] <= idx[:, None])
-    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, kk) / 8 ** 0.5
-    naive = torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), vv)
-    torch.testing.assert_close(out, naive)
-    w = torch.randn(out.shape, generator=gen)
-    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
-    naive_grads = torch.autograd.grad((naive * w).sum(), (q, k, v))
-    for g, n in zip(grads, naive_grads):
-        torch.testing.assert_close(g, n)
-
-
+# ---------------------------------------------------------------------------- packed sequences
 def test_packed_model_equals_each_sequence_alone():
     # fp64, so that summation-order rounding cannot hide (or fake) a leak between sequences
     model = full_model(TINY, seed=3, dtype=torch.float64)

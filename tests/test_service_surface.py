@@ -184,6 +184,26 @@ def test_deploy_files_pass_their_own_tools():
     assert ds["datasources"][0]["type"] == "prometheus"
 
 
+def test_the_image_installs_the_pinned_cuda_torch_then_flash_attn_against_it_then_the_package():
+    hadolint = shutil.which("hadolint")
+    if hadolint:
+        p = subprocess.run([hadolint, "deploy/Dockerfile"], cwd=REPO, capture_output=True, text=True)
+        assert p.returncode == 0, p.stdout + p.stderr
+    text = (REPO / "deploy/Dockerfile").read_text().replace("\\\n", " ")
+    args = dict(line.split()[1].split("=", 1) for line in text.splitlines() if line.startswith("ARG "))
+    runs = [line for line in text.splitlines() if line.startswith("RUN ")]
+    setup_pin = next(line for line in (REPO / "scripts/setup.sh").read_text().splitlines() if '"torch==' in line)
+    assert f'"torch=={args["TORCH_VERSION"]}"' in setup_pin            # the project's one torch version
+    base = next(line.split()[1] for line in text.splitlines() if line.startswith("FROM "))
+    assert base.endswith("-" + args["TORCH_CUDA"])                      # torch's CUDA is the base image's (nvcc)
+    torch_at = next(i for i, r in enumerate(runs) if '"torch==${TORCH_VERSION}"' in r and "${TORCH_CUDA}" in r)
+    flash_at = next(i for i, r in enumerate(runs) if '"flash-attn==' in r)
+    package_at = next(i for i, r in enumerate(runs) if "/home/ray/malleus-svc[gpu]" in r)
+    assert torch_at < flash_at < package_at
+    assert "--no-build-isolation" in runs[flash_at]
+    assert "--upgrade" not in runs[package_at] and "${TORCH_VERSION}" in runs[package_at]   # and checks it kept torch
+
+
 def test_what_if_example_plans_the_110b_model():
     p = subprocess.run([sys.executable, "examples/what_if_110b.py", "--rate", "3=2.5", "--rate", "17=5"], cwd=REPO,
                        capture_output=True, text=True, timeout=300)

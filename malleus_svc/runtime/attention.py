@@ -2,10 +2,16 @@
 
 Sequences packed into one token row must never see each other: `cu_seqlens` marks the
 boundaries. On CUDA with flash-attn installed, its varlen kernel does exactly this. Elsewhere
-each sequence is attended on its own with torch's scaled_dot_product_attention, so the cost is
-the sum of the sequences' costs rather than that of one big masked square.
+sequences of equal length are attended together, one torch scaled_dot_product_attention call per
+length, so the cost is the sum of the sequences' costs rather than that of one big masked square.
+
+What both paths need of the boundaries (flash-attn: them on the device and the longest length;
+SDPA: the sequences grouped by length) is the same for every layer of a forward, so a `Packing`
+is made once per micro-batch (`StageModel.forward`) and handed to each layer.
 """
 from __future__ import annotations
+
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -39,34 +45,72 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).to(x.dtype)
 
 
-def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            cu_seqlens: torch.Tensor) -> torch.Tensor:
+class Packing:
+    """The sequence boundaries of one packed token row, prepared once for all of a forward's layers.
+
+    `cu_seqlens` (int [n+1], on the host as `MicroBatch` holds it) is read once here; what each
+    attention path needs is built on first use, on `device`, and kept.
+    """
+
+    def __init__(self, cu_seqlens: torch.Tensor, device: torch.device | str):
+        self.bounds: list[int] = cu_seqlens.tolist()
+        self.device = torch.device(device)
+        self.lengths = [b - a for a, b in zip(self.bounds, self.bounds[1:])]
+        self.max_len = max(self.lengths, default=0)
+        self.num_tokens = self.bounds[-1]
+
+    @cached_property
+    def device_cu_seqlens(self) -> torch.Tensor:
+        """int32 [n+1] on the device, as flash-attn's varlen kernel reads it (one host-to-device copy)."""
+        return torch.tensor(self.bounds, dtype=torch.int32, device=self.device)
+
+    @cached_property
+    def by_length(self) -> tuple[list[tuple[int, torch.Tensor]], torch.Tensor | None]:
+        """([(length L, token indices [B*L] of its B sequences, row-major)], and the permutation that
+        puts the groups' concatenated outputs back in row order, None where they already are).
+        Empty sequences have no tokens and no group."""
+        starts: dict[int, list[int]] = {}
+        for start, n in zip(self.bounds, self.lengths):
+            if n:
+                starts.setdefault(n, []).append(start)
+        groups = [(n, (torch.tensor(s)[:, None] + torch.arange(n)).reshape(-1)) for n, s in starts.items()]
+        order = torch.cat([idx for _, idx in groups]) if groups else torch.zeros(0, dtype=torch.long)
+        restore = None
+        if not torch.equal(order, torch.arange(self.num_tokens)):
+            restore = torch.empty_like(order)
+            restore[order] = torch.arange(len(order))
+            restore = restore.to(self.device)
+        return [(n, idx.to(self.device)) for n, idx in groups], restore
+
+
+def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing) -> torch.Tensor:
     """Causal attention inside each packed sequence.
 
-    q [T, Hq, d], k and v [T, Hkv, d] with Hq a multiple of Hkv (grouped-query attention);
-    cu_seqlens int [n+1]. Returns [T, Hq, d].
+    q [T, Hq, d], k and v [T, Hkv, d] with Hq a multiple of Hkv (grouped-query attention: query
+    head h reads key/value head h // (Hq / Hkv)). Returns [T, Hq, d].
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads cannot share {k.shape[1]} key/value heads")
+    if q.shape[0] != packing.num_tokens:
+        raise ValueError(f"{q.shape[0]} tokens, but the packing covers {packing.num_tokens}")
     if _flash_varlen is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        return _flash_varlen(q, k.to(q.dtype), v.to(q.dtype), cu, cu, max_len, max_len, causal=True)
-    return _per_sequence_sdpa(q, k, v, cu_seqlens)
+        cu = packing.device_cu_seqlens
+        return _flash_varlen(q, k.to(q.dtype), v.to(q.dtype), cu, cu, packing.max_len, packing.max_len,
+                             causal=True)
+    return sdpa_by_length(q, k, v, packing)
 
 
-def _per_sequence_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       cu_seqlens: torch.Tensor) -> torch.Tensor:
-    group = q.shape[1] // k.shape[1]
-    if group > 1:  # give every query head its key/value head
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    bounds = cu_seqlens.tolist()
+def sdpa_by_length(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing) -> torch.Tensor:
+    """The fallback: per length, its sequences as one batch [B, H, L, d] through torch's SDPA
+    (4-D, so its fused kernels can take it; `enable_gqa` lets key/value heads serve their query
+    groups without copies)."""
+    groups, restore = packing.by_length
+    gqa = q.shape[1] != k.shape[1]
     outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end == start:
-            continue
-        # [L, H, d] -> [H, L, d]: sdpa treats leading dims as batch
-        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(0, 1))
-    return torch.cat(outs, dim=0)
+    for n, idx in groups:
+        # [B*L, H, d] -> [B, L, H, d] -> [B, H, L, d]
+        qs, ks, vs = (t.index_select(0, idx).unflatten(0, (-1, n)).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+        outs.append(out.transpose(1, 2).flatten(0, 1))
+    out = torch.cat(outs) if outs else q.new_empty(q.shape)
+    return out if restore is None else out.index_select(0, restore)

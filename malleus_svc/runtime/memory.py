@@ -65,8 +65,8 @@ class FlashFootprint(torch.autograd.Function):
     On real tensors the output is the real attention; there is no backward (measurement only)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens):
-        out = q.new_empty(q.shape) if q.is_meta else varlen_causal_attention(q, k, v, cu_seqlens)
+    def forward(ctx, q, k, v, packing):
+        out = q.new_empty(q.shape) if q.is_meta else varlen_causal_attention(q, k, v, packing)
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -76,8 +76,8 @@ class FlashFootprint(torch.autograd.Function):
         raise RuntimeError("FlashFootprint measures memory; it has no backward")
 
 
-def flash_footprint(q, k, v, cu_seqlens):
-    return FlashFootprint.apply(q, k, v, cu_seqlens)
+def flash_footprint(q, k, v, packing):
+    return FlashFootprint.apply(q, k, v, packing)
 
 
 class autocast_bf16(TorchFunctionMode):

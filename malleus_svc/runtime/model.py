@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from malleus_svc.config.presets import NORM_EPS, ModelShape
 from malleus_svc.geometry import (EMBEDDING, HEAD, Part, TensorSpec, part_tensors, shard_rows, split_dim,
                                   tp_divisibility_error)
-from malleus_svc.runtime.attention import apply_rotary, rotary_tables, varlen_causal_attention
+from malleus_svc.runtime.attention import Packing, apply_rotary, rotary_tables, varlen_causal_attention
 from malleus_svc.runtime.tensor_parallel import SINGLE, TensorParallel, copy_to_region, reduce_from_region
 
 INIT_STD = 0.02
@@ -90,15 +90,14 @@ class Attention(nn.Module):
         for name in ("wq", "wk", "wv", "wo"):
             setattr(self, name, _parameter(specs[f"attn.{name}"], tp))
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                cu_seqlens: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], packing: Packing) -> torch.Tensor:
         tokens, d = x.shape[0], self.head_dim
         x = copy_to_region(x, self.tp)
         q = F.linear(x, self.wq).view(tokens, -1, d)
         k = F.linear(x, self.wk).view(tokens, -1, d)
         v = F.linear(x, self.wv).view(tokens, -1, d)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        o = self.attend(q, k, v, cu_seqlens).reshape(tokens, -1)
+        o = self.attend(q, k, v, packing).reshape(tokens, -1)
         return reduce_from_region(F.linear(o, self.wo), self.tp)
 
 
@@ -124,9 +123,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(specs["mlp_norm.weight"])
         self.mlp = SwiGLU(tp, specs)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                cu_seqlens: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, cu_seqlens)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], packing: Packing) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, packing)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -203,9 +201,11 @@ class StageModel(nn.Module):
         """Tokens [T] (first stage) or hidden states [T, hidden] -> hidden states, or logits (last stage)."""
         if self.embedding is not None:
             x = self.embedding(x)
+        # what every layer's attention needs of the positions and the boundaries, made once
         rope = rotary_tables(positions, self.shape.head_dim, device=x.device)
+        packing = Packing(cu_seqlens, x.device)
         for block in self.blocks.values():
-            x = block(x, rope, cu_seqlens)
+            x = block(x, rope, packing)
         if self.head is not None:
             x = self.head(self.final_norm(x))
         return x

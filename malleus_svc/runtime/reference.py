@@ -1,8 +1,10 @@
-"""The oracle: plain single-process training of the whole model on the whole global batch.
+"""The oracles: plain single-process training of the whole model on the whole global batch, and
+attention over a packed row as one masked square.
 
 No pipelines, no tensor parallelism, no gradient plumbing: one model from the same per-part
 initialisation, each global batch's loss = its summed token cross-entropy / its loss-token count,
-torch's own grad-norm clipping and AdamW. The engine's tests compare against this.
+torch's own grad-norm clipping and AdamW. The engine's tests compare against this. Varlen
+attention (flash-attn's kernel or the SDPA fallback) compares against `masked_attention`.
 """
 from __future__ import annotations
 
@@ -47,3 +49,18 @@ def reference_train(shape: ModelShape, seed: int, optim: OptimConfig,
         state[name + EXP_AVG_SQ] = st["exp_avg_sq"].clone()
         state[name + STEP] = torch.tensor(int(st["step"]))
     return losses, final, state
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Causal attention of q [T, Hq, d] over k, v [T, Hkv, d] packed as sequences of `lengths`: one
+    SDPA call over the whole row with a block-diagonal causal mask, each key/value head repeated
+    for its group of Hq / Hkv query heads by hand. Returns [T, Hq, d]."""
+    tokens, heads = q.shape[:2]
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=q.device),
+                                  torch.tensor(lengths, device=q.device))
+    pos = torch.arange(tokens, device=q.device)
+    allowed = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
+    group = heads // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), attn_mask=allowed)
+    return out[0].transpose(0, 1)
