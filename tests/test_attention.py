@@ -26,10 +26,11 @@ def _qkv(lengths: list[int], heads: int, kv_heads: int, dim: int = 16, seed: int
     [6, 6, 6],                # all equal: one batch, already in row order
 ])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
-def test_the_sdpa_fallback_equals_one_masked_attention_over_the_packed_row(lengths, heads, kv_heads):
+@pytest.mark.parametrize("batched", [True, False], ids=["per-length", "per-sequence"])
+def test_the_sdpa_fallback_equals_one_masked_attention_over_the_packed_row(lengths, heads, kv_heads, batched):
     q, k, v = _qkv(lengths, heads, kv_heads)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    out = varlen_causal_attention(q, k, v, Packing(cu, "cpu"))
+    out = varlen_causal_attention(q, k, v, Packing(cu, "cpu", batch_equal_lengths=batched))
     ref = masked_attention(q, k, v, lengths)
     assert out.shape == (sum(lengths), heads, 16)
     torch.testing.assert_close(out, ref)          # fp32 tolerances: rtol 1.3e-6, atol 1e-5
@@ -49,13 +50,21 @@ def test_the_fallback_gives_sdpa_four_dimensional_batches_that_a_fused_kernel_ta
     # torch's fused kernels (flash, memory-efficient, CPU flash) refuse 3-D inputs; restricted to
     # the flash kernel, SDPA raises "No available kernel" unless it is given [B, H, L, d]
     q, k, v = _qkv([5, 9, 5], 8, 2)
-    packing = Packing(torch.tensor([0, 5, 14, 19], dtype=torch.int32), "cpu")
+    packing = Packing(torch.tensor([0, 5, 14, 19], dtype=torch.int32), "cpu", batch_equal_lengths=True)
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         out = sdpa_by_length(q, k, v, packing)
     torch.testing.assert_close(out, masked_attention(q, k, v, [5, 9, 5]))
     groups, restore = packing.by_length
     assert [n for n, _ in groups] == [5, 9] and groups[0][1].tolist() == [*range(5), *range(14, 19)]
     assert restore is not None and restore.tolist()[:6] == [0, 1, 2, 3, 4, 10]
+
+
+def test_equal_lengths_share_a_call_on_accelerators_and_not_on_the_cpu_stand_in():
+    cu = torch.tensor([0, 5, 14, 19], dtype=torch.int32)
+    assert Packing(cu, "cuda").batch_equal_lengths and not Packing(cu, "cpu").batch_equal_lengths
+    groups, restore = Packing(cu, "cpu").by_length          # per sequence, in row order
+    assert [(n, idx.tolist()) for n, idx in groups] == [(5, [*range(5)]), (9, [*range(5, 14)]), (5, [*range(14, 19)])]
+    assert restore is None
 
 
 def test_a_forward_prepares_the_boundaries_once_for_all_its_layers():

@@ -2,8 +2,11 @@
 
 Sequences packed into one token row must never see each other: `cu_seqlens` marks the
 boundaries. On CUDA with flash-attn installed, its varlen kernel does exactly this. Elsewhere
-sequences of equal length are attended together, one torch scaled_dot_product_attention call per
-length, so the cost is the sum of the sequences' costs rather than that of one big masked square.
+torch's scaled_dot_product_attention takes the sequences as 4-D batches [B, H, L, d], so the cost
+is the sum of the sequences' costs rather than that of one big masked square. On an accelerator
+the sequences of one length form one batch (one call per length). On the CPU stand-in each
+sequence is its own call: the length cost model it is measured against (lengths/cost.py) charges
+a per-sequence term, which equal-length batching would turn into a per-length one.
 
 What both paths need of the boundaries (flash-attn: them on the device and the longest length;
 SDPA: the sequences grouped by length) is the same for every layer of a forward, so a `Packing`
@@ -52,9 +55,10 @@ class Packing:
     attention path needs is built on first use, on `device`, and kept.
     """
 
-    def __init__(self, cu_seqlens: torch.Tensor, device: torch.device | str):
+    def __init__(self, cu_seqlens: torch.Tensor, device: torch.device | str, batch_equal_lengths: bool | None = None):
         self.bounds: list[int] = cu_seqlens.tolist()
         self.device = torch.device(device)
+        self.batch_equal_lengths = self.device.type != "cpu" if batch_equal_lengths is None else batch_equal_lengths
         self.lengths = [b - a for a, b in zip(self.bounds, self.bounds[1:])]
         self.max_len = max(self.lengths, default=0)
         self.num_tokens = self.bounds[-1]
@@ -68,12 +72,13 @@ class Packing:
     def by_length(self) -> tuple[list[tuple[int, torch.Tensor]], torch.Tensor | None]:
         """([(length L, token indices [B*L] of its B sequences, row-major)], and the permutation that
         puts the groups' concatenated outputs back in row order, None where they already are).
-        Empty sequences have no tokens and no group."""
-        starts: dict[int, list[int]] = {}
+        Without `batch_equal_lengths` every sequence is a group of its own. Empty sequences have no
+        tokens and no group."""
+        starts: dict[tuple[int, int], list[int]] = {}
         for start, n in zip(self.bounds, self.lengths):
             if n:
-                starts.setdefault(n, []).append(start)
-        groups = [(n, (torch.tensor(s)[:, None] + torch.arange(n)).reshape(-1)) for n, s in starts.items()]
+                starts.setdefault((n, 0 if self.batch_equal_lengths else start), []).append(start)
+        groups = [(n, (torch.tensor(s)[:, None] + torch.arange(n)).reshape(-1)) for (n, _), s in starts.items()]
         order = torch.cat([idx for _, idx in groups]) if groups else torch.zeros(0, dtype=torch.long)
         restore = None
         if not torch.equal(order, torch.arange(self.num_tokens)):

@@ -2,7 +2,8 @@
 
 Rank r is process r: it gets torchrun's environment (`MASTER_ADDR` 127.0.0.1, `MASTER_PORT`, `RANK`,
 `WORLD_SIZE`, `LOCAL_RANK`), uses one torch thread (hosts here have few cores), and, under NCCL,
-GPU r. It joins the world (gloo or NCCL) with a bounded collective timeout, runs
+GPU r. It joins the world (gloo or NCCL) through a store that rank 0 serves on 127.0.0.1 only
+(runtime/rendezvous.py; the port is held from the start), with a bounded collective timeout, runs
 ``fn(rank, world_size, *args)`` and hands back what it returns (through torch.save). A rank that
 raises ends the others (`torch.multiprocessing.spawn`), so a failure cannot leave peers waiting.
 """
@@ -21,12 +22,16 @@ import torch.multiprocessing as mp
 
 from malleus_svc.runtime.collective_env import prepare_collective_env
 from malleus_svc.runtime.groups import prepare_world, set_collective_timeout
+from malleus_svc.runtime.rendezvous import join, listen
 
 DEFAULT_TIMEOUT_S = 120.0
 
 
-def _worker(rank: int, world_size: int, backend: str, port: int, timeout_s: float, out_dir: str,
+def _worker(rank: int, world_size: int, backend: str, listener: socket.socket, timeout_s: float, out_dir: str,
             fn: Callable, args: tuple) -> None:
+    port = listener.getsockname()[1]
+    if rank != 0:            # every rank receives a copy of the listening socket; rank 0 serves it
+        listener.close()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     prepare_collective_env(backend, os.environ)   # as a worker: a failed collective raises, it never hangs
@@ -34,7 +39,7 @@ def _worker(rank: int, world_size: int, backend: str, port: int, timeout_s: floa
     if backend == "nccl":
         torch.cuda.set_device(rank)
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
+    join(backend, "127.0.0.1", port, rank, world_size, timeout, listener if rank == 0 else None)
     set_collective_timeout(timeout)     # subgroups too
     try:
         prepare_world()
@@ -48,21 +53,15 @@ def _worker(rank: int, world_size: int, backend: str, port: int, timeout_s: floa
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_local_world(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
                     timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
     """fn's return value on each rank, in rank order. `fn` must be a module-level function."""
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise RuntimeError(f"an NCCL world of {world_size} needs {world_size} GPUs, "
                            f"this machine has {torch.cuda.device_count()}")
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, listen("127.0.0.1") as listener:
         out = os.path.join(tmp, "out")
         os.mkdir(out)
-        mp.spawn(_worker, args=(world_size, backend, free_port(), timeout_s, out, fn, args),
+        mp.spawn(_worker, args=(world_size, backend, listener, timeout_s, out, fn, args),
                  nprocs=world_size, join=True)
         return [torch.load(os.path.join(out, f"{r}.pt"), weights_only=False) for r in range(world_size)]
