@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHES = ("planner", "runtime", "simulate", "malleable", "rates", "calibrate", "lengths", "lengths-runtime")
+BENCHES = ("planner", "planner-scale", "runtime", "simulate", "malleable", "rates", "calibrate", "lengths", "lengths-runtime")
 
 
 def main(argv: list[str] | None = None, prog: str = "malleus bench") -> int:

@@ -64,9 +64,9 @@ TP2 vs split (TP1 with the other device suspended), each at m = 8 (DP: 5 + 3). R
 from __future__ import annotations
 
 import argparse
+import datetime
 import math
 import os
-import socket
 import statistics
 import sys
 import time
@@ -77,6 +77,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from malleus_svc.plan import Pipeline, Plan, Stage
+from malleus_svc.runtime.rendezvous import join, listen
 from .planner import write_section
 
 LAYERS = 8       # the `small` preset
@@ -388,14 +389,12 @@ class LinkPeer:
         self.rank = rank
 
     def endpoint(self) -> tuple[str, int]:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return "127.0.0.1", s.getsockname()[1]
+        """Rank 0: the rendezvous address, listening until `init` hands it to the store."""
+        self.listener = listen("127.0.0.1")
+        return "127.0.0.1", self.listener.getsockname()[1]
 
     def init(self, addr: str, port: int) -> bool:
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=2)
+        join("gloo", addr, port, self.rank, 2, datetime.timedelta(minutes=5), getattr(self, "listener", None))
         return True
 
     def pingpong(self, sizes: Sequence[int], repeats: int, warmup: int = 5) -> dict[int, list[tuple[float, float]]]:

@@ -18,6 +18,7 @@ This module imports no solver, Ray or torch: the runtime reads plans without the
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import math
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from malleus_svc.config.errors import ConfigError, shorten
 from malleus_svc.config.files import parse_document, read_document
 from malleus_svc.config.limits import MAX_DEVICES, MAX_GLOBAL_BATCH, MAX_LAYERS
-from malleus_svc.geometry import EMBEDDING, HEAD, Part, finest_partition, model_parts, shard_map
+from malleus_svc.geometry import EMBEDDING, HEAD, Cuts, Part, Span, model_parts, shard_map
 
 PLAN_FORMAT_VERSION = 1
 
@@ -337,21 +338,55 @@ class Plan:
                     continue  # state the sizes do not count (e.g. the embedding in 'whole blocks' units)
                 owned = shard_map((st.devices for _, st in old.holders(part)), sharded=sharded, exclude=dead)
                 needed = shard_map((st.devices for _, st in new.holders(part)), sharded=sharded)
+                sources = _Sources(owned, new.node_of, sent)
                 for dst, span in sorted(needed.items()):
-                    for a, b in finest_partition(owned.values(), within=span):
+                    for a, b in sources.cuts.partition(span):
                         nbytes = float((b - a) * part_bytes)
                         if dst in owned and owned[dst][0] <= a and b <= owned[dst][1]:
                             kept.append(SliceMove(part, a, b, dst, dst, nbytes, sharded))
                             continue
-                        srcs = [s for s, (x, y) in owned.items() if x <= a and b <= y]
-                        if not srcs:
+                        src = sources.pick(a, b, new.node_of(dst))
+                        if src is None:
                             missing.append(SliceMove(part, a, b, None, dst, nbytes, sharded))
                             continue
-                        same_node = [s for s in srcs if new.node_of(s) == new.node_of(dst)]
-                        src = min(same_node or srcs, key=lambda s: (sent.get(s, 0.0), s))
                         sent[src] = sent.get(src, 0.0) + nbytes
                         moves.append(SliceMove(part, a, b, src, dst, nbytes, sharded))
         return PlanDiff(tuple(moves), tuple(missing), tuple(kept), new.gpus_per_node)
+
+
+class _Sources:
+    """The old holders of one part, indexed for `Plan.diff`: its pieces and sources without a scan
+    over every holder per needer (thousands of pipelines hold each block). Holders are grouped by
+    their span (a few distinct TP shards); across nodes the least-loaded holder comes from a heap
+    per span whose stale entries (`sent` only grows) are refreshed when they surface."""
+
+    def __init__(self, owned: dict[int, Span], node_of, sent: dict[int, float]):
+        self.sent = sent
+        self.cuts = Cuts(set(owned.values()))
+        self.on_node: dict[tuple[Span, int], list[int]] = {}
+        self.heaps: dict[Span, list[tuple[float, int]]] = {}
+        for d, span in sorted(owned.items()):
+            self.on_node.setdefault((span, node_of(d)), []).append(d)
+            self.heaps.setdefault(span, []).append((sent.get(d, 0.0), d))
+        for h in self.heaps.values():
+            heapq.heapify(h)
+
+    def pick(self, a: Fraction, b: Fraction, node: int) -> int | None:
+        """A holder of [a, b): on `node` if one is, else any; the fewest bytes sent so far, then
+        the lowest id. None if no live holder has it."""
+        spans = [sp for sp in self.heaps if sp[0] <= a and b <= sp[1]]
+        key = lambda d: (self.sent.get(d, 0.0), d)      # noqa: E731
+        local = [d for sp in spans for d in self.on_node.get((sp, node), ())]
+        if local:
+            return min(local, key=key)
+        tops = [self._top(self.heaps[sp]) for sp in spans]
+        return min(tops, key=key) if tops else None
+
+    def _top(self, heap: list[tuple[float, int]]) -> int:
+        while heap[0][0] != self.sent.get(heap[0][1], 0.0):
+            _, d = heapq.heappop(heap)
+            heapq.heappush(heap, (self.sent.get(d, 0.0), d))
+        return heap[0][1]
 
 
 def _layer_range(v: Sequence[int]) -> tuple[int, int]:

@@ -132,14 +132,14 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
     from malleus_svc.runtime.data import DataError
 
     try:
-        handle = launch(job, plan=plan, steps=steps, static=static, **coordinator_kwargs)
+        handle, owner = launch(job, plan=plan, steps=steps, static=static, **coordinator_kwargs)
     except MalleusError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = open(metrics_out, "a") if metrics_out else None
     try:
         try:
-            st = ray.get(handle.start.remote(steps))
+            st = ray.get(handle.start.remote(steps, owner=owner))
         except ray.exceptions.RayTaskError as e:
             cause = getattr(e, "cause", e)
             if isinstance(cause, DataError):  # e.g. a global batch larger than the dataset
@@ -212,7 +212,7 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
         if out is not None:
             out.close()
         try:
-            ray.get(handle.shutdown.remote(), timeout=120)
+            ray.get(handle.shutdown.remote(owner=owner), timeout=120)
         except Exception:  # already gone
             pass
         ray.kill(handle)

@@ -31,7 +31,7 @@ def job(name: str, ckpt: Path | None = None):
         "name": name, "cluster": {"nodes": 2, "gpus_per_node": 2, "gpu_memory_mb": 16000}, "model": "tiny",
         "parallel": {"dp": 2, "tp": 1, "pp": 2}, "batch": {"global": GLOBAL, "micro": 2},
         "data": {"source": "synthetic", "seq_len": 64, "num_samples": 512, "vocab": 256},
-        "train": {"steps": STEPS, "lr": 1e-3}, "metrics": {"enabled": False}})
+        "train": {"steps": STEPS, "lr": 1e-3}, "metrics": {"enabled": False}, "emulate": []})
 
 
 def train(cfg, out: Path, **kwargs) -> tuple[int, list[dict]]:

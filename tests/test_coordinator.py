@@ -30,7 +30,7 @@ def job_config(name: str) -> JobConfig:
         "name": name, "cluster": {"nodes": 1, "gpus_per_node": 8, "gpu_memory_mb": 16000}, "model": MODEL,
         "parallel": {"dp": 4, "tp": 1, "pp": 2}, "batch": {"global": 16, "micro": 1},
         "data": {"source": "python-stdlib", "seq_len": 32, "max_files": 100},
-        "train": {"steps": 1000, "lr": 1e-3}})
+        "train": {"steps": 1000, "lr": 1e-3}, "emulate": []})    # emulate: the tests slow devices down
 
 
 # --------------------------------------------------------------------------- no Ray
@@ -88,11 +88,25 @@ def loop(ray_cluster):
     import ray
 
     from malleus_svc.control.coordinator import launch
-    h = launch(job_config("t-loop"), steps=1000, jitter=0.2, jitter_seed=1)
-    ray.get(h.start.remote(), timeout=300)
+    h, owner = launch(job_config("t-loop"), steps=1000, jitter=0.2, jitter_seed=1)
+    ray.get(h.start.remote(owner=owner), timeout=300)
     yield h
-    ray.get(h.shutdown.remote(), timeout=120)
+    ray.get(h.shutdown.remote(owner=owner), timeout=120)
     ray.kill(h)
+
+
+@pytest.mark.ray
+def test_only_the_launching_driver_shuts_the_coordinator_down(loop):
+    """Anyone with the actor's handle but not the launch key is refused, and the job trains on."""
+    import ray
+    from malleus_svc.control.coordinator import NAMESPACE, actor_name
+    other = ray.get_actor(actor_name("t-loop"), namespace=NAMESPACE)     # as another driver finds it
+    for call in (other.shutdown.remote(), other.shutdown.remote(owner="guess"), other.start.remote(5)):
+        with pytest.raises(ray.exceptions.RayTaskError, match="only the driver that launched job 't-loop'"):
+            ray.get(call, timeout=60)
+    step = ray.get(other.status.remote())["step"]
+    wait_step(ray, other, step + 2)
+    assert ray.get(other.status.remote())["state"] == "training"
 
 
 @pytest.mark.ray
@@ -167,11 +181,11 @@ def ctl(ray_cluster):
 
     from malleus_svc.control.coordinator import launch
     # band 100: measured rates never trigger here, so every round comes from the test's own requests
-    h = launch(job_config("t-ctl"), steps=1000, plan_delay_s=2.0, migrate_delay_s=2.0, band=100.0)
-    ray.get(h.start.remote(), timeout=300)
+    h, owner = launch(job_config("t-ctl"), steps=1000, plan_delay_s=2.0, migrate_delay_s=2.0, band=100.0)
+    ray.get(h.start.remote(owner=owner), timeout=300)
     wait_step(ray, h, 7)
     yield h
-    ray.get(h.shutdown.remote(), timeout=120)
+    ray.get(h.shutdown.remote(owner=owner), timeout=120)
     ray.kill(h)
 
 

@@ -219,3 +219,72 @@ def test_a_forced_replan_waits_for_min_interval_unless_urgent():
     settle(c)
     c.replan("now", force=True, urgent=True)            # urgent: a round starts at once
     assert c.rounds.state is not RoundState.IDLE or c.get_history()[-1]["reason"].endswith("now")
+
+
+def test_emulation_is_refused_unless_the_job_file_enables_it():
+    d = yaml.safe_load((REPO / "examples/tiny_job.yaml").read_text())
+    d["metrics"], d["train"]["steps"] = {"enabled": False}, 200
+    del d["emulate"]
+    c = JobCoordinator(JobConfig.from_dict(d), workers=FakeWorkers, grace=1000.0)
+    c.setup()
+    with pytest.raises(MalleusError, match="does not emulate stragglers.*`emulate` section"):
+        c.emulate({3: 3.0})
+    assert c.hooks.emulation.manual == {} and c.hooks.emulation.changes(0, 4) == {}
+    assert coordinator().emulate({3: 3.0})["factors"] == {3: 3.0}     # the example's file has `emulate: []`
+
+
+def test_only_the_owner_key_starts_or_shuts_down_the_coordinator():
+    c = coordinator(owner="k" * 32)
+    for call in (lambda: c.start(5), lambda: c.start(5, owner="x" * 32), lambda: c.shutdown(owner=None),
+                 lambda: c.shutdown(owner=["k" * 32])):
+        with pytest.raises(MalleusError, match="only the driver that launched job 'tiny' may .*malleus stop tiny"):
+            call()
+    assert c.state.value == "ready" and c._thread is None and c.group is not None
+    c.shutdown(owner="k" * 32)
+    assert c.state.value == "stopped"
+
+
+class _NodeLeaves(FakeWorkers):
+    """Devices 2 and 3 leave for good during the fourth step (the survivors hold every layer)."""
+
+    def __init__(self, job):
+        super().__init__(job)
+        self.steps = 0
+
+    def step(self, sample_ids, assignment=None):
+        from malleus_svc.runtime.cluster import WorkerGroupError
+        self.steps += 1
+        if self.steps == 4:
+            raise WorkerGroupError("devices [2, 3] lost (injected)")
+        return super().step(sample_ids, assignment)
+
+    def recover(self, plan_for=None):
+        from malleus_svc.runtime.cluster import RecoveryReport
+        self.gone = {2, 3}
+        self.plan = plan_for(frozenset(self.gone))
+        return RecoveryReport(lost=[2, 3], source="replicas", seconds=0.1, gone=[2, 3], plan_id=self.plan.plan_id)
+
+
+def test_a_planner_failure_when_devices_are_lost_falls_back_and_the_job_goes_on():
+    """The running plan cannot stay once devices are gone; a planner that fails then (fault
+    injected) gives way to the fallback planner: the job trains on without them, and says why."""
+    from malleus_svc.control.policy import Planner
+
+    real = Planner.default()
+
+    def replan(problem, previous):
+        if problem.excluded:
+            raise RuntimeError("injected planner fault")
+        return real.replan(problem, previous)
+    c = coordinator(workers=_NodeLeaves, planner=Planner(real.evaluate, real.rebalance, replan, real.fallback))
+    before = c.plan
+    run(c, 6)
+    assert c.status()["error"] is None and c.step == 5            # the failed step was redone
+    assert {2, 3} <= set(c.plan.excluded) and not {2, 3} & set(c.plan.roles()) and c.plan.plan_id != before.plan_id
+    events = str(c.status()["events"])
+    assert "injected planner fault" in events and "fallback planner" in events, events
+    assert outcomes(c)[-1][0] == "membership"
+    without = Planner(real.evaluate, real.rebalance, replan)      # no fallback: the fault is the job's error
+    c = coordinator(workers=_NodeLeaves, planner=without)
+    with pytest.raises(RuntimeError, match="injected planner fault"):
+        run(c, 6)

@@ -322,3 +322,84 @@ def test_a_4096_device_layout_of_1024_pipelines_plans():
     assert used | set(p.suspended) == set(range(4096)) and not used & set(p.suspended)
     assert all(pipe.stages[0].layers[0] == 0 and pipe.stages[-1].layers[1] == 24 for pipe in p.pipelines)
     assert sum(pipe.micro_batches for pipe in p.pipelines) == 4096
+
+
+def _fill_by_scan(template, specials, normals, layers, prev):
+    """`fill` as a scan over every free group (the definition `fill`'s buckets must equal)."""
+    from malleus_svc.planner.organize import NORMAL
+    free, out = sorted(normals, key=lambda g: (g.node, g.devices)), []
+    for i, pipe in enumerate(template):
+        start, row = 0, []
+        for j, g in enumerate(pipe):
+            lo, hi = start, start + layers[i][j]
+            start = hi
+            if g != NORMAL:
+                row.append(specials[g])
+                continue
+            last = row[-1].node if row else None
+            pick = min(free, key=lambda c: (-sum(max(0, min(hi, prev[d][1]) - max(lo, prev[d][0]))
+                                                 for d in c.devices if d in prev),
+                                            c.node != last, c.node, c.devices))
+            free.remove(pick)
+            row.append(pick)
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_fill_picks_what_a_scan_over_every_free_group_picks(seed):
+    """Random groups, previous layer ranges (some devices new, some groups mixing ranges) and
+    templates: the bucketed fill equals the scan, group for group."""
+    from malleus_svc.planner.grouping import Group
+    from malleus_svc.planner.organize import NORMAL, fill
+    rng = random.Random(seed)
+    gpn, tp = rng.choice([(4, 1), (4, 2), (8, 2), (8, 4)])
+    nodes = rng.randint(2, 6)
+    groups = [Group(tuple(range(s, s + tp)), 1.0, 1, s // gpn) for s in range(0, nodes * gpn, tp)]
+    rng.shuffle(groups)
+    specials = [Group(g.devices, 2.0, 1, g.node) for g in groups[:rng.randint(0, 2)]]
+    normals = groups[len(specials):]
+    L = 12
+    bounds = [0, 3, 6, 9, 12]
+    prev = {}
+    for g in groups:
+        for d in g.devices:
+            if rng.random() < 0.85:
+                k = rng.randrange(4)
+                prev[d] = (bounds[k], bounds[k + 1]) if rng.random() < 0.8 else (rng.randrange(6), rng.randrange(6, 13))
+    slots = len(normals) + len(specials)
+    P = rng.randint(1, min(4, slots))
+    counts = [slots // P + (1 if i < slots % P else 0) for i in range(P)]
+    ids = list(range(len(specials))) + [NORMAL] * len(normals)
+    rng.shuffle(ids)
+    template, layers, pos = [], [], 0
+    for c in counts:
+        template.append(tuple(ids[pos:pos + c]))
+        cut = sorted(rng.choices(range(L + 1), k=c - 1))      # stages of 0 blocks too
+        layers.append([b - a for a, b in zip([0] + cut, cut + [L])])
+        pos += c
+    for p in (prev, {}):
+        assert fill(tuple(template), specials, normals, layers, p) == _fill_by_scan(template, specials, normals, layers, p)
+
+
+def test_the_search_stops_at_its_time_budget_with_the_best_plan_it_found():
+    """A 4,096-device layout with three stragglers searches for over a minute unbounded; with a
+    2 s budget it returns a valid plan soon after, and says it stopped early."""
+    from malleus_svc.config import Scenario
+    from malleus_svc.planner.build import build_problem
+    sc = Scenario.from_dict({"name": "budget", "cluster": {"nodes": 512, "gpus_per_node": 8, "gpu_memory_mb": 81920},
+                             "model": "gpt-1.3b", "parallel": {"dp": 1024, "tp": 1, "pp": 4},
+                             "batch": {"global": 4096, "micro": 1}, "rates": {5: 3.0, 29: 2.0, 100: 5.0},
+                             "planner": {"time_budget_s": 2}})
+    t = time.perf_counter()
+    r = plan(build_problem(sc))
+    elapsed = time.perf_counter() - t
+    assert elapsed < 30, elapsed        # unbounded: 76 s on the 2-core machine
+    assert r.plan.inputs["stopped_at_budget_s"] == 2 and "time budget (2 s" in r.notes[0]
+    assert sum(p.micro_batches for p in r.plan.pipelines) == 4096 and not memory_violations(build_problem(sc), r.plan)
+    assert r.objective >= r.ideal_objective
+
+
+def test_a_search_within_its_budget_says_nothing_of_it():
+    r = plan(example_16())
+    assert not r.notes and "stopped_at_budget_s" not in r.plan.inputs

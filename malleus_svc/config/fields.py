@@ -85,11 +85,12 @@ class Section:
                      for i, x in enumerate(v))
 
     def done(self) -> None:
-        unknown = sorted(set(map(str, self.data)) - self._read)
+        unknown = sorted(((str(k), k) for k in self.data if str(k) not in self._read), key=lambda t: t[0])   # any type
         if unknown:
             known = ", ".join(sorted(self._read))
-            raise ConfigError(self._field(unknown[0]), self.data[unknown[0]],
-                              f"unknown field; known fields here: {known}", self.source)
+            name, key = unknown[0]
+            raise ConfigError(self._field(name), self.data[key], f"unknown field; known fields here: {known}",
+                              self.source)
 
 
 def check_float(v: Any, field: str, minimum: float | None = None, exclusive: bool = False,

@@ -164,6 +164,7 @@ class JobConfig:
     train: TrainConfig
     emulate: tuple[EmulateEntry, ...] = ()          # emulated stragglers
     emulated_device: EmulatedDevice = EmulatedDevice()
+    emulation_allowed: bool = False                 # the file has an `emulate` section: the `emulate` call works
     ray: RayConfig = RayConfig()
     metrics: MetricsConfig = MetricsConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -200,7 +201,8 @@ class JobConfig:
         checkpoint = parse_checkpoint(Section(d.get("checkpoint"), "checkpoint", source))
         control = parse_control(Section(d.get("control"), "control", source))
         return cls(name=scenario.name if "name" in d else "job", scenario=scenario, data=data, train=train,
-                   emulate=emulate, emulated_device=emulated_device, ray=ray_cfg, metrics=metrics,
+                   emulate=emulate, emulated_device=emulated_device, emulation_allowed="emulate" in d,
+                   ray=ray_cfg, metrics=metrics,
                    checkpoint=checkpoint, control=control, source=source)
 
 

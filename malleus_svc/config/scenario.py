@@ -17,7 +17,7 @@ Format (YAML or JSON; see README "Scenario format"):
     device:   {peak_tflops: 312, efficiency: 0.45, intra_node_gbps: 200, inter_node_gbps: 25}
     rates:    {5: 8.0, 10: 2.0}          # device id -> straggling rate; missing means 1.0
     excluded: [3]                        # devices not part of the job (dead, drained)
-    planner:  {objective: paper, straggler_threshold: 1.2, time_limit_s: 10, mip_gap: 0,
+    planner:  {objective: paper, straggler_threshold: 1.2, time_limit_s: 10, time_budget_s: 60, mip_gap: 0,
                solver: closed_form, allow_split: true, allow_reshape: true}
 """
 from __future__ import annotations
@@ -239,8 +239,9 @@ def _parse_planner(s: Section) -> dict[str, Any]:
         out["solver"] = s.choice("solver", SOLVERS)
     if s.has("straggler_threshold"):
         out["straggler_threshold"] = s.float("straggler_threshold", minimum=1.0, maximum=MAX_RATE)
-    if s.has("time_limit_s"):
-        out["time_limit_s"] = s.float("time_limit_s", minimum=0, exclusive=True, maximum=MAX_SECONDS)
+    for seconds in ("time_limit_s", "time_budget_s"):
+        if s.has(seconds):
+            out[seconds] = s.float(seconds, minimum=0, exclusive=True, maximum=MAX_SECONDS)
     if s.has("mip_gap"):
         out["mip_gap"] = s.float("mip_gap", minimum=0)
     for flag in ("allow_split", "allow_reshape"):

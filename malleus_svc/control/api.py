@@ -69,7 +69,11 @@ class ClientAPI:
 
     def emulate(self, factors: Mapping[int, float] | None = None, jitter: float | None = None) -> dict:
         """EMULATION ONLY (demos/tests): slow devices from the next iteration on (1.0 = off), and/or
-        set the per-step jitter. The coordinator never reads these factors to estimate rates."""
+        set the per-step jitter. The coordinator never reads these factors to estimate rates. Only
+        for jobs whose file has an `emulate` section: a production job never slows its devices."""
+        if not self.job.emulation_allowed:
+            raise MalleusError(f"job {self.job.name!r} does not emulate stragglers: emulation is for demos and "
+                               "tests, and a job enables it with an `emulate` section in its job file")
         self.calls.take()
         clean, jitter = check.check_emulation(factors, jitter, self.job.num_devices, self.job.name)
         with self._lock:

@@ -22,6 +22,8 @@ migration.
 from __future__ import annotations
 
 import dataclasses
+import hmac
+import secrets
 import threading
 import time
 import traceback
@@ -68,10 +70,12 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
     def __init__(self, job: JobConfig, *, plan: Plan | None = None, steps: int | None = None, static: bool = False,
                  driver_job_id: str | None = None, submission_id: str | None = None,
                  cpus_per_worker: float | None = None, emulation: Emulation | None = None,
-                 delays: Delays | None = None, workers=None, planner: Planner | None = None, **control):
+                 delays: Delays | None = None, workers=None, planner: Planner | None = None,
+                 owner: str | None = None, **control):
         if control:
             job = dataclasses.replace(job, control=job.control.with_overrides(control))
         self.job = job
+        self._owner = owner          # the launching driver's key for start/shutdown (None: not checked)
         knobs = job.control
         self.policy = (StaticPolicy if static else ReplanPolicy).from_config(knobs)
         self.failure = FailurePolicy(knobs.rejoin_check_s)
@@ -101,7 +105,7 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
 
     def _resume_after_restart(self) -> None:
         try:
-            self.start(self.steps_total)
+            self._start(self.steps_total)
         except Exception as e:
             with self._lock:
                 self.state, self.error = JobState.FAILED, f"restart failed: {type(e).__name__}: {e}"
@@ -128,7 +132,7 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
                 if group.gone & set(plan.roles()):   # started without nodes that could not be placed (yet)
                     self._event("membership", f"starting without devices {sorted(group.gone)}: their nodes could not "
                                               "be placed; they join when Ray can place them")
-                    plan = self._plan_without(frozenset(group.gone))
+                    plan = self._plan_after_loss(frozenset(group.gone))
                 n = group.set_data(job.data.spec(), job.data.mode, job.data.seq_len)
                 sampler = GlobalSampler(n, plan.global_batch, seed=job.train.seed)
                 group.apply_plan(plan, job.shape, seed=job.train.seed, optim=optim_config(job))
@@ -192,8 +196,18 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
         self._event("resumed", f"from {ckpt.path.name} at step {start_step}"
                     + (f" (skipped damaged: {self.origin['resumed_from']['skipped']})" if ckpt.skipped else ""))
 
-    def start(self, steps: int | None = None) -> dict:
-        """Set up if needed and train `steps` iterations (default: the job's) on a thread of its own."""
+    def start(self, steps: int | None = None, owner: str | None = None) -> dict:
+        """Set up if needed and train `steps` iterations (default: the job's) on a thread of its own.
+        Only the launching driver (`owner`: the key `launch` returned) starts its job."""
+        self._check_owner(owner, "start")
+        return self._start(steps)
+
+    def _check_owner(self, owner: Any, what: str) -> None:
+        if self._owner is not None and not (isinstance(owner, str) and hmac.compare_digest(owner, self._owner)):
+            raise MalleusError(f"only the driver that launched job {self.job.name!r} may {what} its coordinator; "
+                               f"to end the job, use `malleus stop {self.job.name}` (or the client's stop())")
+
+    def _start(self, steps: int | None) -> dict:
         if steps is not None:
             steps = check.check_steps(steps)
         self.setup()
@@ -223,7 +237,9 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
             self._event("stop", f"stop requested at step {self.step}")
             return {"state": self.state.value, "step": self.step}
 
-    def shutdown(self) -> None:
+    def shutdown(self, owner: str | None = None) -> None:
+        """Stop training and release the workers and the metrics endpoint (the launching driver's call)."""
+        self._check_owner(owner, "shut down")
         self._stop.set()
         if self._thread is not None:
             self._done.wait(120)
@@ -370,10 +386,12 @@ def _was_restarted() -> bool:
 
 
 def launch(job: JobConfig, *, name: str | None = None, detached: bool = False, jitter: float = 0.0,
-           jitter_seed: int = 0, plan_delay_s: float = 0.0, migrate_delay_s: float = 0.0, **kwargs) -> Any:
-    """Create the job's coordinator actor (named, namespace "malleus") and return its handle.
-    jitter, jitter_seed (emulation) and the delays (tests) become the coordinator's hooks; the other
-    keyword arguments are JobCoordinator's. Raises MalleusError if a job of that name already runs."""
+           jitter_seed: int = 0, plan_delay_s: float = 0.0, migrate_delay_s: float = 0.0,
+           **kwargs) -> tuple[Any, str]:
+    """Create the job's coordinator actor (named, namespace "malleus"); its handle and the owner
+    key that its `start` and `shutdown` take. jitter, jitter_seed (emulation) and the delays (tests)
+    become the coordinator's hooks; the other keyword arguments are JobCoordinator's. Raises
+    MalleusError if a job of that name already runs."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     name = name or actor_name(job.name)
@@ -396,4 +414,5 @@ def launch(job: JobConfig, *, name: str | None = None, detached: bool = False, j
     # (its workers die with it: they are its children); without, there is nothing to resume from.
     restarts = MAX_RESTARTS if job.checkpoint.enabled else 0
     actor = ray.remote(num_cpus=0, max_concurrency=16, max_restarts=restarts)(JobCoordinator)
-    return actor.options(**opts).remote(job, **kwargs)
+    owner = secrets.token_hex(16)     # a restarted actor gets the same arguments, so the same key
+    return actor.options(**opts).remote(job, owner=owner, **kwargs), owner

@@ -123,9 +123,9 @@ def run_one(title: str, job, steps: int, static: bool, view: View) -> dict:
     import ray
 
     from .coordinator import launch
-    h = launch(job, steps=steps, static=static)
+    h, owner = launch(job, steps=steps, static=static)
     try:
-        st = ray.get(h.start.remote(steps))
+        st = ray.get(h.start.remote(steps, owner=owner))
         w = st["workers"]
         pace = st["device_pace"]
         view.event(f"[{title}] {w['devices']} workers ({w['cpus_per_worker']:g} logical CPU each) sharing "
@@ -151,7 +151,7 @@ def run_one(title: str, job, steps: int, static: bool, view: View) -> dict:
         return {"records": ray.get(h.metrics.remote()), "history": ray.get(h.get_history.remote()), "status": st}
     finally:
         try:
-            ray.get(h.shutdown.remote(), timeout=120)
+            ray.get(h.shutdown.remote(owner=owner), timeout=120)
         except Exception:
             pass
         ray.kill(h)

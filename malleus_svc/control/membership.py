@@ -24,7 +24,7 @@ class Membership:
         t0 = time.perf_counter()
         self._event("failure", f"step {self.step} failed: {str(error).splitlines()[0]}")
         old = self.plan
-        rep = self.group.recover(plan_for=self._plan_without)
+        rep = self.group.recover(plan_for=self._plan_after_loss)
         if self.failure.planned_around(rep, old.plan_id):
             self._membership_changed(old, f"devices {rep.gone} gone (no worker could start in their bundles)")
         ckpt = None if rep.source == "replicas" else self.checkpoints.latest(lambda text: self._event("error", text))
@@ -49,6 +49,25 @@ class Membership:
     def _plan_without(self, gone: frozenset) -> Plan:
         """The plan over the devices that are still there (the group asks when some are gone or back)."""
         return self.hooks.planner.replan(self._problem(self.effective_rates(), self.excluded | set(gone)), self.plan)
+
+    def _plan_after_loss(self, gone: frozenset) -> Plan:
+        """`_plan_without` when devices are lost for good: the running plan cannot stay, so a planner
+        that fails unexpectedly gives way to the fallback planner rather than failing the job. When
+        nothing fits on the devices left (InfeasibleError), the job cannot go on, and says why."""
+        from malleus_svc.planner import InfeasibleError
+
+        try:
+            return self._plan_without(gone)
+        except InfeasibleError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever the planner raised, the job goes on if it can
+            if self.hooks.planner.fallback is None:
+                raise
+            problem = self._problem(self.effective_rates(), self.excluded | set(gone))
+            plan = self.hooks.planner.fallback(problem, self.plan)
+            self._event("error", f"planning without devices {sorted(gone)} failed ({_one_line(e)}); the fallback "
+                                 f"planner's plan {plan.plan_id} runs (the running plan's groups without them)")
+            return plan
 
     def _membership_changed(self, old: Plan, detail: str) -> None:
         """The group runs another plan because devices left or came back (the state was rebuilt

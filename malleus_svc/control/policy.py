@@ -59,11 +59,15 @@ class Planner:
     evaluate: Callable[[Any, Plan], float]     # (problem, plan) -> objective units per iteration
     rebalance: Callable[[Any, Plan], Plan]     # data only: same stages, new micro-batch split
     replan: Callable[[Any, Plan], Plan]        # (problem, previous) -> the planner's plan
+    # when `replan` fails unexpectedly and the running plan cannot stay (devices lost): a simpler
+    # planner (the running plan's TP groups kept, minus the lost devices)
+    fallback: Callable[[Any, Plan | None], Plan] | None = None
 
     @classmethod
     def default(cls) -> "Planner":
-        from malleus_svc.planner import evaluate, plan, rebalance_data
-        return cls(evaluate, rebalance_data, lambda problem, previous: plan(problem, previous=previous).plan)
+        from malleus_svc.planner import evaluate, plan, plan_without_split, rebalance_data
+        return cls(evaluate, rebalance_data, lambda problem, previous: plan(problem, previous=previous).plan,
+                   lambda problem, previous: plan_without_split(problem, previous).plan)
 
 
 @dataclass(frozen=True)

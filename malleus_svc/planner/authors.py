@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+from .budget import Deadline
 from .grouping import Group, NodeOption, available_devices, is_straggler, make_group, slide_orders, tail_splits
 from .organize import Scorer
 from .problem import PlannerProblem
@@ -54,7 +55,8 @@ def authors_plan(problem: PlannerProblem, top_k: int = 3) -> PlannerResult:
     groups: list[Group] = [g for n in range(problem.num_nodes) for g in authors_node_option(problem, n).groups]
     scorer = Scorer(problem, effective_stages=False)
     templates = [0]
-    found = sorted(_organise(problem, scorer, groups, [problem.dp], templates, authors=True))[:max(1, min(top_k, FINALISTS))]
+    found = sorted(_organise(problem, scorer, groups, [problem.dp], templates, authors=True,
+                             deadline=Deadline(problem.time_budget_s)))[:max(1, min(top_k, FINALISTS))]
     plans = [p for p in (_concretise(problem, scorer, f, _PrevInfo(None)) for f in found) if p is not None]
     if not plans:
         raise InfeasibleError(_infeasibility_reason(problem, groups))

@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
+from .budget import NEVER, Deadline
 from .grouping import Group
 from .lower import LayerSolution, solve_layers, solve_micro_batches
 from .problem import PlannerProblem
@@ -368,9 +369,10 @@ def _moves(pipes: list[list[int]]) -> Iterator[tuple[int, int, int, int]]:
 
 
 def improve(template: Template, specials: Sequence[Group], scorer: Scorer, tp: int,
-            max_evals: int = 200) -> tuple[Template, Score | None]:
+            max_evals: int = 200, deadline: Deadline = NEVER) -> tuple[Template, Score | None]:
     """Bounded first-improvement local search: move one special group to another pipeline
-    (trading places with a placeholder), or swap two special groups of different pipelines."""
+    (trading places with a placeholder), or swap two special groups of different pipelines.
+    Bounded by `max_evals` scored moves and by the search's deadline."""
     best = score_template(scorer, template, specials, tp)
     evals = 0
     improved = True
@@ -382,7 +384,7 @@ def improve(template: Template, specials: Sequence[Group], scorer: Scorer, tp: i
         improved = False
         pipes = [list(p) for p in template]
         for a, x, b, y in _moves(pipes):
-            if evals >= max_evals:
+            if evals >= max_evals or deadline.passed():
                 break
             new = [list(p) for p in pipes]
             new[a][new[a].index(x)] = y
@@ -406,10 +408,16 @@ def fill(template: Template, specials: Sequence[Group], normals: Sequence[Group]
     most of the slot's new layer range (the authors' IoU fill, measured in blocks
     that stay in place); otherwise, and for ties, a group on the same node as the previous stage
     (p2p locality), then the lowest node and device ids (determinism).
+
+    Free groups are bucketed by their devices' previous ranges: within a bucket every group keeps
+    the same blocks, so a pick compares one candidate per bucket (a few) instead of every free
+    group (thousands at scale).
     """
     prev = previous_ranges or {}
-    free = sorted(normals, key=lambda g: (g.node, g.devices))
-    by_node = _FreeByNode(free) if not prev else None   # without a previous plan nothing is kept: O(1) picks
+    buckets: dict[tuple, list[Group]] = {}
+    for g in sorted(normals, key=lambda g: (g.node, g.devices)):
+        buckets.setdefault(tuple(prev.get(d) for d in g.devices), []).append(g)
+    free = {sig: _FreeByNode(gs) for sig, gs in buckets.items()}
     out: list[list[Group]] = []
     for i, pipe in enumerate(template):
         start, row = 0, []
@@ -420,33 +428,40 @@ def fill(template: Template, specials: Sequence[Group], normals: Sequence[Group]
                 row.append(specials[g])
                 continue
             last_node = row[-1].node if row else None
-            if by_node is not None:
-                row.append(by_node.take(last_node))
-                continue
 
-            def key(c: Group) -> tuple:
-                kept = sum(max(0, min(hi, prev[d][1]) - max(lo, prev[d][0])) for d in c.devices if d in prev)
+            def key(sig: tuple) -> tuple:
+                kept = sum(max(0, min(hi, r[1]) - max(lo, r[0])) for r in sig if r is not None)
+                c = free[sig].peek(last_node)
                 return (-kept, c.node != last_node, c.node, c.devices)
-            pick = min(free, key=key)
-            free.remove(pick)
-            row.append(pick)
+            sig = min((sig for sig, f in free.items() if f), key=key)
+            row.append(free[sig].take(last_node))
         out.append(row)
     return out
 
 
 class _FreeByNode:
-    """`fill`'s pick when nothing is kept, min of (node != last_node, node, devices), without a scan:
-    the first free group of `last_node`, else the first free group of the lowest node."""
+    """Free groups of one bucket; `take` gives the min of (node != last_node, node, devices)
+    without a scan: the first free group of `last_node`, else the first of the lowest node."""
 
     def __init__(self, free: Sequence[Group]):          # sorted by (node, devices)
         self.groups: dict[int, collections.deque] = {}
         for g in free:
             self.groups.setdefault(g.node, collections.deque()).append(g)
         self.nodes = collections.deque(sorted(self.groups))
+        self.left = len(free)
+
+    def __bool__(self) -> bool:
+        return self.left > 0
+
+    def peek(self, node: int | None) -> Group:
+        if self.groups.get(node):
+            return self.groups[node][0]
+        while not self.groups[self.nodes[0]]:
+            self.nodes.popleft()
+        return self.groups[self.nodes[0]][0]
 
     def take(self, node: int | None) -> Group:
-        if not self.groups.get(node):
-            while not self.groups[self.nodes[0]]:
-                self.nodes.popleft()
-            node = self.nodes[0]
-        return self.groups[node].popleft()
+        g = self.peek(node)
+        self.groups[g.node].popleft()
+        self.left -= 1
+        return g

@@ -39,6 +39,7 @@ class PlannerProblem:
     allow_split: bool = True                # split groups to isolate stragglers
     allow_reshape: bool = True              # let the number of pipelines change and whole nodes drop
     time_limit_s: float = 10.0              # per HiGHS solve
+    time_budget_s: float = 60.0             # the whole search (planner.budget): then the best plan found
     mip_gap: float = 0.0
     solver: Literal["closed_form", "highs", "both"] = "closed_form"
     state_sizes: StateSizes = field(default_factory=StateSizes)

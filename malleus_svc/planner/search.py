@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
 from ..plan import Pipeline, Plan, Stage
+from .budget import NEVER, Deadline
 from .grouping import Group, NodeOption, group_rate, make_group, node_options
 from .lower import layer_caps, solve_micro_batches
 from .organize import (Score, Scorer, Template, TooManyTemplates, dfs_templates, fill,
@@ -81,9 +82,13 @@ def plan(problem: PlannerProblem, previous: Plan | None = None,
     `score`, when given, is a finer judge of a plan's iteration time (e.g. the 1F1B event
     simulator, which sees overlaps the analytic objective cannot) used to choose among the
     finalists; the search itself still runs on the analytic objective.
+
+    The search stops at `problem.time_budget_s` (budget.py) with the best plan found by then, and
+    says so in the result's notes and the plan's inputs.
     """
     t_start = time.perf_counter()
     _check_problem(problem)
+    deadline = Deadline(problem.time_budget_s)
     prev = previous if _compatible(problem, previous) else None
     ctx = _PrevInfo(prev)
     scorer = Scorer(problem)
@@ -102,33 +107,37 @@ def plan(problem: PlannerProblem, previous: Plan | None = None,
         capacity = base_capacity + sum(o.capacity for o in choice)
         if capacity <= 0 or lower_bound(problem, capacity) > best * (1 + band) + 1e-9:
             break
-        if combos >= limit:
+        if combos >= limit or (finalists and deadline.passed()):
             break
         combos += 1
         groups = [g for o in (*fixed, *choice) for g in o.groups]
-        fs = _organise(problem, scorer, groups, _pipeline_counts(problem, len(groups)), templates, thorough=False)
+        fs = _organise(problem, scorer, groups, _pipeline_counts(problem, len(groups)), templates, thorough=False,
+                       deadline=deadline)
         finalists.extend(fs)
         v = min((f.objective for f in fs), default=math.inf)
         best = min(best, v)
         screened.append((v, combos, groups))
     for v, _, groups in sorted(screened, key=lambda t: t[:2])[:THOROUGH]:   # pass 2: the DFS
-        if v < math.inf:
-            finalists.extend(_organise(problem, scorer, groups, _pipeline_counts(problem, len(groups)), templates))
+        if v < math.inf and not deadline.passed():
+            finalists.extend(_organise(problem, scorer, groups, _pipeline_counts(problem, len(groups)), templates,
+                                       deadline=deadline))
     finalists = _diverse(finalists)
     if not finalists:
-        finalists = _fallback(problem, scorer, per_node, templates)
+        finalists = _fallback(problem, scorer, per_node, templates, deadline)
     if not finalists:
-        raise InfeasibleError(_infeasibility_reason(problem, [g for o in per_node for g in o[0].groups]))
+        raise InfeasibleError(_over_budget(deadline) or
+                              _infeasibility_reason(problem, [g for o in per_node for g in o[0].groups]))
     plans = [_concretise(problem, scorer, f, ctx) for f in finalists]
     plans = [p for p in plans if p is not None]
     if prev is not None:
         plans += [p for p in (_reuse(problem, prev), _safe_rebalance(problem, prev)) if p is not None]
     chosen, moved = _choose(problem, plans, prev, score)
-    ideal = ideal_objective(problem)
+    ideal = ideal_objective(problem, deadline)
     elapsed = time.perf_counter() - t_start
-    chosen = _finish(problem, chosen, ideal, elapsed, {"pipelines": len(chosen.pipelines), "candidates": combos})
+    chosen = _finish(problem, chosen, ideal, elapsed, {"pipelines": len(chosen.pipelines), "candidates": combos,
+                                                       **_budget_note(deadline)})
     return PlannerResult(chosen, chosen.objective_value, ideal, combos, elapsed, templates[0],
-                         scorer.ilp1_calls, moved)
+                         scorer.ilp1_calls, moved, _budget_notes(deadline, combos))
 
 
 def evaluate(problem: PlannerProblem, plan: Plan) -> float:
@@ -216,6 +225,7 @@ def plan_without_split(problem: PlannerProblem, previous: Plan | None = None) ->
     ILP-1 are still dropped)."""
     t_start = time.perf_counter()
     _check_problem(problem)
+    deadline = Deadline(problem.time_budget_s)
     prev = previous if _compatible(problem, previous) else None
     if prev is not None:
         devsets = [s.devices for p in prev.pipelines for s in p.stages]
@@ -227,26 +237,29 @@ def plan_without_split(problem: PlannerProblem, previous: Plan | None = None) ->
     groups = [make_group(problem, d) for d in devsets if not set(d) & set(problem.excluded)]
     scorer = Scorer(problem)
     templates = [0]
-    finalists = sorted(_organise(problem, scorer, groups, [P], templates))[:FINALISTS]
+    finalists = sorted(_organise(problem, scorer, groups, [P], templates, deadline=deadline))[:FINALISTS]
     if not finalists:
-        finalists = sorted(_organise(problem, scorer, groups, list(range(P - 1, 0, -1)), templates))[:FINALISTS]
+        finalists = sorted(_organise(problem, scorer, groups, list(range(P - 1, 0, -1)), templates,
+                                     deadline=deadline))[:FINALISTS]
     if not finalists:
-        raise InfeasibleError(_infeasibility_reason(problem, groups))
+        raise InfeasibleError(_over_budget(deadline) or _infeasibility_reason(problem, groups))
     ctx = _PrevInfo(prev)
     plans = [p for p in (_concretise(problem, scorer, f, ctx) for f in finalists) if p is not None]
     chosen, moved = _choose(problem, plans, prev)
-    ideal = ideal_objective(problem)
+    ideal = ideal_objective(problem, deadline)
     elapsed = time.perf_counter() - t_start
-    chosen = _finish(problem, chosen, ideal, elapsed, {"mode": "without_split"})
-    return PlannerResult(chosen, chosen.objective_value, ideal, 1, elapsed, templates[0], scorer.ilp1_calls, moved)
+    chosen = _finish(problem, chosen, ideal, elapsed, {"mode": "without_split", **_budget_note(deadline)})
+    return PlannerResult(chosen, chosen.objective_value, ideal, 1, elapsed, templates[0], scorer.ilp1_calls, moved,
+                         _budget_notes(deadline, 1))
 
 
-def ideal_objective(problem: PlannerProblem) -> float:
-    """The best objective of the same cluster with every device healthy and none excluded."""
+def ideal_objective(problem: PlannerProblem, deadline: Deadline = NEVER) -> float:
+    """The best objective of the same cluster with every device healthy and none excluded (past the
+    search's deadline: of its greedy organisation, an upper bound)."""
     healthy = replace(problem, rates=(1.0,) * problem.num_devices, excluded=frozenset())
     scorer = Scorer(healthy)
     groups = [g for n in range(healthy.num_nodes) for o in node_options(healthy, n)[:1] for g in o.groups]
-    fs = _organise(healthy, scorer, groups, _pipeline_counts(healthy, len(groups)), [0])
+    fs = _organise(healthy, scorer, groups, _pipeline_counts(healthy, len(groups)), [0], deadline=deadline)
     return min((f.objective for f in fs), default=math.inf)
 
 
@@ -330,9 +343,11 @@ def _pipeline_counts(problem: PlannerProblem, num_groups: int) -> list[int]:
 
 
 def _organise(problem: PlannerProblem, scorer: Scorer, groups: Sequence[Group], counts: Sequence[int],
-              templates: list[int], authors: bool = False, thorough: bool = True) -> list[_Finalist]:
+              templates: list[int], authors: bool = False, thorough: bool = True,
+              deadline: Deadline = NEVER) -> list[_Finalist]:
     """The best organisations of `groups` into P pipelines, for each P in `counts`: the template
-    DFS (`thorough`, falling back to greedy past its budget) or the greedy generator alone."""
+    DFS (`thorough`, falling back to greedy past its visit budget) or the greedy generator alone.
+    Past the deadline: no DFS, no local search, and no further P once one has an organisation."""
     # Slowest first. The authors sort stably by rate alone (emission order: node, full
     # groups, tail); we break ties by memory factor so that the groups needing the most memory
     # per block sit deeper in the pipeline, where fewer micro-batches are in flight.
@@ -341,20 +356,26 @@ def _organise(problem: PlannerProblem, scorer: Scorer, groups: Sequence[Group], 
     normals = tuple(g for g in groups if g.is_normal)
     out: list[_Finalist] = []
     for P in counts:
+        if out and deadline.passed():
+            break
         found: list[_Finalist] = []
         budget = [DFS_BUDGET if thorough else -1]
         try:
-            if not thorough:
+            if not thorough or deadline.passed():
                 raise TooManyTemplates()
             for S in stage_plans(len(groups), P, problem.pp, authors=authors):
                 for t in dfs_templates(specials, S, authors=authors, budget=budget):
+                    if deadline.passed():
+                        if found:
+                            break
+                        raise TooManyTemplates()
                     templates[0] += 1
                     s = score_template(scorer, t, specials, problem.tp)
                     if s is not None:
                         found.append(_Finalist(s.objective, len(found), t, specials, normals, s))
         except TooManyTemplates:
             for t0 in greedy_templates(specials, len(normals), P):
-                t, s = improve(t0, specials, scorer, problem.tp, max_evals=200 if thorough else 40)
+                t, s = improve(t0, specials, scorer, problem.tp, max_evals=200 if thorough else 40, deadline=deadline)
                 templates[0] += 1
                 if s is not None:
                     found.append(_Finalist(s.objective, len(found), t, specials, normals, s))
@@ -363,13 +384,13 @@ def _organise(problem: PlannerProblem, scorer: Scorer, groups: Sequence[Group], 
 
 
 def _fallback(problem: PlannerProblem, scorer: Scorer, per_node: list[list[NodeOption]],
-              templates: list[int]) -> list[_Finalist]:
+              templates: list[int], deadline: Deadline) -> list[_Finalist]:
     """Nothing fit with the usual pipeline counts: try fewer pipelines (deeper pipelines hold
     more blocks in total), best-capacity option per node."""
     groups = [g for opts in per_node for g in opts[0].groups]
     tried = set(_pipeline_counts(problem, len(groups)))
     rest = [p for p in range(min(problem.dp, len(groups)), 0, -1) if p not in tried]
-    return sorted(_organise(problem, scorer, groups, rest, templates))[:FINALISTS]
+    return sorted(_organise(problem, scorer, groups, rest, templates, deadline=deadline))[:FINALISTS]
 
 
 def _concretise(problem: PlannerProblem, scorer: Scorer, f: _Finalist, ctx: _PrevInfo) -> Plan | None:
@@ -401,12 +422,12 @@ def _concretise(problem: PlannerProblem, scorer: Scorer, f: _Finalist, ctx: _Pre
 
 def _reuse(problem: PlannerProblem, prev: Plan) -> Plan | None:
     """The previous plan as it is, if it is still valid (no excluded device in it, memory fits)."""
-    if set(prev.active_devices) & set(problem.excluded) or memory_violations(problem, prev):
+    active = set(prev.active_devices)
+    if active & set(problem.excluded) or memory_violations(problem, prev):
         return None
     try:
         return Plan(problem.num_devices, problem.num_layers, problem.micro_batch_size, prev.pipelines,
-                    tuple(d for d in range(problem.num_devices)
-                          if d not in prev.active_devices and d not in problem.excluded),
+                    tuple(d for d in range(problem.num_devices) if d not in active and d not in problem.excluded),
                     tuple(sorted(problem.excluded)), problem.gpus_per_node, problem.objective)
     except ValueError:
         return None
@@ -459,6 +480,20 @@ def _finish(problem: PlannerProblem, plan: Plan, ideal: float | None, seconds: f
                    predicted_iteration_seconds=value * problem.t0_seconds,
                    ideal_iteration_seconds=None if ideal is None else ideal * problem.t0_seconds,
                    solve_seconds=seconds, inputs=inputs)
+
+
+def _budget_note(deadline: Deadline) -> dict:
+    return {"stopped_at_budget_s": deadline.seconds} if deadline.hit else {}
+
+
+def _budget_notes(deadline: Deadline, combos: int) -> list[str]:
+    return [f"the search stopped at its time budget ({deadline.seconds:g} s, planner.time_budget_s) after "
+            f"{combos} grouping combination(s): the best plan found by then"] if deadline.hit else []
+
+
+def _over_budget(deadline: Deadline) -> str | None:
+    return (f"no plan was found within the planner's time budget of {deadline.seconds:g} s (the search did "
+            "not finish, so whether one fits is unknown): raise planner.time_budget_s") if deadline.hit else None
 
 
 def _gb(mb: float) -> str:

@@ -15,9 +15,9 @@ otherwise the cluster's CPUs shared evenly (fractional). A local cluster started
 NOTES.md "Measuring on CPU").
 
 World. The world holds every device that has a worker (suspended and excluded ones included, so
-a re-plan never needs a new world); ranks follow device ids. The first worker picks its node IP and
-a free port; every worker then calls init_process_group(tcp://ip:port) concurrently. A port lost
-to a race is retried.
+a re-plan never needs a new world); ranks follow device ids. The first worker opens a port on its
+node's cluster address (runtime/rendezvous.py: the store listens there only); every worker then
+joins the world concurrently. A failed rendezvous is retried.
 
 Devices gone for good. A lost device whose bundle cannot host a new worker within
 `replace_timeout_s` (its node left the cluster: Ray re-places the node's placement group only once
@@ -261,7 +261,7 @@ class WorkerGroup:
                 self.backend = self._each("init_world", addr, port, live, self.timeout_s)[0]
                 self.rendezvous = f"tcp://{addr}:{port}"
                 return
-            except WorkerGroupError as e:  # most likely the port was taken between pick and bind
+            except WorkerGroupError as e:  # e.g. a worker that could not reach the port in time
                 last = e
                 # A half-initialised world cannot be re-entered: close what did come up and retry.
                 self._each("close")

@@ -55,6 +55,7 @@ from typing import Sequence
 import numpy as np
 
 from ..lengths.cost import LengthCost, LengthError, nnls
+from .rendezvous import listen
 
 Mix = Sequence[int]
 
@@ -254,15 +255,19 @@ def _group_pace(costs, tp):
 
 
 def _tp_rank_main(argv: list[str]) -> None:
-    """One TP rank, run as `python -m malleus_svc.runtime.length_sweep RANK SIZE PORT DIR` by
-    `_group_times`: join the gloo group, time (arguments pickled in DIR/args), rank 0 writes the
-    group's times to DIR/times."""
+    """One TP rank, run as `python -m malleus_svc.runtime.length_sweep RANK SIZE PORT DIR FD` by
+    `_group_times`: join the gloo group (rank 0 serves it on the inherited listening socket FD),
+    time (arguments pickled in DIR/args), rank 0 writes the group's times to DIR/times."""
+    import datetime
+
     import torch.distributed as dist
 
+    from .rendezvous import join
     from .tensor_parallel import TensorParallel
-    rank, size, port, folder = int(argv[0]), int(argv[1]), int(argv[2]), Path(argv[3])
+    rank, size, port, folder, fd = int(argv[0]), int(argv[1]), int(argv[2]), Path(argv[3]), int(argv[4])
     args = pickle.loads((folder / "args").read_bytes())
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    join("gloo", "127.0.0.1", port, rank, size, datetime.timedelta(minutes=10),
+         socket.socket(fileno=fd) if rank == 0 else None)
     try:
         times = _rank_times(*args, tp=TensorParallel(size, rank, dist.group.WORLD))
     finally:
@@ -281,14 +286,14 @@ def _group_times(size: int, args: tuple, timeout_s: float = 900.0):
     with tempfile.TemporaryDirectory(prefix="malleus-tp-sweep-") as tmp:
         folder = Path(tmp)
         (folder / "args").write_bytes(pickle.dumps(args))
-        with socket.socket() as s:   # a free port for the rendezvous (rank 0's store binds it right after)
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         procs = []
-        for r in range(size):
-            with open(folder / f"rank{r}.log", "wb") as log:
-                procs.append(subprocess.Popen([sys.executable, "-m", __name__, str(r), str(size), str(port), tmp],
-                                              stdout=log, stderr=subprocess.STDOUT, env=env))
+        with listen("127.0.0.1") as listener:      # rank 0 inherits it and serves the rendezvous there
+            port, fd = listener.getsockname()[1], listener.fileno()
+            for r in range(size):
+                with open(folder / f"rank{r}.log", "wb") as log:
+                    procs.append(subprocess.Popen(
+                        [sys.executable, "-m", __name__, str(r), str(size), str(port), tmp, str(fd if r == 0 else -1)],
+                        stdout=log, stderr=subprocess.STDOUT, env=env, pass_fds=(fd,) if r == 0 else ()))
         deadline = time.monotonic() + timeout_s
         try:
             while any(p.poll() is None for p in procs):

@@ -60,6 +60,7 @@ class DeviceWorker:
         self.mode: str | None = None
         self.seq_len: int | None = None
         self.world_ready = False
+        self._listener = None        # rank 0's rendezvous socket, from pick_port to init_world
 
     # ------------------------------------------------------------------ where am I
     @ray.method(concurrency_group="control")
@@ -85,15 +86,15 @@ class DeviceWorker:
 
     # ------------------------------------------------------------------ world
     def pick_port(self) -> tuple[str, int]:
-        """Rank 0: this node's IP and a port that is free right now, for the TCP rendezvous.
+        """Rank 0: this node's cluster address and a port listening there, held until init_world
+        hands it to the rendezvous store (runtime/rendezvous.py)."""
+        from .rendezvous import listen
 
-        The port is released before torch binds it, so another process could grab it in between;
-        the group retries the whole rendezvous with a fresh port if init_world fails.
-        """
+        if self._listener is not None:
+            self._listener.close()
         ip = ray.util.get_node_ip_address()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((ip, 0))          # the cluster address the rendezvous is given, not every interface
-            return ip, s.getsockname()[1]
+        self._listener = listen(ip)
+        return ip, self._listener.getsockname()[1]
 
     def init_world(self, addr: str, port: int, devices: Sequence[int], timeout_s: float = 120.0) -> str:
         """Join the world of these devices (sorted ids); this device's rank is its place among them."""
@@ -101,19 +102,15 @@ class DeviceWorker:
 
         from .collective_env import prepare_collective_env
         from .groups import prepare_world, set_collective_timeout, set_world_devices
+        from .rendezvous import join
 
         if dist.is_initialized():
             raise RuntimeError(f"device {self.device_id}: torch.distributed is already initialised; "
                                "create a new WorkerGroup instead of re-initialising a worker")
         backend = "nccl" if self.use_gpu else "gloo"
         prepare_collective_env(backend, os.environ)
-        dist.init_process_group(
-            backend=backend,
-            init_method=f"tcp://{addr}:{port}",
-            rank=list(devices).index(self.device_id),
-            world_size=len(devices),
-            timeout=datetime.timedelta(seconds=float(timeout_s)),
-        )
+        rank, listener, self._listener = list(devices).index(self.device_id), self._listener, None
+        join(backend, addr, port, rank, len(devices), datetime.timedelta(seconds=float(timeout_s)), listener)
         set_world_devices(devices)
         set_collective_timeout(datetime.timedelta(seconds=float(timeout_s)))
         prepare_world()
