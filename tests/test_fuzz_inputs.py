@@ -105,6 +105,45 @@ def test_scenarios_either_load_and_plan_or_name_the_field(doc):
     assert math.isfinite(result.plan.objective_value) and json.loads(result.plan.to_json())
 
 
+@st.composite
+def large_layout(draw):
+    """A valid layout of 2^4 .. 2^16 devices (8 per node) of any dp x tp x pp that fills them, with
+    a few stragglers anywhere."""
+    devices = 2 ** draw(st.integers(4, 16))
+    tp = draw(st.sampled_from([1, 2, 4, 8]))
+    model = draw(st.sampled_from(["gpt-1.3b", "llama-70b"]))
+    layers = {"gpt-1.3b": 24, "llama-70b": 80}[model]
+    pp = draw(st.sampled_from([p for p in (1, 2, 4, 8, 16) if p <= layers and tp * p <= devices]))
+    dp = devices // (tp * pp)
+    rates = draw(st.dictionaries(st.integers(0, devices - 1), st.sampled_from([1.5, 3.0, 8.0, 1e6]), max_size=4))
+    return {"name": "large", "cluster": {"nodes": devices // 8, "gpus_per_node": 8, "gpu_memory_mb": 81920},
+            "model": model, "parallel": {"dp": dp, "tp": tp, "pp": pp},
+            "batch": {"global": dp * pp * draw(st.sampled_from([1, 2, 4])), "micro": 1}, "rates": rates,
+            "planner": {"time_budget_s": 1}}
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(large_layout())
+@example({"name": "largest", "cluster": {"nodes": 8192, "gpus_per_node": 8, "gpu_memory_mb": 81920},
+          "model": "gpt-1.3b", "parallel": {"dp": 16384, "tp": 1, "pp": 4}, "batch": {"global": 65536, "micro": 1},
+          "rates": {5: 3.0, 29: 2.0, 100: 5.0}, "planner": {"time_budget_s": 1}})
+def test_any_valid_layout_up_to_the_device_limit_plans_within_its_time_budget(doc):
+    """The planner end to end at up to 65,536 devices: a plan or a documented error, in about its
+    1 s budget (plus the concretisation of its finalists), never a hang or another exception."""
+    import time
+
+    from malleus_svc.planner import InfeasibleError, plan
+    t = time.perf_counter()
+    try:
+        result = plan(build_problem(Scenario.from_dict(doc)))
+    except InfeasibleError as e:
+        assert str(e)
+        return
+    finally:
+        assert time.perf_counter() - t < 30, (doc["parallel"], time.perf_counter() - t)
+    assert math.isfinite(result.plan.objective_value) and result.plan.num_devices == doc["cluster"]["nodes"] * 8
+
+
 @FUZZ
 @given(st.lists(st.text(max_size=10) | st.builds(lambda d, r: f"{d}={r}", st.integers(-5, 20),
                                                    st.floats(allow_nan=True, allow_infinity=True)), max_size=4))

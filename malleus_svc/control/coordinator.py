@@ -179,7 +179,7 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
         """(lock held) What a checkpoint carries besides the model: metrics lines, and an operator's
         health signals and exclusions (they outlive a restart, like the model does)."""
         extra = ckpt.manifest.extra
-        self.history.records = [r for r in extra.get("records", []) if r["step"] < start_step]
+        self.history.resume(extra.get("records", []), extra.get("totals"), start_step)
         try:   # the client calls' own checks: a checkpoint's extras are input like any other
             rates = extra.get("external_rates") or {}
             clean = check.check_rates(rates, self.job.num_devices, self.job.name) if rates else {}
@@ -345,6 +345,7 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
     def _checkpoint_extra(self) -> dict:
         with self._lock:   # the last metrics lines travel along: a driver that had not read them yet still can
             return {"plan_version": self.history.plan_version, "records": list(self.history.records[-RECORDS_KEPT:]),
+                    "totals": dict(self.history.totals),
                     "excluded": sorted(self.excluded),
                     "external_rates": {str(d): r for d, r in sorted(self.measurement.external.items())}}
 

@@ -32,7 +32,7 @@ class Membership:
             from malleus_svc.checkpoint import restore_group
             step = restore_group(self.group, ckpt, self.sampler)
             with self._lock:
-                self.history.records = [r for r in self.history.records if r["step"] < step]
+                self.history.rewind(step)
                 self.step = step
             how = f"from checkpoint {ckpt.path.name} (step {step})"
         else:

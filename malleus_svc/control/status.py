@@ -55,7 +55,7 @@ def status(c) -> dict:
         "avg_tokens_per_second": hist.tokens_total / elapsed if elapsed > 0 else None,
         "healthy_tokens_per_second": c.measurement.healthy_tokens_per_second,
         "length_stats": lengths.last_stats, "length_drift": lengths.last_drift,
-        "history": len(hist.entries), "migrations": hist.migrations(),
+        "history": hist.entries_total, "migrations": hist.migrations_total,
         "events": list(hist.events)[-10:],
         "metrics_endpoint": c.metrics_export.endpoint if c.metrics_export else None,
         "workers": workers_status(c.group),
@@ -71,13 +71,12 @@ def device_pace(pace) -> dict | None:
 
 def summary(c) -> dict:
     """(lock held) The run in numbers."""
-    recs = c.history.records
-    secs = sum(r["iteration_seconds"] for r in recs)
-    tokens = sum(r["tokens"] for r in recs)
-    return {"job": c.job.name, "state": c.state.value, "error": c.error, "steps": len(recs),
-            "first_loss": recs[0]["loss"] if recs else None, "last_loss": recs[-1]["loss"] if recs else None,
+    recs, t = c.history.records, c.history.totals
+    secs, tokens, steps = t["seconds"], t["tokens"], t["steps"]
+    return {"job": c.job.name, "state": c.state.value, "error": c.error, "steps": steps,
+            "first_loss": t["first_loss"], "last_loss": recs[-1]["loss"] if recs else None,
             "tokens": tokens, "train_seconds": secs, "tokens_per_second": tokens / secs if secs > 0 else None,
-            "mean_iteration_seconds": secs / len(recs) if recs else None,
-            "migrations": c.history.migrations(),
+            "mean_iteration_seconds": secs / steps if steps else None,
+            "migrations": c.history.migrations_total,
             "healthy_tokens_per_second": c.measurement.healthy_tokens_per_second,
             "device_pace": device_pace(c.device_pace), "pace_held": recs[-1].get("pace_held") if recs else None}

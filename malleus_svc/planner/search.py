@@ -107,7 +107,7 @@ def plan(problem: PlannerProblem, previous: Plan | None = None,
         capacity = base_capacity + sum(o.capacity for o in choice)
         if capacity <= 0 or lower_bound(problem, capacity) > best * (1 + band) + 1e-9:
             break
-        if combos >= limit or (finalists and deadline.passed()):
+        if combos >= limit or (combos and deadline.passed()):
             break
         combos += 1
         groups = [g for o in (*fixed, *choice) for g in o.groups]
@@ -125,8 +125,7 @@ def plan(problem: PlannerProblem, previous: Plan | None = None,
     if not finalists:
         finalists = _fallback(problem, scorer, per_node, templates, deadline)
     if not finalists:
-        raise InfeasibleError(_over_budget(deadline) or
-                              _infeasibility_reason(problem, [g for o in per_node for g in o[0].groups]))
+        raise InfeasibleError(_why_none(deadline, problem, [g for o in per_node for g in o[0].groups]))
     plans = [_concretise(problem, scorer, f, ctx) for f in finalists]
     plans = [p for p in plans if p is not None]
     if prev is not None:
@@ -242,7 +241,7 @@ def plan_without_split(problem: PlannerProblem, previous: Plan | None = None) ->
         finalists = sorted(_organise(problem, scorer, groups, list(range(P - 1, 0, -1)), templates,
                                      deadline=deadline))[:FINALISTS]
     if not finalists:
-        raise InfeasibleError(_over_budget(deadline) or _infeasibility_reason(problem, groups))
+        raise InfeasibleError(_why_none(deadline, problem, groups))
     ctx = _PrevInfo(prev)
     plans = [p for p in (_concretise(problem, scorer, f, ctx) for f in finalists) if p is not None]
     chosen, moved = _choose(problem, plans, prev)
@@ -347,7 +346,7 @@ def _organise(problem: PlannerProblem, scorer: Scorer, groups: Sequence[Group], 
               deadline: Deadline = NEVER) -> list[_Finalist]:
     """The best organisations of `groups` into P pipelines, for each P in `counts`: the template
     DFS (`thorough`, falling back to greedy past its visit budget) or the greedy generator alone.
-    Past the deadline: no DFS, no local search, and no further P once one has an organisation."""
+    Past the deadline: no DFS, no local search, and no P after the first."""
     # Slowest first. The authors sort stably by rate alone (emission order: node, full
     # groups, tail); we break ties by memory factor so that the groups needing the most memory
     # per block sit deeper in the pipeline, where fewer micro-batches are in flight.
@@ -355,8 +354,8 @@ def _organise(problem: PlannerProblem, scorer: Scorer, groups: Sequence[Group], 
     specials = tuple(sorted((g for g in groups if not g.is_normal), key=key))
     normals = tuple(g for g in groups if g.is_normal)
     out: list[_Finalist] = []
-    for P in counts:
-        if out and deadline.passed():
+    for i, P in enumerate(counts):
+        if i and deadline.passed():
             break
         found: list[_Finalist] = []
         budget = [DFS_BUDGET if thorough else -1]
@@ -491,9 +490,12 @@ def _budget_notes(deadline: Deadline, combos: int) -> list[str]:
             f"{combos} grouping combination(s): the best plan found by then"] if deadline.hit else []
 
 
-def _over_budget(deadline: Deadline) -> str | None:
-    return (f"no plan was found within the planner's time budget of {deadline.seconds:g} s (the search did "
-            "not finish, so whether one fits is unknown): raise planner.time_budget_s") if deadline.hit else None
+def _why_none(deadline: Deadline, problem: PlannerProblem, groups: Sequence[Group]) -> str:
+    reason = _infeasibility_reason(problem, groups)
+    if not deadline.hit:
+        return reason
+    return (f"no plan was found within the planner's time budget of {deadline.seconds:g} s, and the search did not "
+            f"finish, so a deeper layout may still fit (raise planner.time_budget_s); what it tried: {reason}")
 
 
 def _gb(mb: float) -> str:
