@@ -82,7 +82,7 @@ def test_the_cuda_clock_reads_once_per_step_and_leaves_collectives_out():
 
 
 # ---------------------------------------------------------------------------- pacing many workers
-def _matmul_op(n: int = 160, repeats: int = 8):
+def _matmul_op(n: int = 160, repeats: int = 16):
     """An op long enough (tens of ms once paced) that a busy host's wake-up latency (a few ms at
     worst) is small beside it, on matrices small enough to stay in cache with 8 processes."""
     g = torch.Generator().manual_seed(0)
