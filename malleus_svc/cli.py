@@ -1,4 +1,4 @@
-"""`malleus` command line: plan, memory, export, train, demo, simulate, bench; submit, status, replan, rates, stop.
+"""`malleus` command line: plan, memory, export, prepare-data, train, demo, simulate, bench; submit, status, replan, rates, stop.
 
 Every user error (bad scenario, bad plan file, infeasible problem, unknown job, refused request,
 unreachable cluster) ends with one clear line on stderr and exit code 2, never a traceback.
@@ -95,6 +95,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     return train.main(args.rest)
 
 
+def cmd_prepare_data(args: argparse.Namespace) -> int:
+    from . import prepare_data
+
+    return prepare_data.main(args.rest)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .control.demo import run_demo
 
@@ -184,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("rest", nargs=argparse.REMAINDER)
     t.set_defaults(func=cmd_train)
 
+    pd = sub.add_parser("prepare-data", help="tokenize text, JSON lines or Parquet files into a corpus a job trains "
+                        "on (malleus prepare-data --help)", add_help=False)
+    pd.add_argument("rest", nargs=argparse.REMAINDER)
+    pd.set_defaults(func=cmd_prepare_data)
+
     d = sub.add_parser("demo", help="the main job: 8 CPU workers, stragglers come and go, live view and summary "
                        "(malleus demo --help)", add_help=False)
     d.add_argument("rest", nargs=argparse.REMAINDER)
@@ -213,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Commands with their own argument parsers: everything after the name is theirs (--help included).
-PASS_THROUGH = {"train": cmd_train, "demo": cmd_demo, "simulate": cmd_simulate, "bench": cmd_bench}
+PASS_THROUGH = {"train": cmd_train, "prepare-data": cmd_prepare_data, "demo": cmd_demo, "simulate": cmd_simulate, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,8 @@ Format (YAML or JSON); every scenario section (see scenario.py) plus:
     data:    {source: synthetic, seq_len: 64, num_samples: 512, vocab: 256, mode: pack, seed: 0,
               assignment: fixed}   # or length-aware: sequences dealt by predicted time (control/assign.py)
              # python-stdlib also takes corpus_split (pack | documents) and max_files
+             # tokens (files from `malleus prepare-data`, Megatron .bin/.idx or plain .bin) takes
+             # files: [PREFIX, {path: PREFIX, weight: 2.0}, {path: F.bin, dtype: uint16, offsets: F.npy}]
     train:   {steps: 10, seed: 0, lr: 3.0e-4, weight_decay: 0.0, grad_clip: 1.0, betas: [0.9, 0.95]}
     emulate: [{device: 3, factor: 3.0, at_step: 2, until_step: 6}]   # demos/tests only, default none
     ray:     {address: null}          # null: start a local Ray cluster; "auto" or host:port: join one
@@ -31,12 +33,13 @@ from typing import Any
 
 from .errors import ConfigError
 from .fields import Section
-from .limits import MAX_MEMORY_MB, MAX_RATE, MAX_SAMPLES, MAX_SECONDS
+from .limits import MAX_MEMORY_MB, MAX_RATE, MAX_SAMPLES, MAX_SECONDS, MAX_TOKEN_FILES, MAX_WEIGHT
 from .files import read_mapping
 from .scenario import SCENARIO_KEYS, Scenario
 
 JOB_KEYS = ("data", "train", "emulate", "ray", "metrics", "checkpoint", "control")
-DATA_SOURCES = ("synthetic", "python-stdlib")
+DATA_SOURCES = ("synthetic", "python-stdlib", "tokens")
+TOKEN_DTYPES = ("uint16", "uint32")   # a plain .bin's ids (Megatron files say theirs)
 # How samples become a micro-batch (datasets.collate): "pack" concatenates variable-length samples
 # into one row (no padding), "pad" pads every sample to seq_len.
 DATA_MODES = ("pack", "pad")
@@ -46,6 +49,15 @@ ASSIGNMENTS = ("fixed", "length-aware")
 # How the python-stdlib corpus is cut into samples: fixed chunks ("pack") or one file per sample,
 # split at seq_len + 1 ("documents": variable lengths).
 CORPUS_SPLITS = ("pack", "documents")
+
+
+@dataclass(frozen=True)
+class TokenFileConfig:
+    """One file of a `tokens` corpus: a Megatron prefix or a plain .bin, and its weight in the blend."""
+    path: str
+    weight: float = 1.0     # times its samples appear per epoch (0.5: a seeded half)
+    dtype: str = "uint16"   # plain .bin only
+    offsets: str | None = None   # plain .bin only: .npy of document start offsets (none: one stream)
 
 
 @dataclass(frozen=True)
@@ -59,12 +71,17 @@ class DataConfig:
     corpus_split: str = "pack"        # python-stdlib only
     max_files: int | None = None      # python-stdlib only: use the first files (sorted), for speed
     assignment: str = "fixed"         # fixed | length-aware (pack mode only)
+    files: tuple[TokenFileConfig, ...] = ()   # tokens only
 
     def spec(self) -> dict[str, Any]:
         """The dataset spec `runtime.datasets.build_dataset` reads."""
         if self.source == "synthetic":
             return {"source": "synthetic", "seq_len": self.seq_len, "num_samples": self.num_samples,
                     "vocab": self.vocab, "seed": self.seed}
+        if self.source == "tokens":
+            files = [{k: v for k, v in vars(f).items() if v is not None} for f in self.files]
+            return {"source": "tokens", "seq_len": self.seq_len, "files": files, "vocab": self.vocab,
+                    "seed": self.seed}
         return {"source": "python-stdlib", "seq_len": self.seq_len, "mode": self.corpus_split,
                 "max_files": self.max_files, "num_samples": self.num_samples, "vocab": self.vocab}
 
@@ -216,13 +233,18 @@ def _parse_data(s: Section, shape) -> DataConfig:
     seq_len = s.int("seq_len", shape.seq_len, minimum=2)
     if seq_len > shape.seq_len:
         raise s.error("seq_len", seq_len, f"at most the model's seq_len ({shape.seq_len})")
-    vocab = s.int("vocab", shape.vocab if source == "synthetic" else 256, minimum=2)
+    vocab = s.int("vocab", 256 if source == "python-stdlib" else shape.vocab, minimum=2)
     if vocab > shape.vocab:
         raise s.error("vocab", vocab, f"at most the model's vocab ({shape.vocab}): token ids must fit the embedding")
     if source == "python-stdlib" and vocab < 256:
         raise s.error("vocab", vocab, "python-stdlib is byte-level: vocab must be >= 256 (and the model's vocab too)")
     if source == "synthetic":
         num_samples = s.int("num_samples", 1024, minimum=1, maximum=MAX_SAMPLES)
+    elif source == "tokens":
+        if s.has("num_samples"):
+            raise s.error("num_samples", s.raw("num_samples"), "not for source tokens (its files set the count; "
+                          "a weight below 1 takes a part of a file)")
+        num_samples = None
     else:
         num_samples = s.raw("num_samples", None)
         num_samples = None if num_samples is None else s.int("num_samples", minimum=1, maximum=MAX_SAMPLES)
@@ -244,11 +266,32 @@ def _parse_data(s: Section, shape) -> DataConfig:
         corpus_split=split,
         max_files=max_files,
         assignment=s.choice("assignment", ASSIGNMENTS, "fixed"),
+        files=_parse_token_files(s) if source == "tokens" else (),
     )
     if cfg.assignment == "length-aware" and cfg.mode != "pack":
         raise s.error("assignment", cfg.assignment, "length-aware needs mode: pack (padded rows all cost the same)")
     s.done()
     return cfg
+
+
+def _parse_token_files(s: Section) -> tuple[TokenFileConfig, ...]:
+    files = s.raw("files")
+    if not isinstance(files, list) or not files or len(files) > MAX_TOKEN_FILES:
+        raise s.error("files", files, f"a list of 1 to {MAX_TOKEN_FILES} files: a path (Megatron prefix or .bin) "
+                      "or {path, weight, dtype, offsets}")
+    out = []
+    for i, entry in enumerate(files):
+        f = Section({"path": entry} if isinstance(entry, str) else entry, f"{s.path}.files[{i}]", s.source)
+        path = f.raw("path")
+        if not isinstance(path, str) or not path:
+            raise f.error("path", path, "a non-empty path: a Megatron prefix (PREFIX.bin + PREFIX.idx) or a plain .bin")
+        offsets = f.raw("offsets", None)
+        if offsets is not None and not isinstance(offsets, str):
+            raise f.error("offsets", offsets, "a path to a .npy of document start offsets")
+        out.append(TokenFileConfig(path=path, weight=f.float("weight", 1.0, minimum=0, exclusive=True, maximum=MAX_WEIGHT),
+                                   dtype=f.choice("dtype", TOKEN_DTYPES, "uint16"), offsets=offsets))
+        f.done()
+    return tuple(out)
 
 
 def _parse_train(s: Section) -> TrainConfig:

@@ -20,3 +20,5 @@ MAX_RATE = 1e6                      # a straggling rate, emulated slow-down or t
 MAX_SECONDS = 1e9                   # any time in seconds
 MAX_MEMORY_MB = 1e9                 # any memory in MB
 MAX_NUMBER = float(2 ** 53)         # any other number (the largest integer a float holds exactly)
+MAX_TOKEN_FILES = 10_000            # files blended in one `tokens` corpus
+MAX_WEIGHT = 1_000.0                # a file's repeats per epoch in a blend

@@ -6,12 +6,14 @@ and ``seq_len + 1``; the model reads ``seq[:-1]`` and predicts ``seq[1:]``.
 * `SyntheticVarLen`: long-tailed (lognormal) lengths and tokens from a seeded sparse bigram
   chain, so a model can learn it (the best reachable loss is `entropy_floor` nats per token).
 * `PythonSourceCorpus`: real text, the Python standard library's own ``.py`` files, at byte level.
+* `TokenCorpus`: tokenized documents from disk (`token_files`), a blend of files.
 
 `collate` turns a list of sample ids into a `MicroBatch` (packed with ``cu_seqlens``, or padded),
 `length_stats` summarises a length distribution, `build_dataset` builds a source from a config dict.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import sysconfig
@@ -23,8 +25,9 @@ import torch
 
 from malleus_svc.runtime.batch import IGNORE_INDEX, MicroBatch
 from malleus_svc.runtime.data import DataError, _check_int
+from malleus_svc.runtime.token_files import TokenFile, open_indexed, open_plain, summary_path
 
-SOURCES = ("synthetic", "python-stdlib")
+SOURCES = ("synthetic", "python-stdlib", "tokens")
 CORPUS_MODES = ("pack", "documents")
 COLLATE_MODES = ("pack", "pad")
 
@@ -294,6 +297,122 @@ class PythonSourceCorpus:
 
 
 # ---------------------------------------------------------------------------------------------
+# tokenized documents from disk
+# ---------------------------------------------------------------------------------------------
+def _open(entry: Mapping[str, Any]) -> TokenFile:
+    path = str(entry["path"])
+    if Path(f"{path}.idx").exists():
+        return open_indexed(path)
+    if path.endswith(".bin"):
+        return open_plain(path, entry.get("dtype", "uint16"), entry.get("offsets"))
+    raise DataError(f"token file {path!r}: neither {path}.idx + {path}.bin (Megatron indexed) exists nor does "
+                    f"the path name a plain .bin")
+
+
+class TokenCorpus:
+    """Tokenized documents from disk, a blend of files; every sample is one document or a piece of one.
+
+    A document of L tokens gives ``ceil((L - 1) / seq_len)`` samples of at most ``seq_len + 1``
+    tokens that overlap by one token, so every next-token target is trained exactly once; 1-token
+    documents give none. A file's `weight` is how many times its samples appear per epoch: 1 = once,
+    2 = twice, 0.5 = a seeded half of them (the same half every epoch). The index holds 12 bytes per
+    sample (file, piece); token ids stay on disk and each read maps only the sample it needs.
+    Ids at or above `vocab` are refused when the corpus opens (prepare-data's summary, else a scan).
+    """
+
+    def __init__(self, files: Sequence[Mapping[str, Any]], seq_len: int, vocab: int, seed: int = 0):
+        self.seq_len = _check_int("seq_len", seq_len, 2)
+        self.vocab = _check_int("vocab", vocab, 2)
+        self.seed = _check_int("seed", seed, 0)
+        if not files:
+            raise DataError("source 'tokens' needs at least one file")
+        self.files = [_open(e) for e in files]
+        self.weights = [float(e.get("weight", 1.0)) for e in files]
+        if not all(math.isfinite(w) and w > 0 for w in self.weights):
+            raise DataError(f"file weights must be positive numbers (times per epoch), got {self.weights}")
+        for f in self.files:
+            self._check_vocab(f)
+        S = self.seq_len
+        self._piece_starts, self._piece_lens, self._first_piece = [], [], []
+        picks_file, picks_piece, lengths = [], [], []
+        for k, (f, w) in enumerate(zip(self.files, self.weights)):
+            L = f.lengths
+            count = np.where(L >= 2, (L - 2) // S + 1, 0)
+            first = np.cumsum(count) - count
+            doc = np.repeat(np.arange(len(L), dtype=np.int64), count)
+            j = np.arange(len(doc), dtype=np.int64) - first[doc]
+            self._piece_starts.append(f.starts[doc] + j * S)
+            self._piece_lens.append(np.minimum(S + 1, L[doc] - j * S))
+            self._first_piece.append(first)
+            n = len(doc)
+            extra = int(round((w - math.floor(w)) * n))
+            rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, 0xB1E4D, k])))
+            local = np.concatenate([np.tile(np.arange(n, dtype=np.int64), math.floor(w)),
+                                    np.sort(rng.permutation(n)[:extra])])
+            picks_file.append(np.full(len(local), k, dtype=np.int32))
+            picks_piece.append(local)
+            lengths.append(self._piece_lens[k][local])
+        self._file = np.concatenate(picks_file)
+        self._piece = np.concatenate(picks_piece)
+        if len(self._file) == 0:
+            raise DataError(f"the token corpus has no document of 2 tokens or more "
+                            f"({', '.join(str(f.path) for f in self.files)}): nothing to train on")
+        self.lengths = np.concatenate(lengths)
+        self.lengths.setflags(write=False)
+
+    def _check_vocab(self, f: TokenFile) -> None:
+        meta = None
+        if f.format == "megatron" and summary_path(f.path.with_suffix("")).is_file():
+            meta = _read_summary(f)
+        if meta is not None and meta.get("vocab_size", 0) > self.vocab:
+            raise DataError(f"{f.path} was tokenized with a vocabulary of {meta['vocab_size']}, more than the model's "
+                            f"{self.vocab}: use a model with vocab >= {meta['vocab_size']} or another tokenizer")
+        top = meta["max_token_id"] if meta is not None else f.max_id()
+        if top >= self.vocab:
+            raise DataError(f"{f.path} holds token id {top}, at or above the model's vocab {self.vocab}: "
+                            f"use a model with vocab > {top} or re-tokenize")
+
+    def __len__(self) -> int:
+        return len(self._file)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        i = _index(i, len(self._file), "TokenCorpus")
+        k, p = int(self._file[i]), int(self._piece[i])
+        ids = self.files[k].ids(int(self._piece_starts[k][p]), int(self._piece_lens[k][p])).astype(np.int64)
+        if ids.max() >= self.vocab or ids.min() < 0:
+            raise DataError(f"{self.files[k].path}: sample {i} holds ids outside [0, {self.vocab}) "
+                            f"(the file changed since it was opened?)")
+        return torch.from_numpy(ids)
+
+    def document_of(self, i: int) -> tuple[int, int]:
+        """(file, document) that sample `i` comes from."""
+        i = _index(i, len(self._file), "TokenCorpus")
+        k, p = int(self._file[i]), int(self._piece[i])
+        return k, int(np.searchsorted(self._first_piece[k], p, side="right")) - 1
+
+    def describe(self) -> dict[str, Any]:
+        per_file = [{"path": str(f.path), "format": f.format, "documents": len(f), "tokens": f.tokens,
+                     "weight": w, "share": float(np.mean(self._file == k))}
+                    for k, (f, w) in enumerate(zip(self.files, self.weights))]
+        return {"source": "tokens", "seq_len": self.seq_len, "vocab": self.vocab, "len": len(self),
+                "files": per_file, "lengths": length_stats(self.lengths)}
+
+    def __repr__(self) -> str:
+        return f"TokenCorpus(files={len(self.files)}, seq_len={self.seq_len}, len={len(self)})"
+
+
+def _read_summary(f: TokenFile) -> dict[str, Any] | None:
+    """prepare-data's summary of `f`, if it describes this very file (same document and token counts)."""
+    try:
+        meta = json.loads(summary_path(f.path.with_suffix("")).read_text())
+    except (OSError, ValueError):
+        return None
+    ok = (isinstance(meta, dict) and meta.get("documents") == len(f) and meta.get("tokens") == f.tokens
+          and all(isinstance(meta.get(k), int) for k in ("max_token_id", "vocab_size")))
+    return meta if ok else None
+
+
+# ---------------------------------------------------------------------------------------------
 # collation and statistics
 # ---------------------------------------------------------------------------------------------
 def collate(dataset: TokenDataset, sample_ids: Sequence[int], mode: str = "pack",
@@ -368,13 +487,17 @@ def length_stats(lengths: Sequence[int] | np.ndarray) -> dict[str, Any]:
 _SPEC_KEYS = {
     "synthetic": {"source", "seq_len", "num_samples", "vocab", "seed", "mean_len", "sigma", "min_len"},
     "python-stdlib": {"source", "seq_len", "mode", "max_files", "num_samples", "vocab", "seed", "root"},
+    "tokens": {"source", "seq_len", "files", "vocab", "seed"},
 }
+_FILE_KEYS = {"path", "weight", "dtype", "offsets"}
 
 
 def build_dataset(spec: Mapping[str, Any]) -> TokenDataset:
     """A dataset from a config dict.
 
     synthetic:     source, seq_len, num_samples, vocab (required); seed, mean_len, sigma, min_len.
+    tokens:        source, seq_len, files, vocab (required); seed. Each file is a mapping with
+                   path (a Megatron prefix or a plain .bin) and optional weight, dtype, offsets.
     python-stdlib: source, seq_len (required); mode ("pack" | "documents"), max_files,
                    num_samples (a cap), vocab (checked: byte tokens need >= 256), seed (accepted,
                    unused: the corpus order is fixed; shuffling is the sampler's job), root.
@@ -389,7 +512,8 @@ def build_dataset(spec: Mapping[str, Any]) -> TokenDataset:
     if unknown:
         raise DataError(f"dataset fields {unknown} are not accepted for source {source!r}; "
                         f"accepted: {sorted(_SPEC_KEYS[source])}")
-    required = ["seq_len", "num_samples", "vocab"] if source == "synthetic" else ["seq_len"]
+    required = {"synthetic": ["seq_len", "num_samples", "vocab"], "tokens": ["seq_len", "files", "vocab"]}.get(
+        source, ["seq_len"])
     missing = [k for k in required if k not in spec]
     if missing:
         raise DataError(f"dataset spec for source {source!r} is missing the required field(s) {missing}")
@@ -413,6 +537,13 @@ def build_dataset(spec: Mapping[str, Any]) -> TokenDataset:
             kwargs["min_len"] = field("min_len", 2)
         return SyntheticVarLen(num_samples=field("num_samples", 1), seq_len=seq_len, vocab=field("vocab", 2),
                                seed=field("seed", 0) if "seed" in spec else 0, **kwargs)
+    if source == "tokens":
+        files = spec["files"]
+        if not isinstance(files, Sequence) or isinstance(files, (str, bytes)) or not all(
+                isinstance(e, Mapping) and "path" in e and set(e) <= _FILE_KEYS for e in files):
+            raise DataError(f"dataset field 'files' must be a list of mappings with a path and optional "
+                            f"{sorted(_FILE_KEYS - {'path'})}, got {files!r}"[:300])
+        return TokenCorpus(files, seq_len, field("vocab", 2), field("seed", 0) if "seed" in spec else 0)
     if "vocab" in spec and field("vocab", 1) < PythonSourceCorpus.vocab:
         raise DataError(f"dataset field 'vocab' is {spec['vocab']}, but python-stdlib is byte-level and needs a "
                         f"vocab of at least {PythonSourceCorpus.vocab}")
