@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHES = ("planner", "planner-scale", "runtime", "simulate", "malleable", "rates", "calibrate", "lengths", "lengths-runtime")
+BENCHES = ("planner", "planner-scale", "runtime", "simulate", "malleable", "rates", "calibrate", "lengths", "lengths-runtime",
+           "prepare-data")
 
 
 def main(argv: list[str] | None = None, prog: str = "malleus bench") -> int:

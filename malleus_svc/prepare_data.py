@@ -28,6 +28,7 @@ from .runtime.token_files import TOKEN_DTYPES, IndexedWriter, summary_path
 
 FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 TEXT_UNITS = {"file": "document", "line": "line", "paragraph": "paragraph"}   # datasets' text builder's sample_by
+ENCODING_ERRORS = ("strict", "replace", "ignore")
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>")
 
 
@@ -64,14 +65,34 @@ def _tokenizer(path: str, eod: str | None):
     return tok, tok.token_to_id(names[0])
 
 
-def _load(by_format: dict[str, list[str]], field: str, unit: str, cache: str):
+def _undecodable(files: list[str]) -> tuple[str, str] | None:
+    """The first file that is not utf-8, and where (asked only once reading has failed)."""
+    for f in files:
+        try:
+            with open(f, encoding="utf-8") as fh:
+                while fh.read(1 << 20):
+                    pass
+        except UnicodeDecodeError as e:
+            return f, f"{e.reason} at byte {e.start}"
+    return None
+
+
+def _load(by_format: dict[str, list[str]], field: str, unit: str, cache: str, encoding_errors: str = "strict"):
     """One `datasets.Dataset` with a single "text" column."""
     import datasets
 
     parts = []
     for fmt, files in sorted(by_format.items()):
-        kwargs = {"sample_by": TEXT_UNITS[unit]} if fmt == "text" else {}
-        ds = datasets.load_dataset(fmt, data_files=files, split="train", cache_dir=cache, **kwargs)
+        kwargs = {"sample_by": TEXT_UNITS[unit], "encoding_errors": encoding_errors} if fmt == "text" else {}
+        try:
+            ds = datasets.load_dataset(fmt, data_files=files, split="train", cache_dir=cache, **kwargs)
+        except datasets.exceptions.DatasetGenerationError as e:
+            bad = _undecodable(files) if isinstance(e.__cause__, UnicodeDecodeError) else None
+            if bad:
+                raise ConfigError("input", bad[0], f"utf-8 text ({bad[1]}); --encoding-errors replace or ignore "
+                                  "reads it anyway") from None
+            reason = str(e.__cause__ or e).splitlines()[0][:200]
+            raise ConfigError("input", f"{len(files)} {fmt} file(s)", f"readable {fmt} records ({reason})") from None
         column = "text" if fmt == "text" else field
         if column not in ds.column_names:
             raise ConfigError("--field", field, f"a field of the {fmt} records (they have {ds.column_names})")
@@ -109,7 +130,7 @@ def _encoder(tokenizer_path: str, eod_id: int):
 
 def prepare(inputs: list[str], tokenizer: str, out: str, *, field: str = "text", unit: str = "file",
             eod: str | None = None, dtype: str = "auto", workers: int | None = None, batch: int = 1000,
-            train_vocab: int | None = None) -> dict[str, Any]:
+            train_vocab: int | None = None, encoding_errors: str = "strict") -> dict[str, Any]:
     """Tokenize `inputs` into ``OUT.bin``/``OUT.idx``; returns (and writes beside them) the summary.
     `train_vocab`: first train a byte-level BPE of that many ids on the inputs and save it at `tokenizer`."""
     started = time.perf_counter()
@@ -120,7 +141,7 @@ def prepare(inputs: list[str], tokenizer: str, out: str, *, field: str = "text",
         if not 258 <= train_vocab <= 1 << 20:
             raise ConfigError("--train-tokenizer", train_vocab, "a vocabulary of 258 to 1048576 ids")
         try:
-            train_tokenizer(_load(by_format, field, unit, cache), train_vocab, tokenizer, eod or EOD_CANDIDATES[0])
+            train_tokenizer(_load(by_format, field, unit, cache, encoding_errors), train_vocab, tokenizer, eod or EOD_CANDIDATES[0])
         finally:
             shutil.rmtree(cache, ignore_errors=True)
     tok, eod_id = _tokenizer(tokenizer, eod)
@@ -132,7 +153,7 @@ def prepare(inputs: list[str], tokenizer: str, out: str, *, field: str = "text",
         raise ConfigError("--dtype", dtype, f"a dtype that holds the tokenizer's {vocab_size} ids (uint32)")
     workers = max(1, workers or min(8, os.cpu_count() or 1))
     try:
-        ds = _load(by_format, field, unit, cache)
+        ds = _load(by_format, field, unit, cache, encoding_errors)
         if len(ds) == 0:
             raise ConfigError("input", inputs, "files holding at least one document")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false" if workers > 1 else "true")
@@ -199,10 +220,14 @@ def main(argv: list[str] | None = None) -> int:
                     "the tokenizer has)")
     ap.add_argument("--dtype", choices=("auto", *TOKEN_DTYPES), default="auto",
                     help="token id width (auto: uint16 when the vocabulary fits)")
+    ap.add_argument("--encoding-errors", choices=ENCODING_ERRORS, default="strict",
+                    help="text files that are not utf-8: refuse them (strict, the default), or replace or drop "
+                    "the bad bytes")
     ap.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: cores, at most 8)")
     args = ap.parse_args(argv)
     summary = prepare(args.inputs, args.tokenizer, args.out, field=args.field, unit=args.unit, eod=args.eod,
-                      dtype=args.dtype, workers=args.workers, train_vocab=args.train_tokenizer)
+                      dtype=args.dtype, workers=args.workers, train_vocab=args.train_tokenizer,
+                      encoding_errors=args.encoding_errors)
     print_summary(summary, args.out)
     return 0
 

@@ -6,6 +6,7 @@ actors and the torch.distributed world start once; each test applies its own pla
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -183,6 +184,44 @@ def test_every_sample_once_per_epoch_across_a_replan(group):
             seen.update(s for pipe in rec.sample_ids for s in pipe)
     assert sampler.epoch == 1
     assert sorted(seen) == list(range(num_samples)) and set(seen.values()) == {1}
+
+
+@pytest.mark.ray
+def test_a_prepared_corpus_trains_to_the_same_losses_under_two_plans(group, tmp_path):
+    """`malleus prepare-data` output (real stdlib text, a BPE tokenizer trained on it) as a job's data:
+    two plans from the same initial weights train to the reference's losses, step for step."""
+    import dataclasses
+    import sysconfig
+
+    from malleus_svc.prepare_data import prepare
+    from malleus_svc.runtime.data import GlobalSampler, split_for_plan
+    from malleus_svc.runtime.datasets import build_dataset, collate
+    from malleus_svc.runtime.engine import OptimConfig
+    from malleus_svc.runtime.reference import reference_train
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:12]:
+        (docs / f"{p.stem}.txt").write_text(p.read_text(errors="replace"))
+    prepare([str(docs)], str(tmp_path / "tokenizer.json"), str(tmp_path / "corpus"), train_vocab=400, workers=1)
+    shape = dataclasses.replace(_shape(), vocab=512)
+    spec = {"source": "tokens", "seq_len": 64, "files": [{"path": str(tmp_path / "corpus")}], "vocab": 512}
+    optim, seed, steps = OptimConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, grad_clip=1.0), 2, 2
+    dataset = build_dataset(spec)
+    losses = {}
+    for name, plan in (("hetero", HETERO), ("other", OTHER)):
+        n = group.set_data(spec, "pack", 64)
+        group.apply_plan(plan, shape, seed=seed, optim=optim)
+        sampler = GlobalSampler(n, plan.global_batch, seed=5)
+        losses[name], batches = [], []
+        for _ in range(steps):
+            ids = sampler.next_global_batch()
+            losses[name].append(group.step(ids).loss)
+            batches.append([collate(dataset, mb, "pack", 64) for pipe in split_for_plan(ids, plan) for mb in pipe])
+    ref_losses, _, _ = reference_train(shape, seed, optim, batches)
+    assert losses["hetero"] == pytest.approx(losses["other"], rel=1e-5)
+    assert losses["other"] == pytest.approx(list(ref_losses), rel=1e-5)
+    assert losses["other"][0] == pytest.approx(math.log(512), rel=0.1)   # random init over the 512 ids
 
 
 @pytest.mark.ray

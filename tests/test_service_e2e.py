@@ -301,3 +301,17 @@ def test_custom_model_example_on_the_cluster(head, tmp_path):
     assert "custom model: 14 steps" in p.stdout, p.stdout[-2000:]
     losses = [json.loads(x)["loss"] for x in out.read_text().splitlines()]
     assert losses[-1] < losses[0] - 0.5, losses      # it learns (byte-level Python: ~5.6 -> well below)
+
+
+def test_own_data_example_tokenizes_trains_exports_and_generates(head, tmp_path):
+    """examples/own_data.py end to end: prepare-data on a folder of text, a Ray job on the corpus,
+    `export`, then transformers loads the folder and generates."""
+    p = head.run("python", "examples/own_data.py", "--address", head.dashboard, "--work", str(tmp_path),
+                 "--steps", "8", timeout=400)
+    assert "documents" in p.stdout and re.search(r"own data: 8 steps", p.stdout), p.stdout[-2000:]
+    losses = [json.loads(x)["loss"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 8 and losses[-1] < losses[0], losses
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["num_key_value_heads"] == 2 and config["vocab_size"] == 512
+    generated = re.search(r"generated: '(.*)'", p.stdout)
+    assert generated and generated.group(1).startswith("def ") and len(generated.group(1)) > 8, p.stdout[-500:]

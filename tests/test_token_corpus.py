@@ -275,6 +275,10 @@ def test_prepare_data_refuses_bad_input_in_one_line(tmp_path, tokenizer, capsys)
     (tmp_path / "notes.csv").write_text("a,b\n")
     (tmp_path / "blank").mkdir()
     (tmp_path / "blank" / "b.txt").write_text("  \n")
+    (tmp_path / "latin").mkdir()
+    (tmp_path / "latin" / "ok.txt").write_text("fine")
+    (tmp_path / "latin" / "l1.txt").write_bytes("caf\u00e9 cr\u00e8me".encode("latin-1"))
+    (tmp_path / "broken.jsonl").write_text('{"text": "a"}\n{"text": \n')
     wide = Tokenizer(models.WordLevel({f"w{i}": i for i in range(70_000)}, unk_token="w0"))
     wide.save(str(tmp_path / "wide.json"))
     cases = [
@@ -286,6 +290,8 @@ def test_prepare_data_refuses_bad_input_in_one_line(tmp_path, tokenizer, capsys)
         ([str(tmp_path / "docs"), "--tokenizer", str(tmp_path / "wide.json"), "--eod", "w1", "--dtype", "uint16"],
          "holds the tokenizer's 70000 ids"),
         ([str(tmp_path / "blank")], "non-blank document"),
+        ([str(tmp_path / "latin")], "l1.txt' is not valid: utf-8 text (invalid continuation byte"),
+        ([str(tmp_path / "broken.jsonl")], "readable json records"),
     ]
     for args, words in cases:
         if "--tokenizer" not in args:
@@ -295,6 +301,10 @@ def test_prepare_data_refuses_bad_input_in_one_line(tmp_path, tokenizer, capsys)
         last = err.strip().splitlines()[-1]
         assert last.startswith("malleus: error:") and words in last and "Traceback" not in err, (args, err)
     assert not (tmp_path / "o" / "x.bin").exists() or not (tmp_path / "o" / "x.idx").exists()
+    # read anyway, the bad bytes replaced
+    assert main(["prepare-data", str(tmp_path / "latin"), "--tokenizer", str(tokenizer), "--encoding-errors", "replace",
+                 "--out", str(tmp_path / "o" / "l"), "--workers", "1"]) == 0
+    assert "2 documents" in capsys.readouterr().out
 
 
 def test_a_tokenizer_larger_than_the_model_is_refused_from_the_summary(tmp_path, tokenizer):

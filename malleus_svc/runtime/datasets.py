@@ -315,8 +315,8 @@ class TokenCorpus:
     A document of L tokens gives ``ceil((L - 1) / seq_len)`` samples of at most ``seq_len + 1``
     tokens that overlap by one token, so every next-token target is trained exactly once; 1-token
     documents give none. A file's `weight` is how many times its samples appear per epoch: 1 = once,
-    2 = twice, 0.5 = a seeded half of them (the same half every epoch). The index holds 12 bytes per
-    sample (file, piece); token ids stay on disk and each read maps only the sample it needs.
+    2 = twice, 0.5 = a seeded half of them (the same half every epoch). The index holds about 36 bytes
+    per sample; token ids stay on disk and each read maps only the sample it needs.
     Ids at or above `vocab` are refused when the corpus opens (prepare-data's summary, else a scan).
     """
 
