@@ -6,7 +6,7 @@ import argparse
 import importlib
 
 BENCHES = ("planner", "planner-scale", "runtime", "simulate", "malleable", "rates", "calibrate", "lengths", "lengths-runtime",
-           "prepare-data")
+           "prepare-data", "init")
 
 
 def main(argv: list[str] | None = None, prog: str = "malleus bench") -> int:

@@ -38,7 +38,7 @@ class FakeWorkers:
     def set_data(self, spec: dict, mode: str, seq_len: int) -> int:
         return int(spec["num_samples"])
 
-    def apply_plan(self, plan: Plan, shape, *, seed: int = 0, optim=None) -> list:
+    def apply_plan(self, plan: Plan, shape, *, seed: int = 0, optim=None, init: bool = True) -> list:
         self.plan = plan
         return []
 

@@ -123,21 +123,28 @@ TP2 = Plan(num_devices=2, num_layers=4, micro_batch_size=2,
            pipelines=(Pipeline((Stage((1, 0), (0, 4)),), micro_batches=5),))
 
 
-def _resume_and_train(rank: int, world: int, states, batch: list[MicroBatch]):
-    engine = Engine(TINY, TP2, rank, seed=SEED + 1, optim=OPTIM, dtype=torch.float64)  # other init: load must win
+def _resume_and_train(rank: int, world: int, states, batch: list[MicroBatch], init: bool):
+    import malleus_svc.runtime.model as model_mod
+
+    drawn, draw = [], model_mod._tile      # this worker process's own count of initialisation tiles
+    model_mod._tile = lambda *a: drawn.append(a) or draw(*a)
+    engine = Engine(TINY, TP2, rank, seed=SEED + 1, optim=OPTIM, dtype=torch.float64, init=init)  # load must win
     engine.load_state(states)
     engine.train_step(batch, sum(mb.num_loss_tokens for mb in batch))
-    return engine.export_state()
+    return engine.export_state(), len(drawn)
 
 
-def test_state_moves_to_another_plan_and_training_continues_exactly():
+@pytest.mark.parametrize("init", [True, False])
+def test_state_moves_to_another_plan_and_training_continues_exactly(init):
     # One step on the reference, its full state cut into shards for a TP=2 plan (devices listed
     # out of order), one more step there: equal to two steps on the reference.
     dtype = torch.float64
     batches = global_batches(steps=2, micro_batches=5, micro_batch_size=2, seed=3)
     _, params1, optim1 = reference_train(TINY, SEED, OPTIM, batches[:1], dtype)
     states = full_shard_states({**params1, **optim1})
-    exports = run_on_gloo(_resume_and_train, 2, states, batches[1])
+    results = run_on_gloo(_resume_and_train, 2, states, batches[1], init)
+    exports = [r[0] for r in results]
+    assert all((drawn > 0) == init for _, drawn in results)   # state about to be loaded: no init at all
     _, params2, optim2 = reference_train(TINY, SEED, OPTIM, batches, dtype)
     full = assemble_full(exports)
     for name, ref in {**params2, **optim2}.items():
@@ -292,3 +299,33 @@ def test_block_module_is_the_same_at_tp_one():
     # Sanity of the shared definition: a Block holds full tensors at TP size 1.
     block = Block(TINY, TensorParallel())
     assert block.attn.wq.shape == (TINY.heads * TINY.head_dim, TINY.hidden)
+
+
+# ---------------------------------------------------------------------------- initialisation
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_each_shard_draws_only_its_own_tiles_and_equals_the_full_init(tp, monkeypatch):
+    """Built on meta, a TP rank allocates and draws its shards alone, never the full tensors, and
+    gets exactly its slice of what the single-process model holds."""
+    import malleus_svc.runtime.model as model_mod
+    from malleus_svc.runtime.memory import _NoComm
+    from malleus_svc.runtime.model import build_stage_model
+
+    shape = ModelShape(layers=2, hidden=64, heads=8, ffn=96, vocab=40, seq_len=16, kv_heads=4)
+    monkeypatch.setattr(model_mod, "TILE", 16)   # many tiles even at this size
+    full = full_model(shape, seed=3)
+    reference = dict(full.named_parameters())
+    drawn = []
+    real_tile = model_mod._tile
+    monkeypatch.setattr(model_mod, "_tile", lambda *a: drawn.append(a[4] * a[5]) or real_tile(*a))
+    for rank in range(tp):
+        drawn.clear()
+        model = build_stage_model(shape, (0, 2), has_embedding=True, has_head=True,
+                                  tp=_NoComm(tp, rank), seed=3)
+        own = 0
+        for name, p in model.named_parameters():
+            assert torch.equal(p, take_shard(name, reference[name].detach(), rank, tp)), name
+            own += p.numel() if p.dim() == 2 else 0
+        # what was drawn: this rank's shards, rounded out to whole tiles (16-row shards here)
+        assert own <= sum(drawn) <= own * (1 if tp == 1 else 2), (sum(drawn), own)
+    uninit = build_stage_model(shape, (0, 1), has_embedding=False, has_head=False, seed=None)
+    assert all(p.device.type == "cpu" for p in uninit.parameters())

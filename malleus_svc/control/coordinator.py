@@ -135,7 +135,8 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
                     plan = self._plan_after_loss(frozenset(group.gone))
                 n = group.set_data(job.data.spec(), job.data.mode, job.data.seq_len)
                 sampler = GlobalSampler(n, plan.global_batch, seed=job.train.seed)
-                group.apply_plan(plan, job.shape, seed=job.train.seed, optim=optim_config(job))
+                loading = ckpt is not None or bool(job.scenario.pretrained)   # then no initialisation
+                group.apply_plan(plan, job.shape, seed=job.train.seed, optim=optim_config(job), init=not loading)
                 emulated = job.emulated_device
                 pace = group.pace(plan.micro_batch_size * job.data.seq_len, emulated.flops_per_second,
                                   emulated.bytes_per_second)

@@ -308,9 +308,10 @@ class WorkerGroup:
             raise WorkerGroupError(f"plan {plan.plan_id} gives work to devices {gone}, which are gone "
                                    f"(their node left the cluster); plan without them")
 
-    def apply_plan(self, plan: Plan, shape, *, seed: int = 0, optim=None) -> list[dict]:
-        """Every worker builds its Engine for `plan` (fresh parameters from `seed`); devices without
-        work build none. All workers take part, because building an Engine creates process groups."""
+    def apply_plan(self, plan: Plan, shape, *, seed: int = 0, optim=None, init: bool = True) -> list[dict]:
+        """Every worker builds its Engine for `plan` (fresh parameters from `seed`, or none when
+        `init` is False: `load_full_state` comes next); devices without work build none. All
+        workers take part, because building an Engine creates process groups."""
         from .engine import OptimConfig, validate_plan_for_model
 
         self.check_plan(plan, shape)
@@ -320,7 +321,7 @@ class WorkerGroup:
             raise WorkerGroupError(f"plan {plan.plan_id} cannot run this model: {e}") from None
         optim = optim or OptimConfig()
         d = plan.to_dict()
-        out = self._each("apply_plan", shape, d, seed, optim)
+        out = self._each("apply_plan", shape, d, seed, optim, init)
         self.plan = plan
         self.shape, self.seed, self.optim = shape, seed, optim  # what migrate() builds engines with
         return out
@@ -565,7 +566,7 @@ class WorkerGroup:
         self._init_world()
         if fresh:
             self._each("set_data", *self._data_args, devices=fresh)
-        self.apply_plan(plan, self.shape, seed=self.seed, optim=self.optim)
+        self.apply_plan(plan, self.shape, seed=self.seed, optim=self.optim, init=False)
         # The survivors agree on the step (updates are applied only after every device finished it),
         # so their exports either cover the whole model or lack a slice that only lost devices held.
         current = list(exports.values())

@@ -25,7 +25,7 @@ from malleus_svc.plan import Plan
 from malleus_svc.runtime.batch import IGNORE_INDEX, MicroBatch
 from malleus_svc.runtime.device_clock import DeviceClock, make_clock
 from malleus_svc.runtime.groups import Groups, PipelinePeers, Piece, ordered_group_ranks, world_rank
-from malleus_svc.runtime.model import StageModel
+from malleus_svc.runtime.model import build_stage_model
 from malleus_svc.runtime.schedule import Post, Transfer, stage_program
 from malleus_svc.runtime.transport import P2PTransport, StageTransport
 
@@ -179,11 +179,12 @@ class Engine:
 
     `transport` makes the stage's point-to-point transport from (peers, device, dtype); `clock`
     times the compute ops (an unpaced PacedClock on CPU, a CudaClock on CUDA, unless given).
+    `init=False` leaves the weights uninitialised, for state that `load_state` brings next.
     """
 
     def __init__(self, shape: ModelShape, plan: Plan, rank: int, *, seed: int = 0,
                  optim: OptimConfig = OptimConfig(), device: torch.device | None = None,
-                 clock: DeviceClock | None = None, dtype: torch.dtype = torch.float32,
+                 clock: DeviceClock | None = None, dtype: torch.dtype = torch.float32, init: bool = True,
                  transport: Callable[[PipelinePeers, torch.device, torch.dtype], StageTransport] = P2PTransport):
         validate_plan_for_model(shape, plan)
         _check_rank(plan, rank)
@@ -195,10 +196,9 @@ class Engine:
         self.groups.tp.clock = self.clock     # TP collectives are not the device's own compute
         self.role = self.groups.role
         self.num_stages = len(plan.pipelines[self.role.pipeline].stages)
-        self.model = StageModel(shape, self.role.layers, has_embedding=self.role.is_first,
-                                has_head=self.role.is_last, tp=self.groups.tp)
-        self.model.init_from_seed(seed)
-        self.model.to(device=self.device, dtype=dtype)
+        self.model = build_stage_model(shape, self.role.layers, has_embedding=self.role.is_first,
+                                       has_head=self.role.is_last, tp=self.groups.tp, device=self.device,
+                                       seed=seed if init else None).to(dtype=dtype)
         self.params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
         self.optimizer = optim.make(self.params.values())
         self.grad_sync = GradientSync(self.groups, self.params, shape)

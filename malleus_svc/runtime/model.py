@@ -4,8 +4,9 @@ Parts: "embedding" (token embedding), block i (RMSNorm, attention with rotary po
 SwiGLU MLP, both with residuals), "head" (final RMSNorm and the untied LM head).
 
 Every tensor has a stable full-model name (``blocks.3.attn.wq``, ``embedding.weight``, ...) and
-is initialised from a generator seeded by (seed, part) alone, so a stage builds exactly the
-blocks it holds, identical to what any other plan (or the single-process reference) would build.
+is initialised tile by tile, each tile from a generator seeded by (seed, name, tile) alone. A
+device builds its stage on the meta device, allocates only its own shards and draws only the tiles
+they overlap, identical to what any other plan (or the single-process reference) would hold.
 Names, full shapes and TP split dims come from `geometry.tensors`: each parameter is that table's
 shard for this device's TP group (q/k/v and gate/up column-parallel, out and down row-parallel,
 summed by an all-reduce; norm weights replicated).
@@ -50,25 +51,42 @@ def _by_local_name(shape: ModelShape, part: Part) -> dict[str, TensorSpec]:
 
 
 # ---------------------------------------------------------------------------- initialisation
-def _part_generator(seed: int, part: Part) -> torch.Generator:
-    digest = hashlib.sha256(f"malleus-init/{seed}/{part}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+TILE = 1024   # rows and columns of one initialisation tile
+
+
+def _tile(seed: int, name: str, i: int, j: int, rows: int, cols: int) -> torch.Tensor:
+    """Standard normal tile (i, j) of tensor `name`: a pure function of its arguments."""
+    digest = hashlib.sha256(f"malleus-init/{seed}/{name}/{i}/{j}".encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    return torch.randn(rows, cols, generator=gen)
+
+
+def init_block(shape: ModelShape, spec: TensorSpec, seed: int, rows: tuple[int, int] | None = None,
+               cols: tuple[int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows x cols of the full initial tensor `spec` (fp32; whole dims where not given), into `out`
+    if given. Draws only the tiles the block overlaps, one at a time."""
+    full = spec.shape if len(spec.shape) == 2 else (spec.shape[0], 1)
+    (r0, r1), (c0, c1) = rows or (0, full[0]), cols or (0, full[1])
+    if out is None:
+        out = torch.empty((r1 - r0, c1 - c0) if len(spec.shape) == 2 else (r1 - r0,))
+    if spec.name.endswith("norm.weight"):
+        return out.fill_(1.0)
+    # Residual-branch outputs get a smaller scale so the residual stream does not grow with depth.
+    std = INIT_STD / math.sqrt(2 * shape.layers) if spec.name.endswith(("attn.wo", "mlp.w_down")) else INIT_STD
+    view = out.view(r1 - r0, c1 - c0)
+    with torch.no_grad():
+        for i in range(r0 // TILE, (r1 - 1) // TILE + 1):
+            for j in range(c0 // TILE, (c1 - 1) // TILE + 1):
+                ti0, tj0 = i * TILE, j * TILE
+                tile = _tile(seed, spec.name, i, j, min(TILE, full[0] - ti0), min(TILE, full[1] - tj0))
+                a0, a1, b0, b1 = max(r0, ti0), min(r1, ti0 + TILE), max(c0, tj0), min(c1, tj0 + TILE)
+                view[a0 - r0:a1 - r0, b0 - c0:b1 - c0] = tile[a0 - ti0:a1 - ti0, b0 - tj0:b1 - tj0] * std
+    return out
 
 
 def init_part(shape: ModelShape, part: Part, seed: int) -> dict[str, torch.Tensor]:
     """Full (unsharded) fp32 tensors of one part, a pure function of (shape, part, seed)."""
-    specs = part_tensors(shape, part)   # checks the part first
-    gen = _part_generator(seed, part)
-    # Residual-branch outputs get a smaller scale so the residual stream does not grow with depth.
-    out_std = INIT_STD / math.sqrt(2 * shape.layers)
-    out: dict[str, torch.Tensor] = {}
-    for t in specs:
-        if t.name.endswith("norm.weight"):
-            out[t.name] = torch.ones(t.shape)
-        else:
-            std = out_std if t.name.endswith(("attn.wo", "mlp.w_down")) else INIT_STD
-            out[t.name] = torch.randn(t.shape, generator=gen) * std
-    return out
+    return {t.name: init_block(shape, t, seed) for t in part_tensors(shape, part)}
 
 
 # ---------------------------------------------------------------------------- modules
@@ -180,10 +198,19 @@ class StageModel(nn.Module):
                 param.copy_(shard)
 
     def init_from_seed(self, seed: int) -> None:
-        full: dict[str, torch.Tensor] = {}
-        for part in self.parts:
-            full.update(init_part(self.shape, part, seed))
-        self.load_full(full)
+        """Fill this TP rank's shards with their blocks of the full initial tensors (fp32 on the host,
+        a tile at a time, copied into the parameter wherever it lives)."""
+        specs = {t.name: t for part in self.parts for t in part_tensors(self.shape, part)}
+        for name, param in self.named_parameters():
+            spec = specs[name]
+            span = [None, None]
+            if spec.split_dim is not None and self.tp.size > 1:
+                span[spec.split_dim] = shard_rows(spec.shape[spec.split_dim], self.tp.rank, self.tp.size)
+            block = init_block(self.shape, spec, seed, *span,
+                               out=param.data if param.device.type == "cpu" and param.dtype == torch.float32 else None)
+            if block.data_ptr() != param.data_ptr():
+                with torch.no_grad():
+                    param.copy_(block)
 
     def forward_flops(self, cu_seqlens: torch.Tensor) -> float:
         """FLOPs of this stage's forward over one micro-batch (its backward costs twice as much): 2 per
@@ -211,9 +238,20 @@ class StageModel(nn.Module):
         return x
 
 
+def build_stage_model(shape: ModelShape, layers: tuple[int, int], *, has_embedding: bool, has_head: bool,
+                      tp: TensorParallel = SINGLE, device: torch.device | str = "cpu",
+                      seed: int | None = None) -> StageModel:
+    """A stage built on the meta device, then only its own shards allocated on `device`; filled from
+    `seed`, or left uninitialised (seed None) when state is about to be loaded into it."""
+    with torch.device("meta"):
+        model = StageModel(shape, layers, has_embedding=has_embedding, has_head=has_head, tp=tp)
+    model.to_empty(device=device)
+    if seed is not None:
+        model.init_from_seed(seed)
+    return model
+
+
 def full_model(shape: ModelShape, seed: int, dtype: torch.dtype = torch.float32) -> StageModel:
     """The whole model on one device (TP size 1), as the reference uses it."""
-    model = StageModel(shape, (0, shape.layers), has_embedding=True, has_head=True)
-    model.init_from_seed(seed)
-    return model.to(dtype)
+    return build_stage_model(shape, (0, shape.layers), has_embedding=True, has_head=True, seed=seed).to(dtype)
 

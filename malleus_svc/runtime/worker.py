@@ -125,7 +125,7 @@ class DeviceWorker:
         self.mode, self.seq_len = mode, int(seq_len)
         return len(self.dataset)
 
-    def apply_plan(self, shape, plan_dict: dict, seed: int, optim) -> dict[str, Any]:
+    def apply_plan(self, shape, plan_dict: dict, seed: int, optim, init: bool = True) -> dict[str, Any]:
         """Build this device's Engine for the plan (fresh state), or drop it when the device has no
         work. Migrating state between plans is the migration layer's job, not this one's."""
         from malleus_svc.plan import Plan
@@ -139,7 +139,7 @@ class DeviceWorker:
         role = plan.roles().get(self.device_id)
         if role is not None:
             self.engine = Engine(shape, plan, self.device_id, seed=seed, optim=optim,
-                                 device=self.torch_device, clock=self.clock)
+                                 device=self.torch_device, clock=self.clock, init=init)
         self.plan_id = plan.plan_id
         return {"device": self.device_id, "plan_id": self.plan_id,
                 "role": None if role is None else asdict(role)}
@@ -252,7 +252,7 @@ class DeviceWorker:
         role = new.roles().get(self.device_id)
         if role is not None:
             self.engine = Engine(shape, new, self.device_id, seed=seed, optim=optim,
-                                 device=self.torch_device, clock=self.clock)
+                                 device=self.torch_device, clock=self.clock, init=False)
             self.engine.load_state(states)
         self.plan_id = new.plan_id
         out = _as_dict(stats)
