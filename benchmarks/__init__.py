@@ -6,7 +6,7 @@ import argparse
 import importlib
 
 BENCHES = ("planner", "planner-scale", "runtime", "simulate", "malleable", "rates", "calibrate", "lengths", "lengths-runtime",
-           "prepare-data", "init")
+           "prepare-data", "init", "host-memory")
 
 
 def main(argv: list[str] | None = None, prog: str = "malleus bench") -> int:

@@ -362,16 +362,20 @@ class Engine:
         spec = tensor_spec(self.shape, name)
         return (spec.split_dim, *spec.held_rows(self.groups.tp.rank, self.groups.tp.size), spec.shape)
 
-    def export_state(self) -> dict[str, ShardState]:
-        """Every tensor this device holds, with its Adam moments, as CPU copies."""
+    def export_state(self, copy: bool = True) -> dict[str, ShardState]:
+        """Every tensor this device holds, with its Adam moments: CPU copies, or with `copy=False`
+        the live tensors where they are (for a migration, which reads them before the engine goes)."""
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().cpu().clone() if copy else t.detach()
+
         out = {}
         for name, p in self.params.items():
             dim, start, end, full = self._shard_bounds(name)
             state = self.optimizer.state.get(p, {})
             exp_avg = state.get("exp_avg", torch.zeros_like(p))
             exp_avg_sq = state.get("exp_avg_sq", torch.zeros_like(p))
-            out[name] = ShardState(dim, start, end, p.detach().cpu().clone(), exp_avg.detach().cpu().clone(),
-                                   exp_avg_sq.detach().cpu().clone(), int(state.get("step", 0)), full)
+            out[name] = ShardState(dim, start, end, take(p), take(exp_avg), take(exp_avg_sq),
+                                   int(state.get("step", 0)), full)
         return out
 
     def load_state(self, states: Mapping[str, ShardState]) -> None:

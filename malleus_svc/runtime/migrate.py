@@ -344,8 +344,10 @@ def execute_migration(schedule: MigrationSchedule, rank: int, old_states: Mappin
 
     Every rank of the world must call this (also ranks with nothing to send or receive): it starts
     with one world all-reduce that checks that every rank derived the same schedule. `old_states`
-    is this rank's `Engine.export_state()` (None if it had no engine). Returns (new ShardStates of
-    this rank under the new plan, {} if it holds nothing; MigrationStats).
+    is this rank's `Engine.export_state(copy=False)` (None if it had no engine): its live tensors on
+    `comm_device`, where buckets are packed and unpacked into the new buffers, so no state passes
+    through host memory on a GPU. Returns (new ShardStates of this rank under the new plan, {} if
+    it holds nothing; MigrationStats).
 
     `exchange(messages, tag)` posts one round's messages as one batch and waits for them
     (`transport.exchange` unless given: e.g. `nccl_rules.rules_exchange` checks NCCL's rules on CPU).
@@ -392,7 +394,7 @@ def execute_migration(schedule: MigrationSchedule, rank: int, old_states: Mappin
         axis = 0 if h.dim is None else h.dim
         size = list(h.full_shape)
         size[axis] = h.end - h.start
-        new[name] = {"t": [torch.empty(size, dtype=dtype) for _ in range(3)],
+        new[name] = {"t": [torch.empty(size, dtype=dtype, device=comm_device) for _ in range(3)],
                      "cover": torch.zeros(h.end - h.start, dtype=torch.int32), "steps": set(),
                      "axis": axis, "h": h}
 
@@ -433,7 +435,7 @@ def execute_migration(schedule: MigrationSchedule, rank: int, old_states: Mappin
                             raise MigrationError(f"rank {rank}: {c.name} is {t.dtype}, the schedule moves {dtype}")
                         parts.append(t.narrow(axis, off, c.end - c.start).contiguous().reshape(-1))
                     steps.append(st.step)
-                buf = torch.cat(parts).to(comm_device).contiguous()
+                buf = torch.cat(parts).to(comm_device)   # packed where the state lives
                 step_buf = torch.tensor(steps, dtype=torch.int64, device=comm_device)
                 if buf.numel() * buf.element_size() != b.nbytes:
                     raise MigrationError(f"rank {rank}: bucket to {b.dst} has {buf.numel() * buf.element_size()} "
@@ -453,7 +455,7 @@ def execute_migration(schedule: MigrationSchedule, rank: int, old_states: Mappin
         exchange(messages, tag=_TAG_BASE + rnd)
         stats.comm_seconds += time.perf_counter() - c0
         for b, buf, step_buf in recvs:
-            buf, steps = buf.cpu(), step_buf.cpu().tolist()
+            steps = step_buf.tolist()
             off = 0
             for c, step in zip(b.chunks, steps):
                 slot = new.get(c.name)

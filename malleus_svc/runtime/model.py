@@ -63,8 +63,8 @@ def _tile(seed: int, name: str, i: int, j: int, rows: int, cols: int) -> torch.T
 
 def init_block(shape: ModelShape, spec: TensorSpec, seed: int, rows: tuple[int, int] | None = None,
                cols: tuple[int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows x cols of the full initial tensor `spec` (fp32; whole dims where not given), into `out`
-    if given. Draws only the tiles the block overlaps, one at a time."""
+    """Rows x cols of the full initial tensor `spec` (whole dims where not given), into `out` (any
+    device or dtype) or a new fp32 tensor. Draws only the tiles the block overlaps, one at a time."""
     full = spec.shape if len(spec.shape) == 2 else (spec.shape[0], 1)
     (r0, r1), (c0, c1) = rows or (0, full[0]), cols or (0, full[1])
     if out is None:
@@ -198,19 +198,15 @@ class StageModel(nn.Module):
                 param.copy_(shard)
 
     def init_from_seed(self, seed: int) -> None:
-        """Fill this TP rank's shards with their blocks of the full initial tensors (fp32 on the host,
-        a tile at a time, copied into the parameter wherever it lives)."""
+        """Fill this TP rank's shards with their blocks of the full initial tensors, drawn on the host
+        a tile at a time and written into the parameter wherever it lives."""
         specs = {t.name: t for part in self.parts for t in part_tensors(self.shape, part)}
         for name, param in self.named_parameters():
             spec = specs[name]
             span = [None, None]
             if spec.split_dim is not None and self.tp.size > 1:
                 span[spec.split_dim] = shard_rows(spec.shape[spec.split_dim], self.tp.rank, self.tp.size)
-            block = init_block(self.shape, spec, seed, *span,
-                               out=param.data if param.device.type == "cpu" and param.dtype == torch.float32 else None)
-            if block.data_ptr() != param.data_ptr():
-                with torch.no_grad():
-                    param.copy_(block)
+            init_block(self.shape, spec, seed, *span, out=param.data)
 
     def forward_flops(self, cu_seqlens: torch.Tensor) -> float:
         """FLOPs of this stage's forward over one micro-batch (its backward costs twice as much): 2 per

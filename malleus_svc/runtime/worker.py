@@ -192,22 +192,25 @@ class DeviceWorker:
         return {"update_seconds": self.engine.apply_update()}
 
     def _memory(self) -> dict[str, int]:
-        """Memory of this device now and at its peak: CUDA allocations on GPU (peak over this step),
-        the worker process's resident set on CPU (each worker is its own process)."""
+        """Memory of this device now and at its peak over this step: CUDA allocations on GPU, the
+        worker process's resident set on CPU (each worker is its own process)."""
         import torch
 
         if self.use_gpu:
             out = {"memory_bytes": torch.cuda.memory_allocated(), "peak_memory_bytes": torch.cuda.max_memory_allocated()}
             torch.cuda.reset_peak_memory_stats()
             return out
-        import resource
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # KiB on Linux
-        try:
-            with open("/proc/self/statm") as f:  # Linux: resident pages are the second field
-                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except OSError:  # no procfs: the peak is the best we know
-            rss = peak
-        return {"memory_bytes": rss, "peak_memory_bytes": peak}
+        return self.host_memory(reset=True)
+
+    def host_memory(self, reset: bool = False) -> dict[str, int]:
+        """This worker process's resident bytes now and at their peak since the last reset; `reset`
+        starts a new peak (to measure one operation, e.g. a migration)."""
+        from .host_memory import peak, reset_peak, resident
+
+        out = {"memory_bytes": resident(), "peak_memory_bytes": peak()}
+        if reset:
+            reset_peak()
+        return out
 
     def export_state(self):
         if self.engine is None:
@@ -243,7 +246,7 @@ class DeviceWorker:
         if old.plan_id != self.plan_id:
             raise RuntimeError(f"device {self.device_id} runs plan {self.plan_id}, asked to migrate from {old.plan_id}")
         schedule = plan_migration(old, new, shape, bucket_bytes=int(bucket_bytes))
-        old_states = self.engine.export_state() if self.engine is not None else None
+        old_states = self.engine.export_state(copy=False) if self.engine is not None else None
         export_s = time.perf_counter() - t0
         states, stats = execute_migration(schedule, self.device_id, old_states, comm_device=self.torch_device)
         del old_states

@@ -1,0 +1,102 @@
+"""Peak host memory of each process during init, a live migration and a checkpoint, beside the state
+that process owns (fp32 parameters and both Adam moments of its shards).
+
+Four CPU workers on a local Ray cluster train a model of --layers blocks under DP 2 x PP 2, then
+migrate to TP 2 x PP 2, then checkpoint. Each process's peak is its resident high-water mark over
+the operation alone (procfs, reset before it) minus what it held before, so a ratio of 1 means the
+operation needed one more copy of the process's own state.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from .planner import write_section
+
+MIB = 2 ** 20
+LAYERS = 8
+
+
+def _plan(pipes):
+    from malleus_svc.plan import Pipeline, Plan, Stage
+
+    return Plan(num_devices=4, num_layers=LAYERS, micro_batch_size=2, gpus_per_node=4,
+                pipelines=tuple(Pipeline(tuple(Stage(tuple(d), tuple(l)) for d, l in stages), m) for m, stages in pipes))
+
+
+
+def own_state_bytes(group) -> dict[int, int]:
+    """Bytes of parameters + Adam moments each device holds (fp32)."""
+    sizes = group._each("export_state")
+    return {d: sum(3 * s.param.numel() * 4 for s in (states or {}).values()) for d, states in zip(group.live, sizes)}
+
+
+def peaks(group) -> dict[int, int]:
+    return {d: m["peak_memory_bytes"] - m["memory_bytes"]
+            for d, m in zip(group.live, group._each("host_memory"))}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="malleus bench host-memory", description=__doc__.split("\n")[0])
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--write", metavar="MD", help="update this markdown file's host-memory section")
+    args = ap.parse_args(argv)
+
+    import ray
+
+    from malleus_svc.checkpoint import CheckpointWriter, save_group
+    from malleus_svc.config.presets import ModelShape
+    from malleus_svc.runtime import host_memory
+    from malleus_svc.runtime.cluster import WorkerGroup
+    from malleus_svc.runtime.data import GlobalSampler
+
+    shape = ModelShape(layers=LAYERS, hidden=args.hidden, heads=16, ffn=int(args.hidden * 2.75) // 64 * 64,
+                       vocab=32_000, seq_len=64)
+    half = LAYERS // 2
+    dp_pp = _plan([(2, [((0,), (0, half)), ((1,), (half, LAYERS))]), (2, [((2,), (0, half)), ((3,), (half, LAYERS))])])
+    tp_pp = _plan([(4, [((0, 2), (0, half)), ((1, 3), (half, LAYERS))])])
+    ray.init(address="local", num_cpus=16, include_dashboard=False, configure_logging=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}})
+    rows = []
+    try:
+        with WorkerGroup(4, 4, name="bench-host-memory") as group:
+            n = group.set_data({"source": "synthetic", "seq_len": 64, "num_samples": 256, "vocab": 32_000}, "pack", 64)
+            sampler = GlobalSampler(n, dp_pp.global_batch, seed=0)
+            print("init ...", flush=True)
+            group._each("host_memory", True)
+            group.apply_plan(dp_pp, shape)
+            init_peak = peaks(group)
+            group.step(sampler.next_global_batch())           # Adam moments exist from here on
+            before = own_state_bytes(group)
+            rows += [("init (DP 2 x PP 2)", f"worker {d}", init_peak[d], before[d] // 3) for d in sorted(before)]
+            print("migration ...", flush=True)
+            group._each("host_memory", True)
+            group.migrate(tp_pp)
+            moved = peaks(group)
+            after = own_state_bytes(group)
+            rows += [("migration to TP 2 x PP 2", f"worker {d}", moved[d], max(before[d], after[d]))
+                     for d in sorted(after)]
+            print("checkpoint ...", flush=True)
+            with tempfile.TemporaryDirectory() as tmp, CheckpointWriter(tmp) as writer:
+                start = host_memory.resident()
+                host_memory.reset_peak()
+                save_group(writer, group, sampler, 1, wait=True)
+                rows.append(("checkpoint (gathered on the driver)", "driver", host_memory.peak() - start,
+                             max(after.values())))
+    finally:
+        ray.shutdown()
+    md = ["| operation | process | peak above before, MiB | its own state, MiB | ratio |", "|---|---|---|---|---|"]
+    md += [f"| {op} | {who} | {p / MIB:.0f} | {own / MIB:.0f} | {p / own:.2f} |" for op, who, p, own in rows]
+    table = "\n".join(md)
+    print(table)
+    if args.write:
+        total = sum(after.values()) / MIB
+        write_section(f"Command: `malleus bench host-memory --write BENCHMARKS.md` — {time.strftime('%Y-%m-%d')}, "
+                      f"{os.cpu_count()}-core CPU machine; {LAYERS} blocks of hidden {args.hidden}, vocab 32,000 "
+                      f"({total:.0f} MiB of parameters and Adam state in all). For init the state is the "
+                      f"parameters alone (Adam's moments come with the first step).\n\n{table}",
+                      Path(args.write), "bench:host-memory")
+    return 0
