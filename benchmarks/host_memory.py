@@ -34,9 +34,14 @@ def own_state_bytes(group) -> dict[int, int]:
     return {d: sum(3 * s.param.numel() * 4 for s in (states or {}).values()) for d, states in zip(group.live, sizes)}
 
 
-def peaks(group) -> dict[int, int]:
-    return {d: m["peak_memory_bytes"] - m["memory_bytes"]
-            for d, m in zip(group.live, group._each("host_memory"))}
+def mark(group) -> dict[int, int]:
+    """Start a new peak on every worker; what each holds now."""
+    return {d: m["memory_bytes"] for d, m in zip(group.live, group._each("host_memory", True))}
+
+
+def peaks(group, held: dict[int, int]) -> dict[int, int]:
+    """Each worker's peak since `mark`, above what it held then."""
+    return {d: m["peak_memory_bytes"] - held[d] for d, m in zip(group.live, group._each("host_memory"))}
 
 
 def main(argv: list[str]) -> int:
@@ -66,16 +71,16 @@ def main(argv: list[str]) -> int:
             n = group.set_data({"source": "synthetic", "seq_len": 64, "num_samples": 256, "vocab": 32_000}, "pack", 64)
             sampler = GlobalSampler(n, dp_pp.global_batch, seed=0)
             print("init ...", flush=True)
-            group._each("host_memory", True)
+            held = mark(group)
             group.apply_plan(dp_pp, shape)
-            init_peak = peaks(group)
+            init_peak = peaks(group, held)
             group.step(sampler.next_global_batch())           # Adam moments exist from here on
             before = own_state_bytes(group)
             rows += [("init (DP 2 x PP 2)", f"worker {d}", init_peak[d], before[d] // 3) for d in sorted(before)]
             print("migration ...", flush=True)
-            group._each("host_memory", True)
+            held = mark(group)
             group.migrate(tp_pp)
-            moved = peaks(group)
+            moved = peaks(group, held)
             after = own_state_bytes(group)
             rows += [("migration to TP 2 x PP 2", f"worker {d}", moved[d], max(before[d], after[d]))
                      for d in sorted(after)]
