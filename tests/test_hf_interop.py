@@ -148,3 +148,32 @@ def test_a_job_starts_from_a_pretrained_folder(ray_cluster, tmp_path):
         runs[name] = _train({**base, "name": f"hf-{name}", "model": model}, tmp_path / name, ray_cluster)
     assert runs["same"] == pytest.approx(runs["own"], rel=1e-6, abs=0) and len(runs["own"]) == 3
     assert abs(runs["other"][0] - runs["own"][0]) > 1e-3
+
+
+def _shards_of_folder(rank: int, world: int, folder: str):
+    from malleus_svc.plan import Pipeline, Plan, Stage
+    from malleus_svc.runtime.engine import Engine
+
+    plan = Plan(num_devices=2, num_layers=GQA.layers, micro_batch_size=1,
+                pipelines=(Pipeline((Stage((0, 1), (0, GQA.layers)),), micro_batches=1),))
+    engine = Engine(GQA, plan, rank, init=False)
+    engine.load_pretrained(folder)
+    return {n: p.detach().clone() for n, p in engine.params.items()}
+
+
+def test_each_worker_reads_only_its_own_rows_of_a_pretrained_folder(tmp_path):
+    """Under TP 2 each rank's tensors are its slices of the folder's weights, read by row range
+    (no process builds the full state); the driver's check reads headers only."""
+    from _mp import run_on_gloo
+    from malleus_svc.runtime.model import take_shard
+    from malleus_svc.runtime.pretrained import check_pretrained
+
+    params = _params(GQA, seed=7)
+    write_hf(params, GQA, tmp_path)
+    check_pretrained(tmp_path, GQA)
+    for rank, got in enumerate(run_on_gloo(_shards_of_folder, 2, str(tmp_path))):
+        assert set(got) == set(params)
+        for name, t in got.items():
+            assert torch.equal(t, take_shard(name, params[name], rank, 2)), name
+    with pytest.raises(ConfigError, match="of shape"):
+        check_pretrained(tmp_path, ModelShape(layers=3, hidden=96, heads=6, ffn=192, vocab=120, seq_len=48, kv_heads=2))

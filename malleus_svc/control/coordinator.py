@@ -142,8 +142,9 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
                                   emulated.bytes_per_second)
                 start_step = 0
                 if ckpt is None and job.scenario.pretrained:   # a Hugging Face LLaMA folder's weights
-                    from malleus_svc.checkpoint.hf import pretrained_state
-                    group.load_full_state(pretrained_state(job.scenario.pretrained, job.shape))
+                    from malleus_svc.runtime.pretrained import check_pretrained
+                    check_pretrained(job.scenario.pretrained, job.shape)
+                    group.load_pretrained(job.scenario.pretrained)
                     self._event("start", f"weights from {job.scenario.pretrained}")
                 if ckpt is not None:  # parameters, Adam state and the data position, under this plan
                     from malleus_svc.checkpoint import restore_group

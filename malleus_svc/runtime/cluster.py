@@ -364,6 +364,13 @@ class WorkerGroup:
             reused_bytes=schedule.reused_bytes, rounds=schedule.rounds,
             per_device={r["device"]: r for r in results})
 
+    def load_pretrained(self, folder) -> None:
+        """Every worker with work reads its own shards of a Hugging Face LLaMA folder (one they all
+        see); nothing passes through the driver. `runtime.pretrained.check_pretrained` first."""
+        if self.plan is None:
+            raise WorkerGroupError("apply_plan must run before load_pretrained")
+        self._each("load_pretrained", str(folder), devices=sorted(self.plan.roles()))
+
     def load_full_state(self, full) -> None:
         """Load whole tensors (as `full_state()` gives them) into every active worker's Engine."""
         from .engine import full_shard_states

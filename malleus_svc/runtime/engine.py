@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
@@ -377,6 +378,18 @@ class Engine:
             out[name] = ShardState(dim, start, end, take(p), take(exp_avg), take(exp_avg_sq),
                                    int(state.get("step", 0)), full)
         return out
+
+    def load_pretrained(self, folder: str) -> None:
+        """This device's shards of a Hugging Face LLaMA folder's weights, read from the files row
+        range by row range; Adam starts fresh (step 0)."""
+        from malleus_svc.runtime.pretrained import read_rows, weight_files
+
+        where, states = weight_files(Path(folder)), {}
+        for name in self.params:
+            dim, start, end, full = self._shard_bounds(name)
+            t = read_rows(folder, self.shape, name, (start, end), where)
+            states[name] = ShardState(dim, start, end, t, torch.zeros_like(t), torch.zeros_like(t), 0, full)
+        self.load_state(states)
 
     def load_state(self, states: Mapping[str, ShardState]) -> None:
         """Take this device's shards out of `states` (each may cover more than the shard, e.g. the full tensor)."""

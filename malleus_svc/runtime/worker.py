@@ -217,6 +217,13 @@ class DeviceWorker:
             return None
         return self.engine.export_state()
 
+    def load_pretrained(self, folder: str) -> bool:
+        """Read this device's shards of a Hugging Face folder's weights into its Engine, if any."""
+        if self.engine is None:
+            return False
+        self.engine.load_pretrained(folder)
+        return True
+
     def load_state(self, states) -> bool:
         """Load ShardStates (e.g. `engine.full_shard_states(full)`) into this device's Engine, if any."""
         if self.engine is None:
