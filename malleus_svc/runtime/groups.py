@@ -13,7 +13,8 @@
 Groups are created with ``use_local_synchronization=True``: only members call `new_group`, so
 suspended and excluded ranks build nothing. Every rank walks the same plan-ordered list and creates
 the groups it belongs to in that order, which keeps the member-only barriers free of cycles.
-Groups are cached by their sorted rank tuple, so a later plan reuses the groups it shares.
+Groups are cached by their sorted rank tuple, so a later plan reuses the groups it shares, and
+`release_unused` destroys the ones it does not.
 
 Device ids against world ranks. Plans name devices by their stable id (node-major); the
 torch.distributed world holds only the devices that have a worker. Normally the two are the same;
@@ -209,6 +210,30 @@ class Groups:
         return sharded, replicated
 
 
+def release_unused(plan: Plan) -> list[tuple[int, ...]]:
+    """Shut down this rank's cached groups that `plan` does not use; returns their devices.
+
+    Under NCCL each group holds a communicator (GPU memory, a proxy thread), so the groups of plans
+    gone by would pile up across re-plans. Every rank calls this at the same plan boundary (with or
+    without work under `plan`) and shuts down in one global order, so a shutdown that NCCL makes a
+    collective call cannot wait in a cycle. The groups stay registered with torch, which salts a
+    new group's name with the number registered: unregistering them would let a later group take
+    a name (and the stale store keys) of an earlier one. Destroying the world shuts them down again,
+    which torch's backends take as a no-op.
+    """
+    world, needed = id(dist.group.WORLD), set(ordered_group_ranks(plan))
+    unused = sorted(k for k in _GROUP_CACHE if k[0] == world and k[1] not in needed)
+    for key in unused:
+        _GROUP_CACHE.pop(key).shutdown()
+    return [devices for _, devices in unused]
+
+
+def cached_groups() -> list[tuple[int, ...]]:
+    """The devices of each group this rank keeps for the current world, sorted."""
+    world = id(dist.group.WORLD)
+    return sorted(k[1] for k in _GROUP_CACHE if k[0] == world)
+
+
 def _get_or_create(devices: tuple[int, ...]) -> "dist.ProcessGroup":
     key = (id(dist.group.WORLD), devices)
     if key not in _GROUP_CACHE:
@@ -248,5 +273,5 @@ def _agree_on_name_salt(ranks: tuple[int, ...]) -> None:
     else:
         dist.send(count, dst=leader, tag=_SALT_TAG, group=_SIDE)
         dist.recv(count, src=leader, tag=_SALT_TAG, group=_SIDE)
-    while len(world.pg_names) < int(count):
-        dist.new_group([me], use_local_synchronization=True, timeout=_TIMEOUT)
+    while len(world.pg_names) < int(count):   # local single-rank groups, gloo: no NCCL communicator
+        dist.new_group([me], use_local_synchronization=True, backend="gloo", timeout=_TIMEOUT)

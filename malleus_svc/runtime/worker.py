@@ -131,6 +131,7 @@ class DeviceWorker:
         from malleus_svc.plan import Plan
 
         from .engine import Engine
+        from .groups import release_unused
 
         if not self.world_ready:
             raise RuntimeError(f"device {self.device_id}: init_world must run before apply_plan")
@@ -140,6 +141,7 @@ class DeviceWorker:
         if role is not None:
             self.engine = Engine(shape, plan, self.device_id, seed=seed, optim=optim,
                                  device=self.torch_device, clock=self.clock, init=init)
+        release_unused(plan)
         self.plan_id = plan.plan_id
         return {"device": self.device_id, "plan_id": self.plan_id,
                 "role": None if role is None else asdict(role)}
@@ -244,6 +246,7 @@ class DeviceWorker:
         from malleus_svc.plan import Plan
 
         from .engine import Engine
+        from .groups import release_unused
         from .migrate import execute_migration, plan_migration
 
         t0 = time.perf_counter()
@@ -264,6 +267,7 @@ class DeviceWorker:
             self.engine = Engine(shape, new, self.device_id, seed=seed, optim=optim,
                                  device=self.torch_device, clock=self.clock, init=False)
             self.engine.load_state(states)
+        release_unused(new)
         self.plan_id = new.plan_id
         out = _as_dict(stats)
         out.update(plan_id=self.plan_id, role=None if role is None else asdict(role), export_seconds=export_s,
