@@ -177,6 +177,13 @@ RULES_PLAN = Plan(
         Pipeline((Stage((4,), (0, 2)), Stage((5,), (2, 4))), micro_batches=2),
     ),
 )
+# One pipeline deeper than its stages' TP mix is wide: 4 stages (TP 1, 2, 1, 1), 8 micro-batches,
+# so 1F1B's steady state posts a send and a receive to both neighbours at once.
+DEEP_PLAN = Plan(
+    num_devices=5, num_layers=4, micro_batch_size=1,
+    pipelines=(Pipeline((Stage((0,), (0, 1)), Stage((1, 2), (1, 2)), Stage((3,), (2, 3)), Stage((4,), (3, 4))),
+                        micro_batches=8),),
+)
 
 
 def _train_under_rules(rank: int, world: int, plan: Plan, batches, hub):
@@ -184,6 +191,8 @@ def _train_under_rules(rank: int, world: int, plan: Plan, batches, hub):
     from malleus_svc.runtime.nccl_rules import RulesTransport
     from test_engine import OPTIM, SEED, _pipeline_share
 
+    if rank not in plan.roles():
+        return None      # suspended: builds nothing, posts nothing
     engine = Engine(TINY, plan, rank, seed=SEED, optim=OPTIM, dtype=torch.float64,
                     transport=functools.partial(RulesTransport, hub=hub, rank=rank))
     stats = []
@@ -193,16 +202,17 @@ def _train_under_rules(rank: int, world: int, plan: Plan, batches, hub):
     return {"role": engine.role, "stats": stats, "state": engine.export_state()}
 
 
-def test_engine_over_the_rules_transport_matches_the_reference():
+@pytest.mark.parametrize("plan", [RULES_PLAN, DEEP_PLAN, PLAN_A], ids=["uneven-tp", "deep", "suspended-cross-node"])
+def test_engine_over_the_rules_transport_matches_the_reference(plan):
     from malleus_svc.runtime.engine import assemble_full
     from malleus_svc.runtime.nccl_rules import serve_hub
     from malleus_svc.runtime.reference import reference_train
     from test_engine import OPTIM, SEED, global_batches
 
-    batches = global_batches(steps=2, micro_batches=RULES_PLAN.num_micro_batches, micro_batch_size=2)
-    manager, hub = serve_hub(RULES_PLAN.num_devices, timeout=60)
+    batches = global_batches(steps=2, micro_batches=plan.num_micro_batches, micro_batch_size=plan.micro_batch_size)
+    manager, hub = serve_hub(plan.num_devices, timeout=60)
     try:
-        results = run_on_gloo(_train_under_rules, RULES_PLAN.num_devices, RULES_PLAN, batches, hub)
+        results = [r for r in run_on_gloo(_train_under_rules, plan.num_devices, plan, batches, hub) if r is not None]
     finally:
         manager.shutdown()
     ref_losses, ref_params, _ = reference_train(TINY, SEED, OPTIM, batches, torch.float64)
