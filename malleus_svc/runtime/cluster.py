@@ -326,13 +326,16 @@ class WorkerGroup:
         self.shape, self.seed, self.optim = shape, seed, optim  # what migrate() builds engines with
         return out
 
-    def migrate(self, new_plan: Plan, *, bucket_bytes: int = 64 << 20) -> "MigrationReport":
+    def migrate(self, new_plan: Plan, *, bucket_bytes: int = 64 << 20,
+                unavailable: Sequence[int] = ()) -> "MigrationReport":
         """Live migration to `new_plan` at an iteration boundary (no step in flight), see migrate.py.
 
         Every worker sends/receives exactly the parameter and Adam slices (param, exp_avg,
         exp_avg_sq, step) the new plan places elsewhere, over the existing world, in buckets of at
         most `bucket_bytes`; then builds its Engine for the new plan from them (or drops it, if it
         is now suspended/excluded). No worker restarts; the world is not re-initialised.
+        `unavailable` devices hold no state (lost, or fresh workers in their place): every slice
+        comes from another holder, or the migration is refused before a byte moves.
         """
         from .engine import validate_plan_for_model
         from .migrate import MigrationError, plan_migration
@@ -343,12 +346,12 @@ class WorkerGroup:
         self.check_plan(new_plan, shape)
         try:  # fail here, before any worker starts exchanging
             validate_plan_for_model(shape, new_plan)
-            schedule = plan_migration(old, new_plan, shape, bucket_bytes=bucket_bytes)
+            schedule = plan_migration(old, new_plan, shape, bucket_bytes=bucket_bytes, unavailable=unavailable)
         except (ValueError, MigrationError) as e:
             raise WorkerGroupError(f"cannot migrate {old.plan_id} -> {new_plan.plan_id}: {e}") from None
         t0 = time.perf_counter()
         od, nd = old.to_dict(), new_plan.to_dict()
-        results = self._each("migrate", od, nd, shape, self.seed, self.optim, bucket_bytes)
+        results = self._each("migrate", od, nd, shape, self.seed, self.optim, bucket_bytes, sorted(unavailable))
         seconds = time.perf_counter() - t0
         self.plan = new_plan  # the workers run it now (also if the byte check below fails)
         sent = sum(r["sent_bytes"] for r in results)
@@ -460,7 +463,9 @@ class WorkerGroup:
         on the rest. The state is reassembled from the survivors when every slice has a surviving
         copy (data parallelism keeps replicas): `source="replicas"`; otherwise `source="none"` and
         the caller restores a checkpoint. No survivor has applied the failed step's update (see
-        `step`): they are all at the state before it, and it is redone.
+        `step`): they are all at the state before it, and it is redone. The survivors keep their
+        shards across the new world and send them where the plan needs them (a migration with the
+        lost devices unavailable as sources): nothing passes through the driver.
         """
         t0 = time.perf_counter()
         refs, self._inflight = self._inflight, {}
@@ -482,9 +487,7 @@ class WorkerGroup:
         # still answer one call and fail the next: every call below counts its failures as lost too.
         lost |= self._answers("ping", [d for d in self.live if d not in lost], timeout=30)[1]
         old = self.plan
-        exports, failed = self._answers("export_state", [d for d in sorted(old.roles()) if d not in lost])
-        lost |= failed
-        lost |= self._answers("close", [d for d in self.live if d not in lost])[1]
+        lost |= self._answers("close", [d for d in self.live if d not in lost], True)[1]   # keeping their shards
         for d in sorted(lost):
             try:
                 ray.kill(self.workers[d])
@@ -497,14 +500,15 @@ class WorkerGroup:
                 raise WorkerGroupError(f"devices {sorted(gone)} are gone (no worker could start in their bundles "
                                        f"within {self.replace_timeout_s:g} s) and no plan without them was given")
             plan = plan_for(frozenset(self.gone))
-        source = self._restart_world(exports, sorted(lost - gone), plan)
+        source = self._restart_world(old, plan, sorted(lost - gone), lost)
         return RecoveryReport(lost=sorted(lost), source=source, seconds=time.perf_counter() - t0,
                               gone=sorted(gone), plan_id=plan.plan_id)
 
-    def _answers(self, method: str, devices: Sequence[int], timeout: float | None = None) -> tuple[dict, set[int]]:
-        """`method()` on each device: {device: result} of those that answered, and the set of those that
-        failed or did not answer in time (during a recovery: lost as well)."""
-        refs = {getattr(self.workers[d], method).remote(): d for d in devices}
+    def _answers(self, method: str, devices: Sequence[int], *args,
+                 timeout: float | None = None) -> tuple[dict, set[int]]:
+        """`method(*args)` on each device: {device: result} of those that answered, and the set of those
+        that failed or did not answer in time (during a recovery: lost as well)."""
+        refs = {getattr(self.workers[d], method).remote(*args): d for d in devices}
         return self._settle(refs, self.timeout_s + 30 if timeout is None else timeout)
 
     @staticmethod
@@ -531,18 +535,18 @@ class WorkerGroup:
     def rejoin(self, devices: Sequence[int], plan_for: "Callable[[frozenset[int]], Plan]") -> list[int]:
         """Bring gone devices back at an iteration boundary: fresh workers in their bundles, a world
         over all live devices, `plan_for(still gone)` applied, the state carried over from the
-        running workers (no checkpoint involved). Returns the devices that came back (those whose
-        worker did not start stay gone; with none, nothing changes)."""
+        running workers, worker to worker (no checkpoint, nothing through the driver). Returns the
+        devices that came back (those whose worker did not start stay gone; with none, nothing
+        changes)."""
         devices = set(devices) & self.gone
         if not devices:
             return []
         back = devices - self._start_workers(devices)
         if not back:
             return []
-        exports = self.export_states()
-        self._each("close", devices=[d for d in self.live if d not in back])
-        source = self._restart_world(exports, sorted(back), plan_for(frozenset(self.gone)))
-        if source != "replicas":   # every slice was exported just now: this cannot lose state
+        self._each("close", True, devices=[d for d in self.live if d not in back])
+        source = self._restart_world(self.plan, plan_for(frozenset(self.gone)), sorted(back), back)
+        if source != "replicas":   # every running worker kept its shards: this cannot lose state
             raise WorkerGroupError(f"rejoin of {sorted(back)}: the running workers' state did not reassemble "
                                    f"({self.last_recovery_error})")
         return sorted(back)
@@ -566,25 +570,24 @@ class WorkerGroup:
                        devices=[d for d in fresh if d not in failed])
         return failed
 
-    def _restart_world(self, exports: dict, fresh: Sequence[int], plan: Plan) -> str:
-        """A new world over the live devices (the old one is closed), data for the fresh workers,
-        `plan` applied, and the state the `exports` hold loaded. "replicas" if they held every
-        slice, "none" if not (the caller restores a checkpoint)."""
+    def _restart_world(self, old: Plan, plan: Plan, fresh: Sequence[int], unavailable) -> str:
+        """A new world over the live devices (the old one is closed, each worker kept its shards of
+        `old`), data for the fresh workers, and the state migrated from `old` to `plan` with the
+        `unavailable` devices' shards lost. "replicas" if the others held every slice; "none" if
+        not: then `plan` is applied without state and the caller restores a checkpoint."""
         self._init_world()
         if fresh:
             self._each("set_data", *self._data_args, devices=fresh)
-        self.apply_plan(plan, self.shape, seed=self.seed, optim=self.optim, init=False)
         # The survivors agree on the step (updates are applied only after every device finished it),
-        # so their exports either cover the whole model or lack a slice that only lost devices held.
-        current = list(exports.values())
+        # so their shards either cover the whole model or lack a slice that only lost devices held.
         self.last_recovery_error = None
         try:
-            from .engine import assemble_full
-            self.load_full_state(assemble_full(current))
+            self.migrate(plan, unavailable=unavailable)
             return "replicas"
-        except (ValueError, WorkerGroupError) as e:   # a slice (or layer) held only by lost devices
+        except WorkerGroupError as e:   # a slice held only by lost devices (refused before a byte moved)
             self.last_recovery_error = str(e).splitlines()[0]
             log.warning("state cannot be rebuilt from the survivors: %s", self.last_recovery_error)
+            self.apply_plan(plan, self.shape, seed=self.seed, optim=self.optim, init=False)
             return "none"
 
     # ------------------------------------------------------------------ state and control

@@ -56,6 +56,7 @@ class DeviceWorker:
         self.clock = make_clock(self.use_gpu)
         self.engine = None
         self.plan_id: str | None = None
+        self._held = None            # this device's shards kept across a new world (close(keep_state=True))
         self.dataset = None
         self.mode: str | None = None
         self.seq_len: int | None = None
@@ -137,6 +138,7 @@ class DeviceWorker:
             raise RuntimeError(f"device {self.device_id}: init_world must run before apply_plan")
         plan = Plan.from_dict(plan_dict)
         self._drop_engine()
+        self._held = None
         role = plan.roles().get(self.device_id)
         if role is not None:
             self.engine = Engine(shape, plan, self.device_id, seed=seed, optim=optim,
@@ -235,13 +237,15 @@ class DeviceWorker:
 
     # ------------------------------------------------------------------ live migration
     def migrate(self, old_plan_dict: dict, new_plan_dict: dict, shape, seed: int, optim,
-                bucket_bytes: int) -> dict[str, Any]:
+                bucket_bytes: int, unavailable: Sequence[int] = ()) -> dict[str, Any]:
         """Move this device's state to where `new_plan_dict` needs it (see migrate.py), then build
         the Engine for the new plan from the migrated state, or none when the device has no work.
 
         Every worker of the world must call this at the same iteration boundary (those idle under
-        both plans too: they take part in the schedule check and do nothing else). The world is
-        reused, never re-initialised.
+        both plans too: they take part in the schedule check and do nothing else). The state moved
+        is the running engine's or, in the first world after a recovery or a rejoin, the shards
+        `close(keep_state=True)` kept. `unavailable` devices lost theirs: they send nothing, and
+        one that runs this call is a fresh worker that receives all it needs.
         """
         from malleus_svc.plan import Plan
 
@@ -253,10 +257,12 @@ class DeviceWorker:
         if not self.world_ready:
             raise RuntimeError(f"device {self.device_id}: init_world must run before migrate")
         old, new = Plan.from_dict(old_plan_dict), Plan.from_dict(new_plan_dict)
-        if old.plan_id != self.plan_id:
+        fresh = self.device_id in set(unavailable)
+        if not fresh and old.plan_id != self.plan_id:
             raise RuntimeError(f"device {self.device_id} runs plan {self.plan_id}, asked to migrate from {old.plan_id}")
-        schedule = plan_migration(old, new, shape, bucket_bytes=int(bucket_bytes))
-        old_states = self.engine.export_state(copy=False) if self.engine is not None else None
+        schedule = plan_migration(old, new, shape, bucket_bytes=int(bucket_bytes), unavailable=unavailable)
+        old_states = None if fresh else self.engine.export_state(copy=False) if self.engine is not None else self._held
+        self._held = None
         export_s = time.perf_counter() - t0
         states, stats = execute_migration(schedule, self.device_id, old_states, comm_device=self.torch_device)
         del old_states
@@ -314,11 +320,15 @@ class DeviceWorker:
         self.clock.rate = check_rate(factor)
         return self.clock.rate
 
-    def close(self) -> None:
+    def close(self, keep_state: bool = False) -> None:
+        """Leave the world. With `keep_state` this device's shards (parameters and Adam state) stay in
+        memory, the engine does not: the next world's `migrate` sends them on, so a recovery or a
+        rejoin moves state worker to worker and never through the driver."""
         import torch.distributed as dist
 
         from .groups import clear_group_cache
 
+        self._held = self.engine.export_state(copy=False) if keep_state and self.engine is not None else None
         self._drop_engine()
         if dist.is_initialized():
             dist.destroy_process_group()
