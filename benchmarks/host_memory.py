@@ -1,8 +1,8 @@
-"""Peak host memory of each process during init, a live migration and a checkpoint, beside the state
-that process owns (fp32 parameters and both Adam moments of its shards).
+"""Peak host memory of each process during init, a recovery, a live migration and a checkpoint, beside
+the state that process owns (fp32 parameters and both Adam moments of its shards).
 
-Four CPU workers on a local Ray cluster train a model of --layers blocks under DP 2 x PP 2, then
-migrate to TP 2 x PP 2, then checkpoint. Each process's peak is its resident high-water mark over
+Four CPU workers on a local Ray cluster train a model of 8 blocks under DP 2 x PP 2, lose worker 1
+(killed; its replica is worker 3) and recover, then migrate to TP 2 x PP 2, then checkpoint. Each process's peak is its resident high-water mark over
 the operation alone (procfs, reset before it) minus what it held before, so a ratio of 1 means the
 operation needed one more copy of the process's own state.
 """
@@ -77,6 +77,18 @@ def main(argv: list[str]) -> int:
             group.step(sampler.next_global_batch())           # Adam moments exist from here on
             before = own_state_bytes(group)
             rows += [("init (DP 2 x PP 2)", f"worker {d}", init_peak[d], before[d] // 3) for d in sorted(before)]
+            print("recovery ...", flush=True)
+            held = mark(group)
+            ray.kill(group.workers[1])
+            start = host_memory.resident()
+            host_memory.reset_peak()
+            report = group.recover()
+            driver = host_memory.peak() - start
+            assert report.lost == [1] and report.source == "replicas", report
+            survived = peaks(group, held)    # the survivors (the new worker 1 started from nothing)
+            rows += [("recovery of worker 1 from its replica", f"worker {d}", survived[d], before[d])
+                     for d in sorted(before) if d != 1]
+            rows.append(("recovery of worker 1 from its replica", "driver", driver, max(before.values())))
             print("migration ...", flush=True)
             held = mark(group)
             group.migrate(tp_pp)
