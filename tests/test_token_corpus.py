@@ -111,27 +111,35 @@ def test_blend_weights_repeat_or_subsample_files_the_same_way_each_time(tmp_path
 
 
 def test_every_document_once_per_epoch_across_a_plan_change_and_a_resume(tmp_path):
+    """Over every epoch, each sample (so each piece of every document) trains exactly once, although
+    the corpus is no multiple of either global batch, the plan changes the batch mid-epoch and the
+    sampler resumes from its saved state in a fresh sampler mid-epoch too."""
     docs = random_docs(3, 60, longest=40)
     c = corpus([write_docs(tmp_path / "a", docs)], seq_len=16)
+    n = len(c)
     plans = [Plan(num_devices=2, num_layers=2, micro_batch_size=2, gpus_per_node=2,
                   pipelines=(Pipeline((Stage((0,), (0, 2)),), m0), Pipeline((Stage((1,), (0, 2)),), m1)))
-             for m0, m1 in ((3, 2), (1, 4))]   # global batch 10 under both
-    sampler = GlobalSampler(len(c), 10, seed=4)
-    seen: Counter = Counter()
-    for step in range(len(c) // 10):
-        if step == 2:   # resume from a checkpointed sampler state into a fresh sampler
+             for m0, m1 in ((3, 2), (2, 4))]   # global batches 10 and 12
+    assert n % 10 and n % 12, n
+    sampler = GlobalSampler(n, plans[0].global_batch, seed=4)
+    stream: list[int] = []
+    step = 0
+    while len(stream) < 3 * n:
+        if step == n // 10 + 3:   # in the second epoch: resume from the saved state in a fresh sampler
             state = sampler.state_dict()
-            sampler = GlobalSampler(len(c), 10, seed=4)
+            assert state["position"] // n == 1 and state["position"] % n, state
+            sampler = GlobalSampler(n, 1, seed=4)
             sampler.load_state_dict(state)
-        plan = plans[step >= 3]
-        for pipe in split_for_plan(sampler.next_global_batch(), plan):
-            seen.update(i for mb in pipe for i in mb)
-    visited = Counter(c.document_of(i) for i in seen)
-    expected = Counter(c.document_of(i) for i in range(len(c)))
-    assert set(seen.values()) == {1} and len(seen) == 10 * (len(c) // 10)
-    assert all(visited[d] <= expected[d] for d in visited)
-    if len(c) % 10 == 0:
-        assert visited == expected
+        plan = plans[step >= n // 20]   # the global batch changes in the first epoch
+        stream += [i for pipe in split_for_plan(sampler.next_global_batch(plan.global_batch), plan)
+                   for mb in pipe for i in mb]
+        step += 1
+    expected = Counter(c.document_of(i) for i in range(n))
+    assert len(expected) == sum(len(d) >= 2 for d in docs)
+    for e in range(3):
+        epoch = stream[e * n:(e + 1) * n]
+        assert sorted(epoch) == list(range(n)), f"epoch {e}"
+        assert Counter(c.document_of(i) for i in epoch) == expected
 
 
 # ------------------------------------------------------------------------------------- bad input
