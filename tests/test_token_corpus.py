@@ -315,6 +315,44 @@ def test_prepare_data_refuses_bad_input_in_one_line(tmp_path, tokenizer, capsys)
     assert "2 documents" in capsys.readouterr().out
 
 
+def test_a_failed_prepare_data_leaves_the_existing_corpus_as_it_was_and_no_file_behind(tmp_path, tokenizer):
+    """Failures before writing (text that is not utf-8) and while writing (an id the dtype cannot hold,
+    found only once documents are being written) change no byte of an existing corpus and leave no
+    temporary file; a failed run that would have trained a tokenizer creates no folder and no tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from malleus_svc.prepare_data import prepare
+
+    stdlib_texts(tmp_path / "docs", 3)
+    (tmp_path / "latin").mkdir()
+    (tmp_path / "latin" / "l1.txt").write_bytes("caf\u00e9".encode("latin-1"))
+    sparse = Tokenizer(models.WordLevel({"w0": 0, "w1": 70_000}, unk_token="w1"))   # 2 ids, one above uint16
+    sparse.pre_tokenizer = pre_tokenizers.Whitespace()
+    sparse.save(str(tmp_path / "sparse.json"))
+    out = tmp_path / "o" / "c"
+    prepare([str(tmp_path / "docs")], str(tokenizer), str(out), workers=1)
+
+    def snapshot() -> dict:
+        return {str(f.relative_to(tmp_path)): f.read_bytes() for f in sorted(tmp_path.rglob("*")) if f.is_file()}
+
+    before = snapshot()
+    assert {"o/c.bin", "o/c.idx", "o/c.json"} <= set(before)
+    failing = [
+        (dict(inputs=[str(tmp_path / "latin")], tokenizer=str(tokenizer)), "utf-8 text"),
+        (dict(inputs=[str(tmp_path / "docs")], tokenizer=str(tmp_path / "sparse.json"), eod="w0", dtype="uint16"),
+         "holds token id 70000"),
+    ]
+    for kwargs, words in failing:
+        with pytest.raises(ConfigError) as e:
+            prepare(out=str(out), workers=1, **kwargs)
+        assert words in str(e.value)
+        assert snapshot() == before, kwargs
+    with pytest.raises(ConfigError, match="utf-8 text"):
+        prepare([str(tmp_path / "latin")], str(tmp_path / "new" / "tokenizer.json"), str(tmp_path / "new" / "c"),
+                train_vocab=300, workers=1)
+    assert snapshot() == before and not (tmp_path / "new").exists()
+
+
 def test_a_tokenizer_larger_than_the_model_is_refused_from_the_summary(tmp_path, tokenizer):
     from malleus_svc.prepare_data import prepare
 
