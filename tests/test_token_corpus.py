@@ -223,6 +223,58 @@ def test_the_job_file_spec_builds_the_corpus(tmp_path):
     assert isinstance(c, TokenCorpus) and c.vocab == 512 and c.seq_len == 32
 
 
+def test_a_job_on_a_truncated_index_stops_in_one_line_before_ray_starts(tmp_path):
+    """`python -m malleus_svc.train` checks the corpus before Ray: the Ray address given is unreachable,
+    so getting as far as Ray would end otherwise than in this one line."""
+    import subprocess
+    import sys
+
+    prefix = write_docs(tmp_path / "a", random_docs(6, 20))
+    idx = Path(f"{prefix}.idx")
+    idx.write_bytes(idx.read_bytes()[:-5])
+    job = {**JOB, "data": {"source": "tokens", "seq_len": 32, "files": [str(prefix)]}}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    r = subprocess.run([sys.executable, "-m", "malleus_svc.train", str(tmp_path / "job.json"), "--steps", "1",
+                        "--address", "127.0.0.1:1", "--no-metrics"], capture_output=True, text=True, timeout=60,
+                       cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: data: ") and "truncated" in r.stderr, r.stderr
+    assert str(idx) in r.stderr and r.stdout == ""
+
+
+def test_the_driver_scans_a_file_without_summary_once_and_the_workers_not_at_all(tmp_path, monkeypatch):
+    """`WorkerGroup.set_data` (its data path alone; three stand-in workers build the dataset from what
+    they are sent): one scan per file on the driver, none on workers, and a file whose too-large id
+    only a scan finds is refused on the driver before any worker is asked."""
+    from malleus_svc.runtime.cluster import WorkerGroup
+    from malleus_svc.runtime.token_files import TokenFile
+
+    scans: list = []
+    real_max_id = TokenFile.max_id
+    monkeypatch.setattr(TokenFile, "max_id", lambda self: scans.append(self.path) or real_max_id(self))
+    docs_a, docs_b = random_docs(6, 30), random_docs(7, 30)
+    a, b = write_docs(tmp_path / "a", docs_a), write_docs(tmp_path / "b", docs_b)   # no summary beside them
+    sent: list = []
+
+    def workers(method, spec, mode, seq_len, devices=None):
+        sent.append(spec)
+        return [len(build_dataset(spec)) for _ in range(3)]
+
+    group = object.__new__(WorkerGroup)
+    group._each = workers
+    spec = {"source": "tokens", "seq_len": 16, "vocab": 512, "files": [{"path": str(a)}, {"path": str(b), "weight": 2.0}]}
+    n = group.set_data(spec, "pack", 16)
+    assert len(scans) == 2   # the driver's build
+    assert n == len(corpus([{"path": str(a)}, {"path": str(b), "weight": 2.0}]))
+    assert [f["max_id"] for f in sent[0]["files"]] == [int(np.concatenate(d).max()) for d in (docs_a, docs_b)]
+    big = write_docs(tmp_path / "big", [np.array([1, 2, 700, 3])])
+    with pytest.raises(DataError) as e:
+        group.set_data({**spec, "files": [{"path": str(big)}]}, "pack", 16)
+    assert "token id 700" in one_line(e) and len(sent) == 1
+    with pytest.raises(DataError, match="token id 700"):   # a max_id given is checked as well
+        corpus([{"path": str(a), "max_id": 700}])
+
+
 # ------------------------------------------------------------------------------------- prepare-data
 def stdlib_texts(folder: Path, count: int) -> list[str]:
     folder.mkdir(parents=True, exist_ok=True)
