@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ import numpy as np
 
 from .config import ConfigError
 from .runtime.datasets import length_stats
-from .runtime.token_files import TOKEN_DTYPES, IndexedWriter, summary_path
+from .runtime.token_files import TOKEN_DTYPES, IndexedWriter, corpus_files, summary_path
 
 FORMATS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 TEXT_UNITS = {"file": "document", "line": "line", "paragraph": "paragraph"}   # datasets' text builder's sample_by
@@ -132,45 +133,72 @@ def prepare(inputs: list[str], tokenizer: str, out: str, *, field: str = "text",
             eod: str | None = None, dtype: str = "auto", workers: int | None = None, batch: int = 1000,
             train_vocab: int | None = None, encoding_errors: str = "strict") -> dict[str, Any]:
     """Tokenize `inputs` into ``OUT.bin``/``OUT.idx``; returns (and writes beside them) the summary.
-    `train_vocab`: first train a byte-level BPE of that many ids on the inputs and save it at `tokenizer`."""
+    `train_vocab`: first train a byte-level BPE of that many ids on the inputs and save it at `tokenizer`.
+
+    All or nothing: everything is written under a temporary directory (on the output's file system)
+    and renamed into place at the end, so a failure leaves an existing corpus (and tokenizer) as it
+    was and no file behind. The arguments and the tokenizer are checked before anything is created."""
     started = time.perf_counter()
+    if train_vocab is not None and not 258 <= train_vocab <= 1 << 20:
+        raise ConfigError("--train-tokenizer", train_vocab, "a vocabulary of 258 to 1048576 ids")
     by_format = _inputs(inputs)
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    cache = f"{out}.cache"
-    if train_vocab is not None:
-        if not 258 <= train_vocab <= 1 << 20:
-            raise ConfigError("--train-tokenizer", train_vocab, "a vocabulary of 258 to 1048576 ids")
-        try:
-            train_tokenizer(_load(by_format, field, unit, cache, encoding_errors), train_vocab, tokenizer, eod or EOD_CANDIDATES[0])
-        finally:
-            shutil.rmtree(cache, ignore_errors=True)
-    tok, eod_id = _tokenizer(tokenizer, eod)
-    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    if train_vocab is None:
+        tok, eod_id = _tokenizer(tokenizer, eod)
+        _id_dtype(dtype, tok.get_vocab_size(with_added_tokens=True))
+    else:
+        _id_dtype(dtype, train_vocab)
+    workers = max(1, workers or min(8, os.cpu_count() or 1))
+    work = Path(tempfile.mkdtemp(prefix=f".{Path(out).name}.prepare-", dir=_existing(Path(out).absolute().parent)))
+    try:
+        cache, tokenizer_used, staged = str(work / "cache"), tokenizer, str(work / "corpus")
+        if train_vocab is not None:
+            tokenizer_used = str(work / "tokenizer.json")
+            train_tokenizer(_load(by_format, field, unit, cache, encoding_errors), train_vocab, tokenizer_used,
+                            eod or EOD_CANDIDATES[0])
+            tok, eod_id = _tokenizer(tokenizer_used, eod)
+        vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        dtype, limit = _id_dtype(dtype, vocab_size)
+        ds = _load(by_format, field, unit, cache, encoding_errors)
+        if len(ds) == 0:
+            raise ConfigError("input", inputs, "files holding at least one document")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false" if workers > 1 else "true")
+        ids = ds.map(_encoder(tokenizer_used, eod_id), batched=True, batch_size=batch,
+                     num_proc=workers if workers > 1 else None, remove_columns=["text"], desc="tokenizing")
+        if len(ids) == 0:
+            raise ConfigError("input", inputs, "files holding at least one non-blank document")
+        lengths, top = _write(ids, staged, dtype, limit)
+        seconds = time.perf_counter() - started
+        summary = {"inputs": {fmt: len(files) for fmt, files in by_format.items()}, "tokenizer": str(tokenizer),
+                   "vocab_size": vocab_size, "eod_id": eod_id, "dtype": dtype, "documents": int(len(lengths)),
+                   "tokens": int(lengths.sum()), "max_token_id": top, "seconds": round(seconds, 3),
+                   "tokens_per_s": round(float(lengths.sum()) / seconds, 1), "lengths": length_stats(lengths)}
+        summary_path(staged).write_text(json.dumps(summary, indent=1) + "\n")
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        for src, dst in zip(corpus_files(staged), corpus_files(out)):
+            os.replace(src, dst)
+        if tokenizer_used != tokenizer:
+            Path(tokenizer).parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(tokenizer_used, tokenizer)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return summary
+
+
+def _id_dtype(dtype: str, vocab_size: int) -> tuple[str, int]:
+    """The token id dtype ("auto": the narrowest that holds `vocab_size` ids) and its id limit."""
     if dtype == "auto":
         dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
     limit = int(np.iinfo(TOKEN_DTYPES[dtype]).max) + 1
     if vocab_size > limit:
         raise ConfigError("--dtype", dtype, f"a dtype that holds the tokenizer's {vocab_size} ids (uint32)")
-    workers = max(1, workers or min(8, os.cpu_count() or 1))
-    try:
-        ds = _load(by_format, field, unit, cache, encoding_errors)
-        if len(ds) == 0:
-            raise ConfigError("input", inputs, "files holding at least one document")
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false" if workers > 1 else "true")
-        ids = ds.map(_encoder(tokenizer, eod_id), batched=True, batch_size=batch, num_proc=workers if workers > 1 else None,
-                     remove_columns=["text"], desc="tokenizing")
-        if len(ids) == 0:
-            raise ConfigError("input", inputs, "files holding at least one non-blank document")
-        lengths, top = _write(ids, out, dtype, limit)
-    finally:
-        shutil.rmtree(cache, ignore_errors=True)
-    seconds = time.perf_counter() - started
-    summary = {"inputs": {fmt: len(files) for fmt, files in by_format.items()}, "tokenizer": str(tokenizer),
-               "vocab_size": vocab_size, "eod_id": eod_id, "dtype": dtype, "documents": int(len(lengths)),
-               "tokens": int(lengths.sum()), "max_token_id": top, "seconds": round(seconds, 3),
-               "tokens_per_s": round(float(lengths.sum()) / seconds, 1), "lengths": length_stats(lengths)}
-    summary_path(out).write_text(json.dumps(summary, indent=1) + "\n")
-    return summary
+    return dtype, limit
+
+
+def _existing(folder: Path) -> Path:
+    """`folder`, or its nearest ancestor that exists (where new folders would be made)."""
+    while not folder.exists():
+        folder = folder.parent
+    return folder
 
 
 def _write(ids, out: str, dtype: str, limit: int) -> tuple[np.ndarray, int]:

@@ -50,9 +50,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: --steps must be >= 1, got {args.steps}", file=sys.stderr)
         return 2
     from malleus_svc.config.job import load_job_config
+    from malleus_svc.runtime.data import DataError
 
     try:
         job = _with_metrics_args(load_job_config(args.config), args)
+        from malleus_svc.runtime.datasets import check_before_start
+        check_before_start(job.data.spec())   # a bad corpus is refused before Ray and the workers start
         if args.plan:
             from malleus_svc.runtime.trainer import check_plan_for_job
             plan = check_plan_for_job(Plan.load(args.plan), job, f"--plan {args.plan}")
@@ -61,6 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             plan = make_plan(job)
     except (ConfigError, PlanError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except DataError as e:
+        print(f"error: data: {e}", file=sys.stderr)
         return 2
     return _run(job, plan, args)
 

@@ -57,3 +57,15 @@ def test_without_a_checkout_bench_says_so_in_one_line(tmp_path):
     r = subprocess.run([sys.executable, "-I", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "benchmarks need a source checkout" in r.stderr
+
+
+def test_bench_prepare_data_runs_on_a_tiny_corpus(capsys, monkeypatch):
+    """A smoke run: prepare-data and the encoder alone count the same tokens (the bench exits otherwise)."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")   # restored afterwards: the bench sets it
+    assert main(["bench", "prepare-data", "--mb", "0.2", "--vocab", "300", "--workers", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    cells = [c.strip() for c in rows[-1].strip("|").split("|")]
+    assert len(rows) == 2 and len(cells) == 6 and cells[3].count("tokens/s") == cells[4].count("tokens/s") == 1
+    assert int(cells[2].replace(",", "")) > 0 and float(cells[5]) > 0

@@ -51,33 +51,33 @@ def test_exactly_once_over_an_epoch_with_changing_plans():
     assert sorted(sampler.next_global_batch(8) + sampler.next_global_batch(88)) == list(range(n))
 
 
-def test_drop_last_skips_the_tail_and_never_spans_epochs():
+def test_a_batch_at_the_end_of_an_epoch_continues_into_the_next_and_drops_nothing():
     s = GlobalSampler(10, global_batch=4, seed=0)
     b0, b1 = s.next_global_batch(), s.next_global_batch()
     assert s.position == 8 and s.epoch == 0
     b2 = s.next_global_batch()
-    assert s.position == 14 and s.epoch == 1
-    assert len(set(b0 + b1)) == 8
-    assert b2 == s.permutation(1)[:4].tolist()                     # from the next epoch's start
+    assert s.position == 12 and s.epoch == 1
     assert b0 + b1 == s.permutation(0)[:8].tolist()
+    assert b2 == s.permutation(0)[8:].tolist() + s.permutation(1)[:2].tolist()   # the tail, then epoch 1
+    assert sorted(b0 + b1 + b2[:2]) == list(range(10))
 
 
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 60), sizes=st.lists(st.integers(1, 60), min_size=1, max_size=25), seed=st.integers(0, 2**16))
-def test_batches_within_an_epoch_are_disjoint(n, sizes, seed):
+def test_every_epoch_uses_each_sample_exactly_once_whatever_the_batch_sizes(n, sizes, seed):
     s = GlobalSampler(n, global_batch=1, seed=seed)
-    used: dict[int, set[int]] = {}
+    stream: list[int] = []
     for size in sizes:
         size = min(size, n)
-        before = s.position
         batch = s.next_global_batch(size)
-        epoch = (s.position - 1) // n
-        assert len(batch) == size and s.position > before
-        assert (s.position - size) // n == epoch                    # a batch lies inside one epoch
-        got = used.setdefault(epoch, set())
-        assert not got & set(batch)
-        got.update(batch)
-        assert all(0 <= i < n for i in batch)
+        assert len(batch) == size and all(0 <= i < n for i in batch)
+        stream += batch
+    assert s.position == len(stream) and s.epoch == len(stream) // n
+    for e in range(0, len(stream), n):       # each epoch a permutation (the last one may be partial)
+        epoch = stream[e:e + n]
+        assert len(set(epoch)) == len(epoch)
+        if len(epoch) == n:
+            assert sorted(epoch) == list(range(n))
 
 
 def test_same_seed_same_batches_and_different_seed_differs():
@@ -307,7 +307,7 @@ def test_build_dataset_and_its_errors():
                        "num_samples": 7, "vocab": 256, "seed": 0})
     assert isinstance(c, PythonSourceCorpus) and len(c) == 7 and c.mode == "documents"
     bad = [
-        ({"source": "wiki", "seq_len": 8}, r"'source' must be one of \['synthetic', 'python-stdlib'\], got 'wiki'"),
+        ({"source": "wiki", "seq_len": 8}, r"'source' must be one of \['synthetic', 'python-stdlib', 'tokens'\], got 'wiki'"),
         ({"source": "synthetic", "seq_len": 1, "num_samples": 5, "vocab": 9}, "seq_len must be >= 2, got 1"),
         ({"source": "synthetic", "seq_len": 8, "vocab": 9}, r"missing the required field\(s\) \['num_samples'\]"),
         ({"source": "synthetic", "seq_len": 8, "num_samples": 5, "vocab": 9, "sequence_len": 3},

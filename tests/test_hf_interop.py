@@ -59,6 +59,41 @@ def test_import_then_export_is_bitwise(tmp_path):
     assert all(float(state[k].abs().sum()) == 0 for k in state if k.endswith((":exp_avg", ":exp_avg_sq")))
 
 
+def test_a_folder_saved_by_transformers_itself_imports_with_its_logits_and_exports_bitwise(tmp_path):
+    """Not our own export: a random GQA `LlamaForCausalLM` (random norm weights too, so no tensor
+    is left at its default) saved by `save_pretrained`; the project reads it, gives transformers'
+    logits, and writes the same tensors back, bit for bit."""
+    from malleus_svc.config.presets import NORM_EPS, ROPE_BASE
+
+    torch.manual_seed(11)
+    config = transformers.LlamaConfig(vocab_size=GQA.vocab, hidden_size=GQA.hidden, intermediate_size=GQA.ffn,
+                                      num_hidden_layers=GQA.layers, num_attention_heads=GQA.heads,
+                                      num_key_value_heads=GQA.kv_heads, max_position_embeddings=GQA.seq_len,
+                                      rms_norm_eps=NORM_EPS, rope_theta=ROPE_BASE, tie_word_embeddings=False)
+    hf = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+
+    shape, state = read_pretrained(tmp_path / "hf")
+    assert shape == GQA
+    ours = full_model(shape, seed=0).eval()
+    ours.load_state_dict({n: state[n] for n, _ in ours.named_parameters()})
+    tokens = torch.randint(0, shape.vocab, (shape.seq_len,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = hf(tokens[None]).logits[0]
+        mine = ours(tokens, torch.arange(shape.seq_len), torch.tensor([0, shape.seq_len], dtype=torch.int32))
+    assert torch.allclose(theirs, mine, atol=1e-4, rtol=0), (theirs - mine).abs().max()
+
+    write_hf(state, shape, tmp_path / "out")
+    saved = safetensors_torch.load_file(str(tmp_path / "hf" / WEIGHTS_FILE))
+    again = safetensors_torch.load_file(str(tmp_path / "out" / WEIGHTS_FILE))
+    assert set(saved) == set(again) and len(saved) == 3 + 9 * GQA.layers
+    assert all(again[k].dtype == saved[k].dtype == torch.float32 and torch.equal(again[k], saved[k]) for k in saved)
+
+
 def test_malleus_export_writes_a_checkpoint_transformers_loads(tmp_path, capsys):
     from test_checkpoint import make_state, meta
     with CheckpointWriter(tmp_path / "ckpt") as w:

@@ -111,27 +111,35 @@ def test_blend_weights_repeat_or_subsample_files_the_same_way_each_time(tmp_path
 
 
 def test_every_document_once_per_epoch_across_a_plan_change_and_a_resume(tmp_path):
+    """Over every epoch, each sample (so each piece of every document) trains exactly once, although
+    the corpus is no multiple of either global batch, the plan changes the batch mid-epoch and the
+    sampler resumes from its saved state in a fresh sampler mid-epoch too."""
     docs = random_docs(3, 60, longest=40)
     c = corpus([write_docs(tmp_path / "a", docs)], seq_len=16)
+    n = len(c)
     plans = [Plan(num_devices=2, num_layers=2, micro_batch_size=2, gpus_per_node=2,
                   pipelines=(Pipeline((Stage((0,), (0, 2)),), m0), Pipeline((Stage((1,), (0, 2)),), m1)))
-             for m0, m1 in ((3, 2), (1, 4))]   # global batch 10 under both
-    sampler = GlobalSampler(len(c), 10, seed=4)
-    seen: Counter = Counter()
-    for step in range(len(c) // 10):
-        if step == 2:   # resume from a checkpointed sampler state into a fresh sampler
+             for m0, m1 in ((3, 2), (2, 4))]   # global batches 10 and 12
+    assert n % 10 and n % 12, n
+    sampler = GlobalSampler(n, plans[0].global_batch, seed=4)
+    stream: list[int] = []
+    step = 0
+    while len(stream) < 3 * n:
+        if step == n // 10 + 3:   # in the second epoch: resume from the saved state in a fresh sampler
             state = sampler.state_dict()
-            sampler = GlobalSampler(len(c), 10, seed=4)
+            assert state["position"] // n == 1 and state["position"] % n, state
+            sampler = GlobalSampler(n, 1, seed=4)
             sampler.load_state_dict(state)
-        plan = plans[step >= 3]
-        for pipe in split_for_plan(sampler.next_global_batch(), plan):
-            seen.update(i for mb in pipe for i in mb)
-    visited = Counter(c.document_of(i) for i in seen)
-    expected = Counter(c.document_of(i) for i in range(len(c)))
-    assert set(seen.values()) == {1} and len(seen) == 10 * (len(c) // 10)
-    assert all(visited[d] <= expected[d] for d in visited)
-    if len(c) % 10 == 0:
-        assert visited == expected
+        plan = plans[step >= n // 20]   # the global batch changes in the first epoch
+        stream += [i for pipe in split_for_plan(sampler.next_global_batch(plan.global_batch), plan)
+                   for mb in pipe for i in mb]
+        step += 1
+    expected = Counter(c.document_of(i) for i in range(n))
+    assert len(expected) == sum(len(d) >= 2 for d in docs)
+    for e in range(3):
+        epoch = stream[e * n:(e + 1) * n]
+        assert sorted(epoch) == list(range(n)), f"epoch {e}"
+        assert Counter(c.document_of(i) for i in epoch) == expected
 
 
 # ------------------------------------------------------------------------------------- bad input
@@ -174,8 +182,9 @@ def test_ids_beyond_the_vocabulary_an_empty_corpus_and_bad_weights_are_refused(t
         corpus([tiny])
     assert "no document of 2 tokens" in one_line(e)
     empty = write_docs(tmp_path / "empty", [])
-    with pytest.raises(DataError, match="no document"):
+    with pytest.raises(DataError) as e:
         corpus([empty])
+    assert "no document of 2 tokens" in one_line(e)
     with pytest.raises(DataError) as e:
         corpus([{"path": str(big), "weight": 0.0}])
     assert "positive" in one_line(e)
@@ -215,6 +224,58 @@ def test_the_job_file_spec_builds_the_corpus(tmp_path):
     assert isinstance(c, TokenCorpus) and c.vocab == 512 and c.seq_len == 32
 
 
+def test_a_job_on_a_truncated_index_stops_in_one_line_before_ray_starts(tmp_path):
+    """`python -m malleus_svc.train` checks the corpus before Ray: the Ray address given is unreachable,
+    so getting as far as Ray would end otherwise than in this one line."""
+    import subprocess
+    import sys
+
+    prefix = write_docs(tmp_path / "a", random_docs(6, 20))
+    idx = Path(f"{prefix}.idx")
+    idx.write_bytes(idx.read_bytes()[:-5])
+    job = {**JOB, "data": {"source": "tokens", "seq_len": 32, "files": [str(prefix)]}}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    r = subprocess.run([sys.executable, "-m", "malleus_svc.train", str(tmp_path / "job.json"), "--steps", "1",
+                        "--address", "127.0.0.1:1", "--no-metrics"], capture_output=True, text=True, timeout=60,
+                       cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: data: ") and "truncated" in r.stderr, r.stderr
+    assert str(idx) in r.stderr and r.stdout == ""
+
+
+def test_the_driver_scans_a_file_without_summary_once_and_the_workers_not_at_all(tmp_path, monkeypatch):
+    """`WorkerGroup.set_data` (its data path alone; three stand-in workers build the dataset from what
+    they are sent): one scan per file on the driver, none on workers, and a file whose too-large id
+    only a scan finds is refused on the driver before any worker is asked."""
+    from malleus_svc.runtime.cluster import WorkerGroup
+    from malleus_svc.runtime.token_files import TokenFile
+
+    scans: list = []
+    real_max_id = TokenFile.max_id
+    monkeypatch.setattr(TokenFile, "max_id", lambda self: scans.append(self.path) or real_max_id(self))
+    docs_a, docs_b = random_docs(6, 30), random_docs(7, 30)
+    a, b = write_docs(tmp_path / "a", docs_a), write_docs(tmp_path / "b", docs_b)   # no summary beside them
+    sent: list = []
+
+    def workers(method, spec, mode, seq_len, devices=None):
+        sent.append(spec)
+        return [len(build_dataset(spec)) for _ in range(3)]
+
+    group = object.__new__(WorkerGroup)
+    group._each = workers
+    spec = {"source": "tokens", "seq_len": 16, "vocab": 512, "files": [{"path": str(a)}, {"path": str(b), "weight": 2.0}]}
+    n = group.set_data(spec, "pack", 16)
+    assert len(scans) == 2   # the driver's build
+    assert n == len(corpus([{"path": str(a)}, {"path": str(b), "weight": 2.0}]))
+    assert [f["max_id"] for f in sent[0]["files"]] == [int(np.concatenate(d).max()) for d in (docs_a, docs_b)]
+    big = write_docs(tmp_path / "big", [np.array([1, 2, 700, 3])])
+    with pytest.raises(DataError) as e:
+        group.set_data({**spec, "files": [{"path": str(big)}]}, "pack", 16)
+    assert "token id 700" in one_line(e) and len(sent) == 1
+    with pytest.raises(DataError, match="token id 700"):   # a max_id given is checked as well
+        corpus([{"path": str(a), "max_id": 700}])
+
+
 # ------------------------------------------------------------------------------------- prepare-data
 def stdlib_texts(folder: Path, count: int) -> list[str]:
     folder.mkdir(parents=True, exist_ok=True)
@@ -246,7 +307,8 @@ def test_prepare_data_round_trips_text_jsonl_and_parquet(tmp_path, tokenizer, ca
     pq.write_table(pa.table({"body": ["a parquet row", "   "]}), tmp_path / "rows.parquet")
     assert main(["prepare-data", str(tmp_path / "docs"), "--tokenizer", str(tokenizer), "--out",
                  str(tmp_path / "out" / "c"), "--workers", "2"]) == 0
-    assert "6 documents" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "6 documents" in printed
     tok = Tokenizer.from_file(str(tokenizer))
     eod = tok.token_to_id("<|endoftext|>")
     f = open_indexed(tmp_path / "out" / "c")
@@ -257,6 +319,13 @@ def test_prepare_data_round_trips_text_jsonl_and_parquet(tmp_path, tokenizer, ca
     summary = json.loads((tmp_path / "out" / "c.json").read_text())
     assert summary["tokens"] == f.tokens and summary["max_token_id"] == max(
         int(f.ids(0, f.tokens).max()), 0) and summary["vocab_size"] == 400
+    # the length histogram, printed: one line per log2 bin of the documents' lengths, bars to scale
+    histogram = summary["lengths"]["histogram"]
+    assert sum(c for _, _, c in histogram) == 6
+    assert sorted(c for _, _, c in histogram if c) == sorted(Counter(int(n).bit_length() for n in f.lengths).values())
+    bars = [line.split() for line in printed.splitlines() if line.startswith("  ")]
+    assert bars == [[f"{lo}-{hi - 1}", f"{c:,}"] + (["#" * round(40 * c / max(n for *_, n in histogram))] if c else [])
+                    for lo, hi, c in histogram]
 
     # records from a field; blank ones are skipped
     from malleus_svc.prepare_data import prepare
@@ -305,6 +374,44 @@ def test_prepare_data_refuses_bad_input_in_one_line(tmp_path, tokenizer, capsys)
     assert main(["prepare-data", str(tmp_path / "latin"), "--tokenizer", str(tokenizer), "--encoding-errors", "replace",
                  "--out", str(tmp_path / "o" / "l"), "--workers", "1"]) == 0
     assert "2 documents" in capsys.readouterr().out
+
+
+def test_a_failed_prepare_data_leaves_the_existing_corpus_as_it_was_and_no_file_behind(tmp_path, tokenizer):
+    """Failures before writing (text that is not utf-8) and while writing (an id the dtype cannot hold,
+    found only once documents are being written) change no byte of an existing corpus and leave no
+    temporary file; a failed run that would have trained a tokenizer creates no folder and no tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from malleus_svc.prepare_data import prepare
+
+    stdlib_texts(tmp_path / "docs", 3)
+    (tmp_path / "latin").mkdir()
+    (tmp_path / "latin" / "l1.txt").write_bytes("caf\u00e9".encode("latin-1"))
+    sparse = Tokenizer(models.WordLevel({"w0": 0, "w1": 70_000}, unk_token="w1"))   # 2 ids, one above uint16
+    sparse.pre_tokenizer = pre_tokenizers.Whitespace()
+    sparse.save(str(tmp_path / "sparse.json"))
+    out = tmp_path / "o" / "c"
+    prepare([str(tmp_path / "docs")], str(tokenizer), str(out), workers=1)
+
+    def snapshot() -> dict:
+        return {str(f.relative_to(tmp_path)): f.read_bytes() for f in sorted(tmp_path.rglob("*")) if f.is_file()}
+
+    before = snapshot()
+    assert {"o/c.bin", "o/c.idx", "o/c.json"} <= set(before)
+    failing = [
+        (dict(inputs=[str(tmp_path / "latin")], tokenizer=str(tokenizer)), "utf-8 text"),
+        (dict(inputs=[str(tmp_path / "docs")], tokenizer=str(tmp_path / "sparse.json"), eod="w0", dtype="uint16"),
+         "holds token id 70000"),
+    ]
+    for kwargs, words in failing:
+        with pytest.raises(ConfigError) as e:
+            prepare(out=str(out), workers=1, **kwargs)
+        assert words in str(e.value)
+        assert snapshot() == before, kwargs
+    with pytest.raises(ConfigError, match="utf-8 text"):
+        prepare([str(tmp_path / "latin")], str(tmp_path / "new" / "tokenizer.json"), str(tmp_path / "new" / "c"),
+                train_vocab=300, workers=1)
+    assert snapshot() == before and not (tmp_path / "new").exists()
 
 
 def test_a_tokenizer_larger_than_the_model_is_refused_from_the_summary(tmp_path, tokenizer):

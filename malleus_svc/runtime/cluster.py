@@ -282,10 +282,12 @@ class WorkerGroup:
 
     # ------------------------------------------------------------------ data and plan
     def set_data(self, spec: dict, mode: str, seq_len: int) -> int:
-        """Every worker builds the dataset from `spec` once (steps then ship only sample ids)."""
-        from .datasets import build_dataset
+        """Every worker builds the dataset from `spec` once (steps then ship only sample ids), with
+        what the driver's build learnt (`worker_spec`: no worker rescans a token file)."""
+        from .datasets import build_dataset, worker_spec
 
         self.dataset = build_dataset(spec)
+        spec = worker_spec(spec, self.dataset)
         self.data_mode, self.seq_len = mode, int(seq_len)
         self._data_args = (spec, mode, int(seq_len))
         sizes = self._each("set_data", spec, mode, seq_len)

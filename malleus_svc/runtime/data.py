@@ -6,13 +6,12 @@ Epoch ``e`` is a seeded permutation of ``range(num_samples)`` (a function of ``(
 Concatenating the epochs gives one infinite stream; `GlobalSampler.position` is an index into
 that stream (a plain int: the whole sampler state, apart from the configuration, so it is
 trivially checkpointable). A global batch of ``B`` samples is the next ``B`` samples of the
-stream.
+stream, whatever the batch sizes before it.
 
-drop_last: a global batch never spans two epochs. If fewer than ``B`` samples are left in the
-current epoch, they are skipped (they count as consumed: `position` jumps to the start of the
-next epoch) and the batch is taken from the next epoch. So within an epoch every sample is used
-at most once, and exactly once when the batch sizes used during the epoch add up to
-``num_samples``.
+No sample is ever dropped: every epoch's samples are each used exactly once, and a batch that
+reaches the end of an epoch takes the rest of it and continues with the start of the next one
+(it may then hold a sample twice, once for each epoch). Epoch ``e`` is exactly the stream
+positions ``[e * num_samples, (e + 1) * num_samples)``.
 
 The global batch size may change between steps (a new plan may change it):
 ``next_global_batch(size)`` takes a batch of ``size`` and makes it the size from then on.
@@ -51,9 +50,8 @@ class GlobalSampler:
     """Seeded, per-epoch permutation of ``range(num_samples)``, cut into global batches.
 
     ``position`` is the number of samples consumed since the start, counted in the stream of
-    concatenated epochs (samples skipped by drop_last at the end of an epoch count as consumed).
-    ``epoch == position // num_samples``: the epoch the next sample of the stream belongs to
-    (the next batch comes from the following epoch if it does not fit in the rest of this one).
+    concatenated epochs; ``epoch == position // num_samples`` is the epoch the next sample of the
+    stream belongs to.
     """
 
     def __init__(self, num_samples: int, global_batch: int, seed: int = 0):
@@ -88,13 +86,13 @@ class GlobalSampler:
             self._perms[epoch] = perm
         return perm
 
-    def _take(self, position: int, size: int) -> tuple[list[int], int]:
-        """The batch of `size` starting at `position` (after drop_last) and the position after it."""
-        epoch, offset = divmod(position, self.num_samples)
-        if offset + size > self.num_samples:  # drop_last: the tail of this epoch is skipped
-            epoch, offset = epoch + 1, 0
-        batch = self.permutation(epoch)[offset:offset + size].tolist()
-        return batch, epoch * self.num_samples + offset + size
+    def _take(self, position: int, size: int) -> list[int]:
+        """The `size` samples of the stream from `position` on (across an epoch boundary if need be)."""
+        out: list[int] = []
+        while len(out) < size:
+            epoch, offset = divmod(position + len(out), self.num_samples)
+            out += self.permutation(epoch)[offset:offset + size - len(out)].tolist()
+        return out
 
     def next_global_batch(self, size: int | None = None) -> list[int]:
         """Consume and return the next global batch.
@@ -104,7 +102,8 @@ class GlobalSampler:
         """
         if size is not None:
             self.global_batch = self._check_size(size)
-        batch, self.position = self._take(self.position, self.global_batch)
+        batch = self._take(self.position, self.global_batch)
+        self.position += self.global_batch
         return batch
 
     def peek(self, k: int = 0, size: int | None = None) -> list[int]:
@@ -114,10 +113,7 @@ class GlobalSampler:
         """
         k = _check_int("k", k, 0)
         size = self.global_batch if size is None else self._check_size(size)
-        pos = self.position
-        for _ in range(k):
-            _, pos = self._take(pos, size)
-        return self._take(pos, size)[0]
+        return self._take(self.position + k * size, size)
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, int]:

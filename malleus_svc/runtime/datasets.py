@@ -317,10 +317,14 @@ class TokenCorpus:
     documents give none. A file's `weight` is how many times its samples appear per epoch: 1 = once,
     2 = twice, 0.5 = a seeded half of them (the same half every epoch). The index holds about 36 bytes
     per sample; token ids stay on disk and each read maps only the sample it needs.
-    Ids at or above `vocab` are refused when the corpus opens (prepare-data's summary, else a scan).
+    Ids at or above `vocab` are refused when the corpus opens. A file's largest id (`max_ids`) is its
+    entry's `max_id` if given (what the driver found: `worker_spec` passes it on, so no worker scans),
+    else prepare-data's summary, else a chunked scan; `scan=False` skips the scan (the cheap checks
+    before a job starts, `check_before_start`).
     """
 
-    def __init__(self, files: Sequence[Mapping[str, Any]], seq_len: int, vocab: int, seed: int = 0):
+    def __init__(self, files: Sequence[Mapping[str, Any]], seq_len: int, vocab: int, seed: int = 0,
+                 scan: bool = True):
         self.seq_len = _check_int("seq_len", seq_len, 2)
         self.vocab = _check_int("vocab", vocab, 2)
         self.seed = _check_int("seed", seed, 0)
@@ -330,8 +334,7 @@ class TokenCorpus:
         self.weights = [float(e.get("weight", 1.0)) for e in files]
         if not all(math.isfinite(w) and w > 0 for w in self.weights):
             raise DataError(f"file weights must be positive numbers (times per epoch), got {self.weights}")
-        for f in self.files:
-            self._check_vocab(f)
+        self.max_ids = [self._largest_id(f, e.get("max_id"), scan) for f, e in zip(self.files, files)]
         S = self.seq_len
         self._piece_starts, self._piece_lens, self._first_piece = [], [], []
         picks_file, picks_piece, lengths = [], [], []
@@ -360,17 +363,24 @@ class TokenCorpus:
         self.lengths = np.concatenate(lengths)
         self.lengths.setflags(write=False)
 
-    def _check_vocab(self, f: TokenFile) -> None:
+    def _largest_id(self, f: TokenFile, known: Any, scan: bool) -> int | None:
+        """`f`'s largest id (None: unknown without the scan), refused if the model's vocab lacks it."""
         meta = None
         if f.format == "megatron" and summary_path(f.path.with_suffix("")).is_file():
             meta = _read_summary(f)
         if meta is not None and meta.get("vocab_size", 0) > self.vocab:
             raise DataError(f"{f.path} was tokenized with a vocabulary of {meta['vocab_size']}, more than the model's "
                             f"{self.vocab}: use a model with vocab >= {meta['vocab_size']} or another tokenizer")
-        top = meta["max_token_id"] if meta is not None else f.max_id()
-        if top >= self.vocab:
+        if known is not None:
+            top = _check_int(f"{f.path} max_id", known, -1)
+        elif meta is not None:
+            top = meta["max_token_id"]
+        else:
+            top = f.max_id() if scan else None
+        if top is not None and top >= self.vocab:
             raise DataError(f"{f.path} holds token id {top}, at or above the model's vocab {self.vocab}: "
                             f"use a model with vocab > {top} or re-tokenize")
+        return top
 
     def __len__(self) -> int:
         return len(self._file)
@@ -489,15 +499,16 @@ _SPEC_KEYS = {
     "python-stdlib": {"source", "seq_len", "mode", "max_files", "num_samples", "vocab", "seed", "root"},
     "tokens": {"source", "seq_len", "files", "vocab", "seed"},
 }
-_FILE_KEYS = {"path", "weight", "dtype", "offsets"}
+_FILE_KEYS = {"path", "weight", "dtype", "offsets", "max_id"}
 
 
-def build_dataset(spec: Mapping[str, Any]) -> TokenDataset:
+def build_dataset(spec: Mapping[str, Any], *, scan: bool = True) -> TokenDataset:
     """A dataset from a config dict.
 
     synthetic:     source, seq_len, num_samples, vocab (required); seed, mean_len, sigma, min_len.
     tokens:        source, seq_len, files, vocab (required); seed. Each file is a mapping with
-                   path (a Megatron prefix or a plain .bin) and optional weight, dtype, offsets.
+                   path (a Megatron prefix or a plain .bin) and optional weight, dtype, offsets,
+                   max_id (its largest id, if known: no scan). `scan=False`: see TokenCorpus.
     python-stdlib: source, seq_len (required); mode ("pack" | "documents"), max_files,
                    num_samples (a cap), vocab (checked: byte tokens need >= 256), seed (accepted,
                    unused: the corpus order is fixed; shuffling is the sampler's job), root.
@@ -543,7 +554,7 @@ def build_dataset(spec: Mapping[str, Any]) -> TokenDataset:
                 isinstance(e, Mapping) and "path" in e and set(e) <= _FILE_KEYS for e in files):
             raise DataError(f"dataset field 'files' must be a list of mappings with a path and optional "
                             f"{sorted(_FILE_KEYS - {'path'})}, got {files!r}"[:300])
-        return TokenCorpus(files, seq_len, field("vocab", 2), field("seed", 0) if "seed" in spec else 0)
+        return TokenCorpus(files, seq_len, field("vocab", 2), field("seed", 0) if "seed" in spec else 0, scan=scan)
     if "vocab" in spec and field("vocab", 1) < PythonSourceCorpus.vocab:
         raise DataError(f"dataset field 'vocab' is {spec['vocab']}, but python-stdlib is byte-level and needs a "
                         f"vocab of at least {PythonSourceCorpus.vocab}")
@@ -556,3 +567,19 @@ def build_dataset(spec: Mapping[str, Any]) -> TokenDataset:
                               max_files=field("max_files", 1) if spec.get("max_files") is not None else None,
                               num_samples=field("num_samples", 1) if spec.get("num_samples") is not None else None,
                               root=spec.get("root"))
+
+
+def worker_spec(spec: Mapping[str, Any], dataset: TokenDataset) -> Mapping[str, Any]:
+    """`spec` for the workers' copies of `dataset`, built from it on the driver: a token corpus's
+    files carry their largest ids, so no worker scans a file again (each reads only its samples)."""
+    if not isinstance(dataset, TokenCorpus):
+        return spec
+    return {**spec, "files": [{**e, "max_id": m} for e, m in zip(spec["files"], dataset.max_ids)]}
+
+
+def check_before_start(spec: Mapping[str, Any]) -> None:
+    """The cheap checks of `spec`, before a job starts Ray or a worker: a token corpus's files open
+    (index header and counts against the file sizes), their summaries fit the vocab and some
+    document gives a sample; a file without summary is scanned only where the job builds the corpus."""
+    if spec.get("source") == "tokens":
+        build_dataset(spec, scan=False)

@@ -41,6 +41,11 @@ def summary_path(prefix: str | os.PathLike) -> Path:
     return Path(f"{prefix}.json")
 
 
+def corpus_files(prefix: str | os.PathLike) -> tuple[Path, Path, Path]:
+    """The files `malleus prepare-data` writes for `prefix`: ``.bin``, ``.idx`` and the summary."""
+    return Path(f"{prefix}.bin"), Path(f"{prefix}.idx"), summary_path(prefix)
+
+
 class TokenFile:
     """One file of documents: ``starts[k]``/``lengths[k]`` in tokens, ids read through a memory map."""
 
@@ -161,8 +166,8 @@ class IndexedWriter:
         self._lengths.append(np.asarray(lengths, dtype=np.int32))
 
     def abort(self) -> None:
+        """Stop without writing the index (the caller removes what was written)."""
         self._bin.close()
-        Path(f"{self.prefix}.bin").unlink(missing_ok=True)
 
     def close(self) -> None:
         self._bin.close()
