@@ -235,6 +235,17 @@ try:
         raise ConnectionError("Failed to connect to Ray cluster")
 except AuthRefused as e:
     out["wrong"] = str(e)
+del os.environ["RAY_AUTH_TOKEN"]                   # the wrong one in ~/.ray/auth_token
+os.makedirs(os.path.expanduser("~/.ray"))
+with open(os.path.expanduser("~/.ray/auth_token"), "w") as f:
+    f.write("1" * 64)
+try:
+    with connecting():
+        os.write(2, noise)
+        raise ConnectionError("Failed to connect to Ray cluster")
+except AuthRefused as e:
+    out["wrong_file"] = str(e)
+os.remove(os.path.expanduser("~/.ray/auth_token"))
 try:                                                # not a refusal: passed on as it is
     with connecting():
         raise ConnectionError("nothing listens")
@@ -254,6 +265,8 @@ def test_a_refused_token_is_one_line_and_the_core_log_of_it_is_held_back(tmp_pat
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert "sent none" in out["none"] and "export RAY_AUTH_TOKEN" in out["none"] and "\n" not in out["none"]
     assert "refused the authentication token from RAY_AUTH_TOKEN" in out["wrong"]
+    assert f"refused the authentication token from {tmp_path}/.ray/auth_token" in out["wrong_file"]
+    assert "export RAY_AUTH_TOKEN" in out["wrong_file"] and "\n" not in out["wrong_file"]
     assert out["other"] == "ConnectionError"                # a ConnectionError, and not an AuthRefused
     assert "gcs_client" not in p.stderr and "a real warning" in p.stderr
 
