@@ -282,8 +282,11 @@ def test_the_outcome_of_an_ended_job_reads_as_its_summary():
     assert text.startswith("job tiny (Ray job raysubmit_x): SUCCEEDED, 37/500 steps, ended")
     assert "5.5600 -> 4.6000" in text and "1,673 tok/s" in text and "1 migrations in 3 re-plan rounds" in text
     failed = format_ended({"job": "tiny", "state": "FAILED", "submission_id": "raysubmit_y", "summary": None,
-                           "ray": {"message": "Job entrypoint command failed with exit code 2"}})
-    assert "error: Job entrypoint command failed" in failed and "no summary recorded" in failed
+                           "ray": {"message": "Job entrypoint command failed with exit code 1, last available logs "
+                                              "(truncated to 20,000 chars):\n" + "line\n" * 50 + "KeyError: 'x'\n"}})
+    assert "error: Job entrypoint command failed with exit code 1, last available logs" in failed
+    assert failed.count("\n") == 2 and "(truncated to 20,000 chars): KeyError: 'x'" in failed
+    assert "no summary recorded: its driver exited before recording one" in failed
     # What a driver stopped by SIGTERM recorded from its own reading (the coordinator did not answer in time).
     cut = {**summary, "state": "terminated", "migrations": None, "ended_by": "SIGTERM to the driver"}
     text = format_ended({"job": "tiny", "state": "STOPPED", "submission_id": "raysubmit_z", "summary": cut, "ray": None})

@@ -77,7 +77,7 @@ def format_ended(o: dict) -> str:
     if s.get("ended_by"):
         lines.append(f"  ended by {s['ended_by']}")
     if s.get("error") or (o["state"] == "FAILED" and run.get("message")):
-        lines.append(f"  error: {s.get('error') or run['message']}")
+        lines.append(f"  error: {s.get('error') or _first_and_last_line(run['message'])}")
     if s.get("last_loss") is not None:
         lines.append(f"  loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}; "
                      f"{s['tokens_per_second'] or 0:,.0f} tok/s average over {s['train_seconds']:.1f} s of training")
@@ -87,3 +87,9 @@ def format_ended(o: dict) -> str:
     else:
         lines.append("  no summary recorded: " + NO_RECORD.get(o["state"], "its driver recorded none"))
     return "\n".join(lines)
+
+
+def _first_and_last_line(message: str) -> str:
+    """Ray's message for a failed driver is a line and the log's tail: the line and the log's last line."""
+    lines = [x.strip() for x in message.splitlines() if x.strip()]
+    return " ".join(lines[:1] + lines[-1:]) if len(lines) > 1 else message.strip()
