@@ -228,23 +228,20 @@ try:
         raise ConnectionError("Failed to connect to Ray cluster")
 except AuthRefused as e:
     out["none"] = str(e)
+def refused():
+    try:
+        with connecting():
+            os.write(2, noise)
+            raise ConnectionError("Failed to connect to Ray cluster")
+    except AuthRefused as e:
+        return str(e)
 os.environ["RAY_AUTH_TOKEN"] = "0" * 64            # a token, refused: the wrong one
-try:
-    with connecting():
-        os.write(2, noise)
-        raise ConnectionError("Failed to connect to Ray cluster")
-except AuthRefused as e:
-    out["wrong"] = str(e)
+out["wrong"] = refused()
 del os.environ["RAY_AUTH_TOKEN"]                   # the wrong one in ~/.ray/auth_token
 os.makedirs(os.path.expanduser("~/.ray"))
 with open(os.path.expanduser("~/.ray/auth_token"), "w") as f:
     f.write("1" * 64)
-try:
-    with connecting():
-        os.write(2, noise)
-        raise ConnectionError("Failed to connect to Ray cluster")
-except AuthRefused as e:
-    out["wrong_file"] = str(e)
+out["wrong_file"] = refused()
 os.remove(os.path.expanduser("~/.ray/auth_token"))
 try:                                                # not a refusal: passed on as it is
     with connecting():
