@@ -102,6 +102,7 @@ def submission_id() -> str | None:
 
 def _run(job, plan: Plan, args) -> int:
     import os
+    import signal
 
     import ray
 
@@ -114,6 +115,7 @@ def _run(job, plan: Plan, args) -> int:
         ray.init(address=address, log_to_driver=True)
     else:
         start_local_ray(job.num_devices)
+    signal.signal(signal.SIGTERM, _on_sigterm)     # after ray.init, which sets its own (a bare exit)
     try:
         say(f"[{job.name}] plan {plan.plan_id}: {len(plan.pipelines)} pipelines, "
             f"suspended {list(plan.suspended)}, excluded {list(plan.excluded)}, global batch {plan.global_batch}"
@@ -127,7 +129,9 @@ def _run(job, plan: Plan, args) -> int:
 def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool = False,
                             metrics_out: str | None = None, say=print, poll_s: float = 0.25,
                             restart_wait_s: float = 300.0, **coordinator_kwargs) -> int:
-    """Launch the job's coordinator, train `steps`, stream metrics lines and progress; 0 on success."""
+    """Launch the job's coordinator, train `steps`, stream metrics lines and progress; 0 on success.
+    However the run ends once the coordinator is up (done, failed, stopped, an error here, SIGTERM),
+    its outcome is recorded on the cluster for `malleus status` (control/outcome.py)."""
     import json
     import time
 
@@ -143,15 +147,20 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = open(metrics_out, "a") if metrics_out else None
+    st: dict = {}
+    seen = Progress(job.name)            # what this driver read, should the coordinator not answer
+    ended: dict = {}                     # how the run ended where the coordinator cannot tell
     try:
         try:
             st = ray.get(handle.start.remote(steps, owner=owner))
         except ray.exceptions.RayTaskError as e:
             cause = getattr(e, "cause", e)
             if isinstance(cause, DataError):  # e.g. a global batch larger than the dataset
+                ended = {"state": "failed", "error": f"data: {cause}"}
                 print(f"error: data: {cause}", file=sys.stderr)
                 return 2
             if isinstance(cause, WorkerGroupError):
+                ended = {"state": "failed", "error": str(cause)}
                 print(f"error: {cause}", file=sys.stderr)
                 return 1
             raise
@@ -160,17 +169,18 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
             f"{w.get('host_cores')}); coordinator actor malleus:{job.name} (namespace malleus)"
             + (f"; metrics at http://{st['metrics_endpoint']}/metrics" if st.get("metrics_endpoint") else ""))
         every = max(1, steps // 50)
-        seen, events_seen, t_start, tokens = 0, 0.0, time.perf_counter(), 0
+        events_seen, t_start = 0.0, time.perf_counter()
         lost_since: float | None = None
         while True:
             try:
                 st = ray.get(handle.status.remote())
-                lines = ray.get(handle.metrics.remote(seen))
+                lines = ray.get(handle.metrics.remote(seen.steps))
                 lost_since = None
             except ray.exceptions.RayActorError as e:
                 # The coordinator died. With checkpoints Ray restarts it and it resumes by itself from
                 # the newest one; the steps redone after it are not written twice (metrics by step).
                 if not job.checkpoint.enabled or (lost_since and time.monotonic() - lost_since > restart_wait_s):
+                    ended = {"state": "failed", "error": f"the job's coordinator died: {e}"}
                     print(f"error: the job's coordinator died: {e}", file=sys.stderr)
                     return 1
                 if lost_since is None:
@@ -183,18 +193,16 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
                 continue
             for line in lines:
                 i = line["step"]
-                tokens += line["tokens"]
+                seen.add(line)
                 if out is not None:
                     out.write(json.dumps(line) + "\n")
                 if i % every == 0 or i == steps - 1:
                     elapsed = time.perf_counter() - t_start
                     say(f"[{job.name}] step {i + 1}/{steps} loss {line['loss']:.4f} "
-                        f"tok/s {line['tokens'] / line['iteration_seconds']:,.0f} (avg {tokens / elapsed:,.0f}) "
+                        f"tok/s {line['tokens'] / line['iteration_seconds']:,.0f} (avg {seen.tokens / elapsed:,.0f}) "
                         f"iter {line['iteration_seconds']:.3f}s plan {line['plan_id']}")
             if out is not None:
                 out.flush()
-            if lines:
-                seen = lines[-1]["step"] + 1
             for ev in st["events"]:
                 if ev["time"] > events_seen and ev["kind"] in ("planned", "applied", "kept", "failed", "error", "resumed"):
                     say(f"[{job.name}] {ev['kind']} at step {ev['step']}: {ev['text'].splitlines()[0]}")
@@ -203,10 +211,7 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
             if st["state"] in ("done", "failed", "stopped"):   # lines were read after the status: all are in
                 break
             time.sleep(poll_s)
-        summ = ray.get(handle.summary.remote())
-        _record_outcome({**summ, "steps_requested": steps, "plan_id": st.get("plan_id"), "replans": st.get("history", 0),
-                         "submission_id": st.get("submission_id"),
-                         "ray_job_id": ray.get_runtime_context().get_job_id()}, say)
+        summ = _record_outcome(handle, seen, st, steps, ended, say)
         if st["state"] == "failed":
             print(f"error: {st['error']}", file=sys.stderr)
             return 1
@@ -214,7 +219,16 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
             say(f"[{job.name}] stopped on request after {summ['steps']} of {steps} steps")
         say(f"[{job.name}] done: {summ}")
         return 0
+    except Terminated:
+        ended = {"state": "terminated", "error": None,
+                 "ended_by": "SIGTERM to the driver (`ray job stop`, or a kill) while the job ran"}
+        raise
+    except BaseException as e:           # a bug or an interrupt here: the job goes with this driver
+        ended = {"state": "failed", "error": f"the driver failed: {type(e).__name__}: {e}"}
+        raise
     finally:
+        if seen.recorded is None:
+            _record_outcome(handle, seen, st, steps, ended, say)
         if out is not None:
             out.close()
         try:
@@ -224,15 +238,60 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
         ray.kill(handle)
 
 
-def _record_outcome(summary: dict, say) -> None:
-    """Leave the job's final summary on the cluster for `malleus status` (control/outcome.py); a
-    failure to do so costs the answer after the job, never the job."""
+class Terminated(SystemExit):
+    """SIGTERM to the driver. `ray job stop` sends it (to the driver and its children), waits
+    RAY_JOB_STOP_WAIT_TIME_S (3 s by default) and then sends SIGKILL: time to record the outcome."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated(128 + signum)
+
+
+class Progress:
+    """The steps this driver has read from the coordinator: the outcome's numbers if it is gone."""
+
+    def __init__(self, job: str):
+        self.job, self.steps, self.tokens = job, 0, 0
+        self.first_loss = self.last_loss = None
+        self.seconds = 0.0
+        self.recorded: dict | None = None
+
+    def add(self, line: dict) -> None:
+        self.steps, self.tokens = line["step"] + 1, self.tokens + line["tokens"]
+        self.seconds += line["iteration_seconds"]
+        self.first_loss = line["loss"] if self.first_loss is None else self.first_loss
+        self.last_loss = line["loss"]
+
+    def summary(self) -> dict:
+        return {"job": self.job, "state": "unknown", "error": None, "steps": self.steps, "first_loss": self.first_loss,
+                "last_loss": self.last_loss, "tokens": self.tokens, "train_seconds": self.seconds,
+                "tokens_per_second": self.tokens / self.seconds if self.seconds > 0 else None, "migrations": None}
+
+
+SUMMARY_TIMEOUT_S = 1.5      # within Ray's 3 s between SIGTERM and SIGKILL, with time to write
+
+
+def _record_outcome(handle, seen: Progress, st: dict, steps: int, ended: dict, say) -> dict:
+    """Leave the job's final summary on the cluster for `malleus status` (control/outcome.py): the
+    coordinator's, else what this driver read; `ended` overrides its state where the driver knows
+    better. A failure to record costs the answer after the job, never the job."""
+    import ray
+
     from malleus_svc.control.outcome import record
 
     try:
-        record(summary)
+        summ = ray.get(handle.summary.remote(), timeout=SUMMARY_TIMEOUT_S)
+    except Exception:     # gone, or busy past the grace a stop leaves
+        summ = seen.summary()
+    summ = {**summ, **ended, "steps_requested": steps, "plan_id": st.get("plan_id"), "replans": st.get("history", 0),
+            "submission_id": st.get("submission_id") or submission_id(),
+            "ray_job_id": ray.get_runtime_context().get_job_id()}
+    seen.recorded = summ
+    try:
+        record(summ)
     except Exception as e:
-        say(f"[{summary['job']}] could not record the final summary on the cluster: {e}")
+        say(f"[{seen.job}] could not record the final summary on the cluster: {e}")
+    return summ
 
 
 if __name__ == "__main__":

@@ -2,10 +2,12 @@
 Ray's defaults: no RAY_AUTH_* variable anywhere, a home holding the token Ray's own
 `ray get-auth-token --generate` wrote (as any earlier local Ray run leaves it), so `ray start
 --head` turns token authentication on by itself. Then what a newcomer without the token sees, and
-what `malleus status` says once the job has ended.
+what `malleus status` says once a job has ended, for each end: stopped by `malleus stop`, run to
+completion, failed on the cluster, stopped by Ray's `ray job stop`.
 
-The head gets a temp dir, ports and home of its own (so RAY_ADDRESS points the commands at it) and
-is torn down by signalling its process group, never `ray stop`.
+One head for the module (the README's `ray start --head`), with a temp dir, ports and home of its
+own (so RAY_ADDRESS points the commands at it), torn down by signalling its process group, never
+`ray stop`.
 """
 from __future__ import annotations
 
@@ -93,19 +95,27 @@ class DefaultHead:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def head():
     h = DefaultHead()
     try:
+        h.start(readme_job_commands()[0])
         yield h
     finally:
         h.close()
 
 
+def ended_status(head, sid: str, state: str) -> tuple[str, dict]:
+    """`malleus status SID` (text, --json) once the job has ended in `state` (the live coordinator
+    answers before that, Ray's final state only after)."""
+    _wait(f"Ray job {sid} to end {state}", lambda: re.match(
+        rf"job \w+ \(Ray job {sid}\): {state}", head.run(f"malleus status {sid}").stdout) is not None, 240, 2)
+    return head.run(f"malleus status {sid}").stdout, json.loads(head.run(f"malleus status {sid} --json").stdout)
+
+
 def test_the_readme_job_commands_work_as_typed(head):
     commands = readme_job_commands()
     assert commands[0] == "ray start --head" and commands[1].startswith("malleus submit examples/tiny_job.yaml")
-    head.start(commands[0])
     assert "Token authentication is enabled" in (head.dir / "head.log").read_text()   # Ray's default with a token
     assert not any(k.startswith("RAY_AUTH") for k in head.env)
 
@@ -140,8 +150,56 @@ def test_the_readme_job_commands_work_as_typed(head):
     # Without the token (another home), or with another cluster's: one line that says which.
     bare = head.env | {"HOME": str(head.dir)}
     wrong = head.env | {"RAY_AUTH_TOKEN": secrets.token_hex(32)}
-    for env, cause in ((bare, "this client sent none"), (wrong, "refused the authentication token from RAY_AUTH_TOKEN")):
+    filed = head.env | {"HOME": str(head.dir / "other")}          # another cluster's token in ~/.ray/auth_token
+    (head.dir / "other" / ".ray").mkdir(parents=True)
+    (head.dir / "other" / ".ray" / "auth_token").write_text(secrets.token_hex(32))
+    for env, cause in ((bare, "this client sent none"), (wrong, "refused the authentication token from RAY_AUTH_TOKEN"),
+                       (filed, f"refused the authentication token from {head.dir / 'other' / '.ray' / 'auth_token'}")):
         for command in ("malleus status tiny", "malleus submit examples/tiny_job.yaml"):
             p = head.run(command, check=False, env=env)
             assert p.returncode == 2 and p.stderr.count("\n") == 1, (command, p.stderr)
             assert cause in p.stderr and "export RAY_AUTH_TOKEN" in p.stderr, (command, p.stderr)
+
+
+def test_status_of_a_job_that_ran_all_its_steps(head):
+    sid = head.run("malleus submit examples/tiny_job.yaml -- --steps 6").stdout.split()[0]
+    text, st = ended_status(head, sid, "SUCCEEDED")
+    assert re.match(rf"job tiny \(Ray job {sid}\): SUCCEEDED, 6/6 steps, ended ", text), text
+    assert "loss" in text and "tok/s" in text and "error" not in text and "ended by" not in text, text
+    s = st["summary"]
+    assert st["state"] == "SUCCEEDED" and s["state"] == "done" and s["error"] is None and s["submission_id"] == sid
+    assert s["steps"] == 6 and s["first_loss"] > 0 and s["last_loss"] > 0 and s["tokens_per_second"] > 0
+
+
+def test_status_of_a_job_that_failed_on_the_cluster(head):
+    """Its data file exists here but is ignored by git, so the upload leaves it behind: the job
+    fails when its workers open it. The driver still records why, and Ray's FAILED state answers."""
+    wd = head.dir / "broken"
+    (wd / "data").mkdir(parents=True)
+    (wd / ".gitignore").write_text("data/\n")
+    (wd / "data" / "corpus.bin").write_bytes(bytes(range(256)) * 64)        # 8192 uint16 ids, all < 256
+    job = (REPO / "examples" / "tiny_job.yaml").read_text().replace("name: tiny", "name: broken")
+    job = re.sub(r"data:\n(  .*\n)+", "data: {source: tokens, files: [data/corpus.bin], seq_len: 64, vocab: 256}\n", job)
+    (wd / "job.yaml").write_text(job)
+    sid = head.run(f"malleus submit {wd / 'job.yaml'} --working-dir {wd}").stdout.split()[0]
+    text, st = ended_status(head, sid, "FAILED")
+    assert re.match(rf"job broken \(Ray job {sid}\): FAILED, 0/10 steps", text), text
+    assert "error: data: " in text and "data/corpus.bin" in text and "does not exist" in text, text
+    s = st["summary"]
+    assert s["state"] == "failed" and s["steps"] == 0 and s["submission_id"] == sid
+    assert "exit code 2" in st["ray"]["message"]
+
+
+def test_status_of_a_job_stopped_by_ray_job_stop(head):
+    """`ray job stop` sends the driver SIGTERM, then SIGKILL 3 s later: the driver records what the
+    coordinator holds in between, and status says how it ended."""
+    sid = head.run("malleus submit examples/tiny_job.yaml -- --steps 500").stdout.split()[0]
+    _wait("the job to train a few steps",
+          lambda: re.search(r"step ([3-9]|\d\d+)/500", head.run(f"malleus status {sid}").stdout) is not None, 240, 2)
+    head.run(f"ray job stop {sid}")
+    text, st = ended_status(head, sid, "STOPPED")
+    assert re.match(rf"job tiny \(Ray job {sid}\): STOPPED, \d+/500 steps", text), text
+    assert "ended by SIGTERM to the driver" in text and "loss" in text and "no summary" not in text, text
+    s = st["summary"]
+    assert st["state"] == "STOPPED" and s["state"] == "terminated" and s["submission_id"] == sid
+    assert 3 <= s["steps"] < 500 and s["last_loss"] is not None and s["plan_id"]

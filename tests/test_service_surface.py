@@ -228,13 +228,21 @@ try:
         raise ConnectionError("Failed to connect to Ray cluster")
 except AuthRefused as e:
     out["none"] = str(e)
+def refused():
+    try:
+        with connecting():
+            os.write(2, noise)
+            raise ConnectionError("Failed to connect to Ray cluster")
+    except AuthRefused as e:
+        return str(e)
 os.environ["RAY_AUTH_TOKEN"] = "0" * 64            # a token, refused: the wrong one
-try:
-    with connecting():
-        os.write(2, noise)
-        raise ConnectionError("Failed to connect to Ray cluster")
-except AuthRefused as e:
-    out["wrong"] = str(e)
+out["wrong"] = refused()
+del os.environ["RAY_AUTH_TOKEN"]                   # the wrong one in ~/.ray/auth_token
+os.makedirs(os.path.expanduser("~/.ray"))
+with open(os.path.expanduser("~/.ray/auth_token"), "w") as f:
+    f.write("1" * 64)
+out["wrong_file"] = refused()
+os.remove(os.path.expanduser("~/.ray/auth_token"))
 try:                                                # not a refusal: passed on as it is
     with connecting():
         raise ConnectionError("nothing listens")
@@ -254,6 +262,8 @@ def test_a_refused_token_is_one_line_and_the_core_log_of_it_is_held_back(tmp_pat
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert "sent none" in out["none"] and "export RAY_AUTH_TOKEN" in out["none"] and "\n" not in out["none"]
     assert "refused the authentication token from RAY_AUTH_TOKEN" in out["wrong"]
+    assert f"refused the authentication token from {tmp_path}/.ray/auth_token" in out["wrong_file"]
+    assert "export RAY_AUTH_TOKEN" in out["wrong_file"] and "\n" not in out["wrong_file"]
     assert out["other"] == "ConnectionError"                # a ConnectionError, and not an AuthRefused
     assert "gcs_client" not in p.stderr and "a real warning" in p.stderr
 
@@ -269,5 +279,58 @@ def test_the_outcome_of_an_ended_job_reads_as_its_summary():
     assert text.startswith("job tiny (Ray job raysubmit_x): SUCCEEDED, 37/500 steps, ended")
     assert "5.5600 -> 4.6000" in text and "1,673 tok/s" in text and "1 migrations in 3 re-plan rounds" in text
     failed = format_ended({"job": "tiny", "state": "FAILED", "submission_id": "raysubmit_y", "summary": None,
-                           "ray": {"message": "Job entrypoint command failed with exit code 2"}})
-    assert "error: Job entrypoint command failed" in failed and "no summary recorded" in failed
+                           "ray": {"message": "Job entrypoint command failed with exit code 1, last available logs "
+                                              "(truncated to 20,000 chars):\n" + "line\n" * 50 + "KeyError: 'x'\n"}})
+    assert "error: Job entrypoint command failed with exit code 1, last available logs" in failed
+    assert failed.count("\n") == 2 and "(truncated to 20,000 chars): KeyError: 'x'" in failed
+    assert "no summary recorded: its driver exited before recording one" in failed
+    # What a driver stopped by SIGTERM recorded from its own reading (the coordinator did not answer in time).
+    cut = {**summary, "state": "terminated", "migrations": None, "ended_by": "SIGTERM to the driver"}
+    text = format_ended({"job": "tiny", "state": "STOPPED", "submission_id": "raysubmit_z", "summary": cut, "ray": None})
+    assert "STOPPED, 37/500 steps" in text and "ended by SIGTERM to the driver" in text
+    assert "? migrations in 3 re-plan rounds" in text and "no summary recorded" not in text
+
+
+def test_an_ended_job_is_found_by_name_or_id_and_an_earlier_runs_record_does_not_count():
+    """service/outcome.py on a fake Ray job list and fake driver records (its data come in as
+    arguments): the newest run of a name answers, with its own record only; the submission id and
+    the Ray job id find a run; a record alone answers for a run Ray does not list; an unknown name
+    lists the recent jobs, one per name, newest first."""
+    from malleus_svc.service.outcome import ended, format_ended, recent
+
+    def run(job, sid, rid, status, start):
+        return {"job": job, "submission_id": sid, "ray_job_id": rid, "status": status, "message": None,
+                "start_time": start, "end_time": start + 1}
+
+    def rec(job, sid, state="done", ended_at=0.0):
+        return {"job": job, "state": state, "error": None, "steps": 6, "steps_requested": 6, "first_loss": 5.5,
+                "last_loss": 5.0, "tokens_per_second": 100.0, "train_seconds": 1.0, "migrations": 0, "replans": 0,
+                "plan_id": "p", "submission_id": sid, "ray_job_id": None, "ended": ended_at}
+
+    runs = [run("tiny", "raysubmit_new", "03000000", "STOPPED", 30), run("other", "raysubmit_o", "02000000", "FAILED", 20),
+            run("tiny", "raysubmit_old", "01000000", "SUCCEEDED", 10)]           # newest first, as ray_jobs gives
+    records = {"tiny": rec("tiny", "raysubmit_old"), "local": rec("local", None, ended_at=5.0)}
+
+    newest = ended("tiny", runs, records)        # the name: its newest run, whose driver recorded nothing
+    assert (newest["state"], newest["submission_id"], newest["summary"]) == ("STOPPED", "raysubmit_new", None)
+    assert "no summary recorded: Ray stopped the job" in format_ended(newest)
+    assert ended("03000000", runs, records)["submission_id"] == "raysubmit_new"
+    for key in ("raysubmit_old", "01000000"):     # the earlier run, by either id: its own record answers
+        old = ended(key, runs, records)
+        assert (old["state"], old["summary"]["submission_id"]) == ("SUCCEEDED", "raysubmit_old"), key
+    assert format_ended(ended("raysubmit_old", runs, records)).startswith(
+        "job tiny (Ray job raysubmit_old): SUCCEEDED, 6/6 steps")
+
+    records["tiny"] = rec("tiny", "raysubmit_new", state="terminated")     # now the newest run's
+    assert ended("tiny", runs, records)["summary"]["state"] == "terminated"
+    assert ended("raysubmit_old", runs, records)["summary"] is None
+
+    local = ended("local", runs, records)        # a driver outside Ray Jobs: the record alone
+    assert (local["state"], local["ray"], local["submission_id"]) == ("done", None, None)
+    gone = ended("raysubmit_z", [], {"x": rec("x", "raysubmit_z")})    # Ray's list no longer has it
+    assert gone["job"] == "x" and gone["summary"]["submission_id"] == "raysubmit_z"
+
+    assert ended("nope", runs, records) is None
+    assert recent(runs, records) == ["tiny (STOPPED, raysubmit_new)", "other (FAILED, raysubmit_o)", "local (done)"]
+    assert recent(runs, records, limit=1) == ["tiny (STOPPED, raysubmit_new)"]
+    assert recent([], {}) == []

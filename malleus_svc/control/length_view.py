@@ -11,9 +11,9 @@ from malleus_svc.planner.build import length_profile
 log = logging.getLogger(__name__)
 
 
-def _drift_detector():
+def drift_detector():
     from malleus_svc.lengths import DriftDetector
-    return DriftDetector(window=8, threshold=0.25, min_samples=64)
+    return DriftDetector(window=8, threshold=0.25, min_samples=256)   # lengths: stats.py
 
 
 class LengthView:
@@ -22,7 +22,7 @@ class LengthView:
         self.recent: deque = deque(maxlen=window)
         self.last_stats: dict | None = None
         self.last_drift: dict | None = None
-        self.drift = _drift_detector()
+        self.drift = drift_detector()
         self._drift_lengths = None         # the batch that showed a drift (until the new window fills)
         self._profile, self._profile_key = None, None
         self.cost = None                   # lengths.LengthCost when data.assignment is length-aware
@@ -50,7 +50,7 @@ class LengthView:
         self.last_drift = {"step": step, **rep.to_dict()}
         # the next window of batches (all after the shift) is the new reference; rebasing on the
         # recent window instead, half old and half new, would report the same shift again
-        self.drift = _drift_detector()
+        self.drift = drift_detector()
         from malleus_svc.lengths import LengthHistogram
         self._drift_lengths = LengthHistogram.of(int(n) for n in lengths)
         return rep.reason

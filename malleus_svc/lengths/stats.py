@@ -7,13 +7,22 @@ the lengths here to keep:
   quantile is known to within one bucket, 2^(1/8) − 1 ≈ 9% by default, at any length scale and
   in O(log(max length)) memory); exact count, total, min and max; mergeable across windows or
   workers; plain JSON.
-* `DriftDetector`: a reference window (the first `window` batches, or whatever `rebase` froze)
-  against the most recent `window` batches; drift = the two windows differ significantly (a
-  two-sample Kolmogorov-Smirnov test on the histograms at level `alpha`) and some high quantile
-  (p90, p99 by default) moved by more than `threshold` relative. The tail is what decides memory
-  limits and the slowest pipeline, so that is what is watched; the test keeps the sampling noise
-  of small windows (a p90 of 64 lengths moves 30% by chance) from counting as drift, and the
-  threshold keeps tiny but significant shifts of huge windows from counting either.
+* `DriftDetector`: a reference window (the first batches, or whatever `rebase` froze) against the
+  most recent batches; drift = the two windows differ significantly (a two-sample
+  Kolmogorov-Smirnov test on the histograms at level `alpha`) and some high quantile (p90, p99 by
+  default) moved by more than `threshold` relative. The tail is what decides memory limits and the
+  slowest pipeline, so that is what is watched; the test keeps the sampling noise of small windows
+  (a p90 of 64 lengths moves 30% by chance) from counting as drift, and the threshold keeps tiny
+  but significant shifts of huge windows from counting either.
+
+  A window is `window` batches and at least `min_samples` lengths, as many batches as that takes:
+  at the coordinator's 8 batches and 256 lengths, 8 batches from a global batch of 32 up and 32
+  batches at a global batch of 8. Sized in lengths, not batches, because the test's power is: with
+  windows of 8 batches of 8 (64 lengths a side) a doubled mean length was found after 5 to 163
+  batches (20 seeds), with 32 batches of 8 after 13 to 23. Detection bound (the coordinator's
+  settings, the runtime's long-tailed lengths, mean length doubled or halved, every seed tested):
+  within one window of the shift, i.e. 32 steps at a global batch of 8, 8 steps at 32, 5 at 256
+  (tests/test_lengths_stats.py). Until the reference window has filled, nothing is declared.
 """
 from __future__ import annotations
 
@@ -202,11 +211,12 @@ class DriftReport:
 
 
 class DriftDetector:
-    """Reference window vs the last `window` batches: drift when the two differ significantly (KS at
-    level `alpha`) and a high quantile moved by more than `threshold`."""
+    """Reference window vs the recent one (each `window` batches and at least `min_samples` lengths):
+    drift when the two differ significantly (KS at level `alpha`) and a high quantile moved by more
+    than `threshold`."""
 
     def __init__(self, window: int = 8, threshold: float = 0.25, quantiles: Sequence[float] = DEFAULT_QUANTILES,
-                 min_samples: int = 200, buckets_per_octave: int = 8, alpha: float = DEFAULT_ALPHA):
+                 min_samples: int = 256, buckets_per_octave: int = 8, alpha: float = DEFAULT_ALPHA):
         if not (isinstance(window, int) and window >= 1):
             raise LengthError("window", window, "a number of batches >= 1")
         if not (threshold > 0):
@@ -225,18 +235,25 @@ class DriftDetector:
         self.min_samples, self.buckets_per_octave = int(min_samples), buckets_per_octave
         self.reference = LengthHistogram(buckets_per_octave)
         self.reference_batches = 0
-        self.recent: deque[LengthHistogram] = deque(maxlen=window)
+        self.recent: deque[LengthHistogram] = deque()
         self.lifetime = LengthHistogram(buckets_per_octave)
 
     def observe(self, lengths: Iterable[int]) -> DriftReport:
         """Add one batch's lengths; returns the check after it."""
         h = LengthHistogram.of(lengths, self.buckets_per_octave)
         self.lifetime.absorb(h)
-        if self.reference_batches < self.window:   # still filling the reference
+        if not self._full(self.reference_batches, self.reference.count):   # still filling the reference
             self.reference.absorb(h)
             self.reference_batches += 1
         self.recent.append(h)
+        while len(self.recent) > self.window and \
+                self._full(len(self.recent) - 1, sum(x.count for x in self.recent) - self.recent[0].count):
+            self.recent.popleft()
         return self.check()
+
+    def _full(self, batches: int, count: int) -> bool:
+        """A window of `batches` batches holding `count` lengths is full."""
+        return batches >= self.window and count >= self.min_samples
 
     def recent_histogram(self) -> LengthHistogram:
         out = LengthHistogram(self.buckets_per_octave)
@@ -246,7 +263,7 @@ class DriftDetector:
 
     def check(self) -> DriftReport:
         recent = self.recent_histogram()
-        if self.reference_batches < self.window:
+        if not self._full(self.reference_batches, self.reference.count):
             return DriftReport(False, {}, self.reference.count, recent.count, "reference window still filling")
         if min(self.reference.count, recent.count) < self.min_samples:
             return DriftReport(False, {}, self.reference.count, recent.count,
@@ -271,7 +288,7 @@ class DriftDetector:
     def rebase(self) -> None:
         """Accept the recent distribution as the new reference (after re-planning on it)."""
         self.reference = self.recent_histogram()
-        self.reference_batches = self.window
+        self.reference_batches = len(self.recent)
 
     def to_dict(self) -> dict:
         return {"window": self.window, "threshold": self.threshold, "quantiles": list(self.quantile_levels),

@@ -16,6 +16,7 @@ from malleus_svc.config.errors import ConfigError
 from malleus_svc.config.limits import MAX_RATE
 from malleus_svc.control.client import MalleusError, connect
 from malleus_svc.control.coordinator import describe_plan
+from malleus_svc.control.outcome import recorded
 
 from . import outcome
 from .ray_auth import AuthRefused, connecting
@@ -69,10 +70,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         client = _client(args)
     except MalleusError:            # no coordinator by that name or id: a job that has ended, or none
-        ended = outcome.ended(args.job, args.address)
+        runs, records = outcome.ray_jobs(args.address), recorded()
+        ended = outcome.ended(args.job, runs, records)
         if ended is None:
             raise MalleusError(f"no malleus job {args.job!r} on this Ray cluster; recent jobs: "
-                               f"{', '.join(outcome.recent(args.address)) or '(none)'}") from None
+                               f"{', '.join(outcome.recent(runs, records)) or '(none)'}") from None
         return _print(args, ended, outcome.format_ended(ended))
     st = client.status()
     return _print(args, st, format_status(st))
