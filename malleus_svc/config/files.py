@@ -3,7 +3,9 @@
 A hostile file gets one ConfigError line, in bounded time and memory: the size is capped
 (limits.MAX_FILE_BYTES), bytes must be UTF-8, YAML anchors and aliases are refused (an alias
 bomb of a kilobyte expands to gigabytes when walked), so are duplicate keys (which one would
-count?), nesting deeper than limits.MAX_DEPTH, integers too large for a float, and NaN/Infinity.
+count?), nesting deeper than limits.MAX_DEPTH, more than limits.MAX_VALUES values (counted before
+anything is built: a file of small values costs ~100 bytes of memory a value once parsed),
+integers too large for a float, and NaN/Infinity.
 """
 from __future__ import annotations
 
@@ -16,10 +18,11 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError
-from .limits import MAX_DEPTH, MAX_FILE_BYTES, MAX_INT_DIGITS, MAX_YAML_BYTES
+from .limits import MAX_DEPTH, MAX_FILE_BYTES, MAX_INT_DIGITS, MAX_VALUES, MAX_YAML_BYTES
 
 _BaseLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)   # libyaml when built with it: faster
 _NESTING = f"lists and mappings nested at most {MAX_DEPTH} deep (limits.MAX_DEPTH)"
+_VALUES = f"at most {MAX_VALUES} values in one file (limits.MAX_VALUES)"
 _NUMBERS = (f"finite numbers a float holds (|x| < 1.8e308), integers of at most {MAX_INT_DIGITS} digits "
             "(limits.MAX_INT_DIGITS)")
 
@@ -107,6 +110,10 @@ def _one_line(e: Exception) -> str:
 
 # ---------------------------------------------------------------------- JSON
 def _parse_json(text: str) -> Any:
+    # Every value but the first follows a comma or opens a container: an upper bound, in C time.
+    values = text.count(",") + text.count("[") + text.count("{") + 1
+    if values > MAX_VALUES:
+        raise _Refused("values", f"up to {values}", _VALUES)
     return json.loads(text, object_pairs_hook=_json_object, parse_int=_json_int,
                       parse_float=_json_float, parse_constant=_json_constant)
 
@@ -193,7 +200,9 @@ def _parse_yaml(text: str) -> Any:
 
 def _check_events(text: str) -> None:
     depth = 0
-    for event in yaml.parse(text, Loader=_BaseLoader):
+    for n, event in enumerate(yaml.parse(text, Loader=_BaseLoader)):
+        if n > 2 * MAX_VALUES:   # a value is one event, a collection two
+            raise _Refused("values", f"over {MAX_VALUES}", _VALUES)
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
             name = ("*" if isinstance(event, yaml.AliasEvent) else "&") + str(event.anchor)
             raise _Refused("anchor", name, "YAML anchors and aliases (&name, *name) are not accepted: "
