@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -222,13 +223,55 @@ def test_hostile_plan_files_are_one_plan_error(tmp_path, capsys, text, says):
 
 
 @pytest.mark.parametrize("field, value", [("num_devices", 10 ** 18), ("num_layers", 10 ** 12),
-                                          ("micro_batch_size", 10 ** 15), ("gpus_per_node", 1e300)])
+                                          ("micro_batch_size", 10 ** 15), ("gpus_per_node", 10 ** 300)])
 def test_plan_sizes_are_bounded_before_anything_is_built(field, value):
     d = plan_dict()
     d[field] = value
     d.pop("global_batch")
     with pytest.raises(PlanError, match="config.limits"):
         Plan.from_json(json.dumps(d))
+
+
+@pytest.mark.parametrize("path, value, says", [
+    ("pipelines/0/stages/0/devices/0", 0.5, "pipelines[0].stages[0].devices[0] must be an integer, got 0.5"),
+    ("pipelines/0/stages/1/devices/0", True, "pipelines[0].stages[1].devices[0] must be an integer, got True"),
+    ("pipelines/0/stages/1/devices/0", "1", "pipelines[0].stages[1].devices[0] must be an integer, got '1'"),
+    ("pipelines/0/stages/1/layers", [2, 4.0], "pipelines[0].stages[1].layers[1] must be an integer"),
+    ("pipelines/0/stages/1/layers", [2], "pipelines[0].stages[1].layers must be [start, end)"),
+    ("pipelines/0/stages/0", "x", "pipelines[0].stages[0] must be an object"),
+    ("pipelines/0/micro_batches", 1.5, "pipelines[0].micro_batches must be an integer"),
+    ("pipelines/0", [], "pipelines[0] must be an object"), ("pipelines", {}, "pipelines must be a list"),
+    ("num_devices", 2.0, "num_devices must be an integer"), ("num_layers", False, "num_layers must be an integer"),
+    ("excluded", "01", "excluded must be a list"), ("suspended", [0.0], "suspended[0] must be an integer"),
+    ("objective", 3, "objective must be a string"), ("objective_value", "fast", "objective_value must be a finite number or null"),
+    ("solve_seconds", True, "solve_seconds must be a finite number or null"), ("inputs", [1], "inputs must be an object"),
+    ("global_batch", 2.0, "global_batch must be an integer"),
+])
+def test_previous_plans_take_whole_numbers_and_typed_fields_only(tmp_path, capsys, path, value, says):
+    """`--previous` plans: device ids, layers and counts are ints as the writer writes them (a
+    fraction is not truncated, a bool is not a number), the informative fields are of their type;
+    one line names the field."""
+    d = plan_dict()
+    *parents, last = path.split("/")
+    node = d
+    for k in parents:
+        node = node[int(k) if k.isdigit() else k]
+    node[int(last) if last.isdigit() else last] = value
+    with pytest.raises(PlanError, match=re.escape(says)):
+        Plan.from_json(json.dumps(d))
+    f, scenario = tmp_path / "bad.json", tmp_path / "s.json"
+    f.write_text(json.dumps(d))
+    scenario.write_text(json.dumps(GOOD))
+    assert cli.main(["plan", str(scenario), "--previous", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("malleus: error: ") and err.count("\n") == 1 and says in err, err
+
+
+def test_plan_numbers_beyond_any_float_are_refused_in_words():
+    d = plan_dict()
+    d["objective_value"] = 10 ** 400          # from a Python caller (a file refuses it earlier)
+    with pytest.raises(PlanError, match="objective_value must be a finite number or null"):
+        Plan.from_dict(d)
 
 
 def test_plans_are_written_as_standard_json():
