@@ -356,3 +356,43 @@ def test_generated_json_gives_a_config_or_a_config_error(doc):
         Plan.from_json(text)
     except PlanError as e:
         assert "\n" not in str(e)
+
+
+# ---------------------------------------------------------------------- numbers on command lines
+PREP = ["prepare-data", "in.txt", "--tokenizer", "t.json", "--out", "o"]
+NUMBER_OPTIONS = [   # every number option of every malleus subcommand: (command, flag, an integer?)
+    (["simulate", "paper-fig4-16gpu"], "--backward-ratio", False), (["demo"], "--factor", False),
+    (["demo"], "--steps", True), (["demo"], "--global-batch", True), (["demo"], "--nodes", True),
+    (["train", "examples/tiny_job.yaml"], "--steps", True), (["train", "examples/tiny_job.yaml"], "--metrics-port", True),
+    (PREP, "--train-tokenizer", True), (PREP, "--workers", True),
+    (["bench", "malleable"], "--factor", False), (["bench", "prepare-data"], "--mb", False),
+    (["bench", "lengths-runtime"], "--factor", False), (["bench", "lengths-runtime"], "--time-limit", False),
+    (["bench", "planner-scale"], "--budget", False), (["bench", "simulate"], "--planner-timeout", False),
+    (["bench", "simulate"], "--restart-seconds", False), (["bench", "simulate"], "--checkpoint-minutes", False),
+    (["bench", "lengths"], "--rate", False), (["bench", "lengths"], "--ilp-time-limit", False),
+    (["bench", "lengths"], "--pack-time-limit", False), (["bench", "lengths"], "--pack-total", False),
+]
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400", "-5", "abc", "", "9" * 5000, "2.5"])
+@pytest.mark.parametrize("command, flag, integer", NUMBER_OPTIONS, ids=[f"{c[0]}-{c[1] if c[0] == 'bench' else ''}{f}"
+                                                                         for c, f, _ in NUMBER_OPTIONS])
+def test_number_options_refuse_bad_values_in_one_line(capsys, monkeypatch, command, flag, integer, value):
+    """Not a number, not finite, out of range (or a fraction for a count): exit 2 and one line with
+    the accepted range, before the command does anything (no usage block, no traceback)."""
+    if value == "2.5" and not integer:
+        value = "1e300"                   # above every float option's range
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit) as e:
+        cli.main([*command, f"{flag}={value}"])     # = : "-inf" is a value, not an option
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and f"error: {flag} must be " in err and " in [" in err, err
+    assert len(err) < 300, err
+
+
+def test_every_number_option_checks_its_range():
+    """argparse's type=float takes nan and inf: no command parses a number that way."""
+    for path in [*(REPO / "malleus_svc").rglob("*.py"), *(REPO / "benchmarks").rglob("*.py")]:
+        text = path.read_text()
+        assert "type=float" not in text.replace("`type=float`", ""), path
+        assert path.relative_to(REPO).parts[0] == "benchmarks" or "type=int" not in text, path
