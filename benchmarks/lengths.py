@@ -119,6 +119,8 @@ from typing import Sequence
 
 import numpy as np
 
+from malleus_svc.config.limits import MAX_SECONDS
+from malleus_svc.config.options import number_option
 from malleus_svc.config.presets import ModelShape, preset
 from malleus_svc.costmodel.analytic import MB, DeviceSpec, _allreduce_seconds, block_seconds, comm_costs
 from malleus_svc.lengths import (Coeffs, LengthCost, PipelineSpec, StageSpec, analytic_bytes_per_token_per_layer,
@@ -835,10 +837,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="token budgets, in full 32K micro-batches per pipeline (comma-separated)")
     ap.add_argument("--iterations", type=int, default=20, help="global batches per configuration")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rate", type=float, default=STRAGGLER_RATE, help="straggling stage's slowdown")
-    ap.add_argument("--ilp-time-limit", type=float, default=2.0, help="dispatch MILP seconds per iteration")
-    ap.add_argument("--pack-time-limit", type=float, default=0.5, help="packing MILP seconds per micro-batch count")
-    ap.add_argument("--pack-total", type=float, default=2.0, help="packing seconds per pipeline before LPT only")
+    number_option(ap, "--rate", 1, 100, default=STRAGGLER_RATE, help="straggling stage's slowdown")
+    number_option(ap, "--ilp-time-limit", 0.001, MAX_SECONDS, default=2.0, help="dispatch MILP seconds per iteration")
+    number_option(ap, "--pack-time-limit", 0.001, MAX_SECONDS, default=0.5, help="packing MILP seconds per micro-batch count")
+    number_option(ap, "--pack-total", 0.001, MAX_SECONDS, default=2.0, help="packing seconds per pipeline before LPT only")
     ap.add_argument("--quick", action="store_true",
                     help="70b-64gpu, budget 2, 3 iterations, short time limits (for tests)")
     ap.add_argument("--write", metavar="MD", help="update this markdown file's lengths section (e.g. BENCHMARKS.md)")

@@ -62,6 +62,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from malleus_svc.config.limits import MAX_SECONDS
+from malleus_svc.config.options import number_option
 from .planner import write_section
 from malleus_svc.planner.build import build_problem
 
@@ -381,11 +383,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8, help="timed steps per assignment, (data, straggler) block and round")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps per assignment at the start of each block")
-    ap.add_argument("--factor", type=float, default=3.0, help="the straggler's slowdown")
+    number_option(ap, "--factor", 1, 100, default=3.0, help="the straggler's slowdown")
     ap.add_argument("--datasets", default=",".join(DATASETS))
     ap.add_argument("--global-batch", type=int, default=32)
     ap.add_argument("--sweep-repeats", type=int, default=9, help="the cost-model sweep's rounds (the coordinator: 9)")
-    ap.add_argument("--time-limit", type=float, default=None,
+    number_option(ap, "--time-limit", 0.001, MAX_SECONDS, default=None,
                     help="assign()'s time limit per MILP, s (default: the coordinator's rule, from the last iteration)")
     ap.add_argument("--write", metavar="MD", help="update this markdown file's section (e.g. BENCHMARKS.md)")
     ap.add_argument("--plot", metavar="PNG", help=f"write the plot here (e.g. {PLOT})")

@@ -32,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from malleus_svc.config.options import number_option
 from .planner import write_section
 
 WORKERS = 8
@@ -418,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=30, help="iterations per system (default 30)")
     ap.add_argument("--shift-at", type=int, default=HEALTHY_STEPS,
                     help=f"first slowed step (default {HEALTHY_STEPS}: warm-up, calibration, 3 healthy steps)")
-    ap.add_argument("--factor", type=float, default=3.0, help="slowdown of device 3 (default 3)")
+    number_option(ap, "--factor", 1, 100, default=3.0, help="slowdown of device 3 (default 3)")
     ap.add_argument("--global-batch", type=int, default=16, help="samples per iteration (default 16)")
     ap.add_argument("--no-ddp", action="store_true", help="skip (c), the Ray Train TorchTrainer baseline")
     ap.add_argument("--write", metavar="MD", help="replace this markdown file's malleable section (BENCHMARKS.md)")

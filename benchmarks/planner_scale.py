@@ -9,6 +9,8 @@ import resource
 import time
 from pathlib import Path
 
+from malleus_svc.config.limits import MAX_SECONDS
+from malleus_svc.config.options import number_option
 from malleus_svc.config import Scenario
 from malleus_svc.planner import InfeasibleError, plan
 from malleus_svc.planner.build import build_problem
@@ -68,7 +70,7 @@ def table(rows: list[dict], budget: float) -> str:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="malleus bench planner-scale", description=__doc__.split("\n")[0])
-    ap.add_argument("--budget", type=float, default=60.0, help="planner.time_budget_s (the default: 60)")
+    number_option(ap, "--budget", 0.001, MAX_SECONDS, default=60.0, help="planner.time_budget_s (the default: 60)")
     ap.add_argument("--write", metavar="MD", help="update this markdown file's planner-scale section")
     args = ap.parse_args(argv)
     rows = []

@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from malleus_svc.config.options import number_option
 from .planner import write_section
 
 
@@ -33,7 +34,7 @@ def build_corpus(folder: Path, megabytes: float) -> list[Path]:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="malleus bench prepare-data", description=__doc__.split("\n")[0])
-    ap.add_argument("--mb", type=float, default=200.0, help="corpus size in MB (default 200)")
+    number_option(ap, "--mb", 0.001, 1e6, default=200.0, help="corpus size in MB (default 200)")
     ap.add_argument("--vocab", type=int, default=32_000, help="BPE vocabulary (default 32000)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="prepare-data processes (default: cores)")
     ap.add_argument("--write", metavar="MD", help="update this markdown file's prepare-data section")

@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from malleus_svc.config.limits import MAX_SECONDS
+from malleus_svc.config.options import number_option
 from malleus_svc.simulate import SYSTEMS, Costs, IterationClock, make_systems, run_trace, simulate
 from malleus_svc.simulate.baselines import static_plan
 from malleus_svc.simulate.scenarios import (SETUPS, SINGLE_DEVICE, STRAGGLER_SITUATIONS, dynamic_trace,
@@ -309,10 +311,10 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="malleus bench simulate", description=__doc__.split("\n")[0])
     ap.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated subset of {', '.join(SETUPS)}")
     ap.add_argument("--large", default="1024,4096", help="large cluster sizes for planning time ('' for none)")
-    ap.add_argument("--planner-timeout", type=float, default=120.0, help="seconds per planner run on large clusters")
+    number_option(ap, "--planner-timeout", 0.001, MAX_SECONDS, default=120.0, help="seconds per planner run on large clusters")
     ap.add_argument("--no-traces", action="store_true", help="skip the dynamic traces")
-    ap.add_argument("--restart-seconds", type=float, default=300.0)
-    ap.add_argument("--checkpoint-minutes", type=float, default=30.0, help="a restart loses half of it")
+    number_option(ap, "--restart-seconds", 0, MAX_SECONDS, default=300.0)
+    number_option(ap, "--checkpoint-minutes", 0, 1e7, default=30.0, help="a restart loses half of it")
     ap.add_argument("--write", metavar="MD", help="update this markdown file's simulate section (e.g. BENCHMARKS.md)")
     ap.add_argument("--plot-dir", metavar="DIR", help="write PNG plots here")
     args = ap.parse_args(argv)

@@ -248,37 +248,23 @@ class Plan:
         version = d.get("format_version", PLAN_FORMAT_VERSION)
         if version != PLAN_FORMAT_VERSION:
             raise PlanError(f"plan format_version {shorten(version)} is not supported (this build reads {PLAN_FORMAT_VERSION})")
-        try:
-            pipelines = tuple(
-                Pipeline(
-                    stages=tuple(Stage(tuple(int(x) for x in s["devices"]), _layer_range(s["layers"]))
-                                 for s in p["stages"]),
-                    micro_batches=int(p["micro_batches"]),
-                )
-                for p in d["pipelines"]
-            )
-            plan = cls(
-                num_devices=int(d["num_devices"]),
-                num_layers=int(d["num_layers"]),
-                micro_batch_size=int(d["micro_batch_size"]),
-                gpus_per_node=int(d.get("gpus_per_node", 8)),
-                pipelines=pipelines,
-                suspended=tuple(int(x) for x in d.get("suspended", ())),
-                excluded=tuple(int(x) for x in d.get("excluded", ())),
-                objective=str(d.get("objective", "paper")),
-                objective_value=d.get("objective_value"),
-                predicted_iteration_seconds=d.get("predicted_iteration_seconds"),
-                ideal_iteration_seconds=d.get("ideal_iteration_seconds"),
-                solve_seconds=d.get("solve_seconds"),
-                inputs=dict(d.get("inputs") or {}),
-            )
-            stated = int(d.get("global_batch", plan.global_batch))
-        except KeyError as e:
-            raise PlanError(f"plan is missing the field {shorten(e.args[0])}") from None
-        except (TypeError, ValueError, OverflowError) as e:
-            if isinstance(e, PlanError):
-                raise
-            raise PlanError(f"plan has a field of the wrong type: {shorten(str(e))}") from None
+        pipelines = tuple(_pipeline(x, f"pipelines[{i}]") for i, x in enumerate(_list(_get(d, "pipelines"), "pipelines")))
+        plan = cls(
+            num_devices=_int(_get(d, "num_devices"), "num_devices"),
+            num_layers=_int(_get(d, "num_layers"), "num_layers"),
+            micro_batch_size=_int(_get(d, "micro_batch_size"), "micro_batch_size"),
+            gpus_per_node=_int(_get(d, "gpus_per_node", 8), "gpus_per_node"),
+            pipelines=pipelines,
+            suspended=_ints(_get(d, "suspended", ()), "suspended"),
+            excluded=_ints(_get(d, "excluded", ()), "excluded"),
+            objective=_text(_get(d, "objective", "paper"), "objective"),
+            objective_value=_number(_get(d, "objective_value", None), "objective_value"),
+            predicted_iteration_seconds=_number(_get(d, "predicted_iteration_seconds", None), "predicted_iteration_seconds"),
+            ideal_iteration_seconds=_number(_get(d, "ideal_iteration_seconds", None), "ideal_iteration_seconds"),
+            solve_seconds=_number(_get(d, "solve_seconds", None), "solve_seconds"),
+            inputs=_inputs(_get(d, "inputs", None)),
+        )
+        stated = _int(_get(d, "global_batch", plan.global_batch), "global_batch")
         if stated != plan.global_batch:
             raise PlanError(f"global_batch {stated} disagrees with micro_batch_size x "
                             f"sum(micro_batches) = {plan.global_batch}")
@@ -389,10 +375,79 @@ class _Sources:
         return heap[0][1]
 
 
-def _layer_range(v: Sequence[int]) -> tuple[int, int]:
-    if len(v) != 2:
-        raise PlanError(f"a stage's layers must be [start, end), got {list(v)!r}")
-    return int(v[0]), int(v[1])
+# Reading a plan file: every field of the type the writer gives it, or one line naming the field.
+_REQUIRED = object()
+
+
+def _get(d: Mapping[str, Any], key: str, default: Any = _REQUIRED, where: str = "") -> Any:
+    if key in d:
+        return d[key]
+    if default is _REQUIRED:
+        raise PlanError(f"plan is missing the field {where + key!r}")
+    return default
+
+
+def _wrong(where: str, v: Any, expected: str) -> PlanError:
+    return PlanError(f"plan field {where} must be {expected}, got {shorten(v)}")
+
+
+def _int(v: Any, where: str) -> int:
+    """An int as written (device ids, counts, layers): not a fraction, a bool or a numeric string."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _wrong(where, v, "an integer")
+    return v
+
+
+def _number(v: Any, where: str) -> float | None:
+    """An informative number: a finite int or float, or null."""
+    try:
+        ok = v is None or (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v))
+    except OverflowError:     # an int beyond any float
+        ok = False
+    if not ok:
+        raise _wrong(where, v, "a finite number or null")
+    return v
+
+
+def _text(v: Any, where: str) -> str:
+    if not isinstance(v, str):
+        raise _wrong(where, v, "a string")
+    return v
+
+
+def _list(v: Any, where: str) -> Sequence[Any]:
+    if not isinstance(v, (list, tuple)):
+        raise _wrong(where, v, "a list")
+    return v
+
+
+def _object(v: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(v, Mapping):
+        raise _wrong(where, v, "an object")
+    return v
+
+
+def _inputs(v: Any) -> dict[str, Any]:
+    """What the plan was made from (informative): an object, or null for none."""
+    return {} if v is None else dict(_object(v, "inputs"))
+
+
+def _ints(v: Any, where: str) -> tuple[int, ...]:
+    return tuple(_int(x, f"{where}[{i}]") for i, x in enumerate(_list(v, where)))
+
+
+def _pipeline(p: Any, where: str) -> Pipeline:
+    p = _object(p, where)
+    stages = []
+    for j, st in enumerate(_list(_get(p, "stages", where=where + "."), where + ".stages")):
+        at = f"{where}.stages[{j}]"
+        st = _object(st, at)
+        layers = _ints(_get(st, "layers", where=at + "."), at + ".layers")
+        if len(layers) != 2:
+            raise _wrong(at + ".layers", list(layers), "[start, end)")
+        stages.append(Stage(_ints(_get(st, "devices", where=at + "."), at + ".devices"), (layers[0], layers[1])))
+    return Pipeline(stages=tuple(stages), micro_batches=_int(_get(p, "micro_batches", where=where + "."),
+                                                            where + ".micro_batches"))
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .config import ConfigError
+from .config.options import number_option
 from .runtime.datasets import length_stats
 from .runtime.token_files import TOKEN_DTYPES, IndexedWriter, corpus_files, summary_path
 
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("inputs", nargs="+", help="files or directories: .txt/.md (text), .jsonl/.json, .parquet")
     ap.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizers tokenizer.json (written there "
                     "with --train-tokenizer)")
-    ap.add_argument("--train-tokenizer", type=int, metavar="VOCAB", default=None,
+    number_option(ap, "--train-tokenizer", 258, 1 << 20, integer=True, metavar="VOCAB", default=None,
                     help="first train a byte-level BPE tokenizer of VOCAB ids on the inputs")
     ap.add_argument("--out", required=True, help="output prefix: writes OUT.bin, OUT.idx and OUT.json")
     ap.add_argument("--field", default="text", help="the text field of JSON and Parquet records (default: text)")
@@ -251,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--encoding-errors", choices=ENCODING_ERRORS, default="strict",
                     help="text files that are not utf-8: refuse them (strict, the default), or replace or drop "
                     "the bad bytes")
-    ap.add_argument("--workers", type=int, default=None, help="tokenizing processes (default: cores, at most 8)")
+    number_option(ap, "--workers", 1, 1024, integer=True, default=None,
+                  help="tokenizing processes (default: cores, at most 8)")
     args = ap.parse_args(argv)
     summary = prepare(args.inputs, args.tokenizer, args.out, field=args.field, unit=args.unit, eod=args.eod,
                       dtype=args.dtype, workers=args.workers, train_vocab=args.train_tokenizer,

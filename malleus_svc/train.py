@@ -21,6 +21,8 @@ import sys
 from typing import Sequence
 
 from malleus_svc.config.errors import ConfigError
+from malleus_svc.config.limits import MAX_NUMBER
+from malleus_svc.config.options import number_option
 from malleus_svc.plan import Plan, PlanError
 
 
@@ -31,12 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=None,
                    help='Ray cluster to join ("auto" or host:port); default: the job\'s ray.address, else a new local cluster')
     p.add_argument("--plan", default=None, help="plan JSON to use instead of running the planner")
-    p.add_argument("--steps", type=int, default=None, help="number of steps (default: the job's train.steps)")
+    number_option(p, "--steps", 1, MAX_NUMBER, integer=True, default=None,
+                  help="number of steps (default: the job's train.steps)")
     p.add_argument("--metrics-out", default=None, help="append one JSON line per step to this file")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--static", action="store_true",
                    help="keep the first plan for the whole run (no re-planning; a baseline)")
-    p.add_argument("--metrics-port", type=int, default=None,
+    number_option(p, "--metrics-port", 0, 65535, integer=True, default=None,
                    help="Prometheus endpoint port (default: the job's metrics.port; 0 = any free port)")
     p.add_argument("--metrics-host", default=None,
                    help="Prometheus endpoint bind address (default: the job's metrics.host, 127.0.0.1)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -315,6 +316,37 @@ def test_crafted_part_files_are_skipped_before_they_are_read(tmp_path, craft, re
 
 
 # --------------------------------------------------------------------------- asynchronous writer
+def _set(doc: dict, path: str, value) -> None:
+    *parents, last = path.split("/")
+    for k in parents:
+        doc = doc[k]
+    doc[last] = value
+
+
+@pytest.mark.parametrize("path, value", [
+    ("files", []), ("files", "x"), ("data", ["sampler"]), ("data/sampler", 5), ("model_shape", [4, 64]),
+    ("model_shape/layers", "4"), ("model_shape/hidden", 10 ** 12), ("model_shape/heads", True), ("model_shape/kv_heads", 0.5),
+    ("step", "2"), ("step", 2.5), ("created_unix", "now"), ("plan", []), ("optim", 3), ("extra", "x"),
+    ("files/embedding.pt", None), ("files/embedding.pt", []), ("files/embedding.pt/bytes", "100"),
+    ("files/embedding.pt/sha256", 7), ("files/embedding.pt/part", False), ("files/embedding.pt/tensors", [1]),
+])
+def test_malformed_manifests_with_a_valid_checksum_are_skipped_with_the_reason(tmp_path, path, value):
+    """A manifest that is valid JSON with a correct manifest_sha256 (as an attacker with write
+    access, or a bug in a writer, would leave it) but a field of the wrong type or out of range: the
+    checkpoint is skipped naming the field, and the older good one is loaded."""
+    write_steps(tmp_path, [1, 2])
+    f = tmp_path / "step-00000002" / "manifest.json"
+    doc = json.loads(f.read_text())
+    doc.pop("manifest_sha256")
+    _set(doc, path, value)
+    doc["manifest_sha256"] = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+    f.write_text(json.dumps(doc))
+    ckpt = load_latest(tmp_path, TINY)
+    assert ckpt.step == 1 and [p.name for p, _ in ckpt.skipped] == ["step-00000002"]
+    reason = ckpt.skipped[0][1]
+    assert reason.startswith("manifest.json: ") and path.replace("/", ".") in reason and "\n" not in reason, reason
+
+
 def test_error_in_the_writer_thread_surfaces_on_the_next_call(tmp_path):
     root = tmp_path / "ckpt"
     w = CheckpointWriter(root)

@@ -75,3 +75,26 @@ def test_the_call_budget_allows_a_burst_then_the_steady_rate():
         budget.take()
     with pytest.raises(MalleusError):
         budget.take()
+
+
+@pytest.mark.parametrize("call", [
+    lambda: check.check_device("1" * 5000, 8, "j"), lambda: check.check_devices(["1" * 5000], "exclude", 8, "j"),
+    lambda: check.check_rates({"1" * 5000: 2}, 8, "j"), lambda: check.check_rates({"9" * 6: 2}, 8, "j"),
+    lambda: check.check_device(10 ** 5000, 8, "j"), lambda: check.check_rates({1: 10 ** 400}, 8, "j"),
+    lambda: check.check_rates({1: "x" * 10 ** 5}, 8, "j"), lambda: check.check_devices("y" * 10 ** 5, "include", 8, "j"),
+    lambda: check.check_emulation({1: 10 ** 400}, None, 8, "j"), lambda: check.check_reason(["z" * 10 ** 5]),
+    lambda: check.check_reason("r" * (check.MAX_REASON + 1)), lambda: check.check_steps("s" * 10 ** 5),
+], ids=["5000-digit-id", "5000-digit-exclude", "5000-digit-rate-key", "6-digit-id", "huge-int-id", "huge-int-rate",
+        "long-rate", "long-devices", "huge-int-factor", "list-reason", "long-reason", "long-steps"])
+def test_huge_values_are_refused_in_one_short_line(call):
+    """Digit strings Python's int() refuses, ints beyond any float, long texts: a MalleusError
+    (never Python's ValueError or OverflowError), whose message shows the value shortened."""
+    with pytest.raises(MalleusError) as e:
+        call()
+    assert type(e.value) is MalleusError and len(str(e.value)) < 300 and "\n" not in str(e.value), str(e.value)[:500]
+
+
+def test_reasons_are_capped():
+    assert check.check_reason(" " + "r" * check.MAX_REASON + " ") == "r" * check.MAX_REASON
+    with pytest.raises(MalleusError, match=f"at most {check.MAX_REASON} characters, got {check.MAX_REASON + 1}"):
+        check.check_reason("r" * (check.MAX_REASON + 1))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from malleus_svc.config import ConfigError
-from malleus_svc.config.job import JobConfig
-from malleus_svc.config.scenario import Scenario
+from malleus_svc.config.job import JOB_KEYS, JobConfig
+from malleus_svc.config.scenario import SCENARIO_KEYS, Scenario
 from malleus_svc.control.coordinator import JobCoordinator, MalleusError
 from malleus_svc.control.requests import CallBudget
 from malleus_svc.control.state import JobState, RoundState
@@ -30,10 +31,14 @@ BASE["metrics"] = {"host": "127.0.0.1", "port": 0}
 BASE["rates"] = {1: 2.0}
 BASE["emulate"] = [{"device": 3, "factor": 3.0, "at_step": 4, "until_step": 8}]
 
+# Keys of any type a YAML file can give (not only text), numbers up to 10**400 and every float
+# (1e308, nan, inf), as well as the small values a careless edit gives.
+keys = st.text(max_size=8) | st.integers() | st.floats() | st.booleans() | st.none()
+numbers = (st.integers(-10**6, 10**6) | st.integers(-10**400, 10**400) | st.floats()
+           | st.sampled_from([1e308, -1e308, math.nan, math.inf, -math.inf, 10**400, 2**63, 0.5, -0.0]))
 junk = st.recursive(
-    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=True, allow_infinity=True)
-    | st.text(max_size=12),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    st.none() | st.booleans() | numbers | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(keys, inner, max_size=4),
     max_leaves=8)
 
 
@@ -67,42 +72,73 @@ def mutated_job(draw):
                 parent[path[-1]] = draw(junk)               # a wrong value
         except (KeyError, IndexError, TypeError):           # an earlier mutation removed the parent
             pass
-    if draw(st.booleans()):
-        doc[draw(st.text(min_size=1, max_size=8))] = draw(junk)   # an unknown key
+    if draw(st.integers(0, 3)) == 0:
+        doc[draw(keys)] = draw(junk)                # an unknown key, of any type
     return doc
+
+
+def _section(e: ConfigError) -> str:
+    """The top-level section an error is in ("data" for "data.seq_len")."""
+    return re.split(r"[.\[]", str(e.field))[0]
 
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@FUZZ
-@given(mutated_job())
-def test_job_files_either_load_or_name_the_field(doc):
-    try:
-        job = JobConfig.from_dict(doc)
-    except ConfigError as e:
-        assert e.field and e.accepted, e
-        return
-    assert job.num_devices >= 1 and job.train.steps >= 1
+def test_job_files_either_load_or_name_the_field():
+    """Each mutated job file loads or names the field; and the job sections are parsed whatever
+    happened to the scenario sections: each example runs again with the scenario sections intact.
+    A good share of the runs must reach the job sections (else this fuzzes nothing of them)."""
+    reached: list[bool] = []     # per run: were the job sections parsed (a job, or an error in one)?
+
+    @FUZZ
+    @given(mutated_job())
+    def one(doc):
+        job_only = {**{k: v for k, v in doc.items() if k in JOB_KEYS}, **{k: BASE[k] for k in SCENARIO_KEYS if k in BASE}}
+        for d in (doc, job_only):
+            try:
+                job = JobConfig.from_dict(d)
+            except ConfigError as e:
+                assert e.field and e.accepted, e
+                reached.append(_section(e) in JOB_KEYS)
+                continue
+            assert job.num_devices >= 1 and job.train.steps >= 1
+            reached.append(True)
+
+    one()
+    assert len(reached) >= 200 and sum(reached) >= 0.4 * len(reached), (sum(reached), len(reached))
 
 
-@FUZZ
-@given(mutated_job())
-def test_scenarios_either_load_and_plan_or_name_the_field(doc):
-    from malleus_svc.planner import InfeasibleError
-    scenario_doc = {k: v for k, v in doc.items() if k not in ("data", "train", "emulate", "ray", "metrics", "checkpoint")}
-    from malleus_svc.planner import plan
-    try:
-        problem = build_problem(Scenario.from_dict(scenario_doc))
-        result = plan(problem)        # every file that validates plans, or says why it cannot
-    except ConfigError as e:
-        assert e.field and e.accepted, e
-        return
-    except InfeasibleError as e:      # a valid file that no plan can satisfy: says why
-        assert str(e)
-        return
-    assert problem.num_devices >= 1 and result.plan.num_devices == problem.num_devices
-    assert math.isfinite(result.plan.objective_value) and json.loads(result.plan.to_json())
+def test_scenarios_either_load_and_plan_or_name_the_field():
+    """Every scenario that validates is planned: a plan (finite, standard JSON) or a documented
+    error (InfeasibleError, ConfigError) saying why. A good share of the examples must validate and
+    reach plan(), else this tests nothing of the planner."""
+    from malleus_svc.planner import InfeasibleError, plan
+    outcomes: list[str] = []
+
+    @FUZZ
+    @given(mutated_job())
+    def one(doc):
+        try:
+            problem = build_problem(Scenario.from_dict({k: v for k, v in doc.items() if k not in JOB_KEYS}))
+        except ConfigError as e:
+            assert e.field and e.accepted, e
+            outcomes.append("refused")
+            return
+        try:
+            result = plan(problem)
+        except (InfeasibleError, ConfigError) as e:     # a valid file no plan can satisfy: says why
+            assert str(e)
+            outcomes.append("infeasible")
+            return
+        assert problem.num_devices >= 1 and result.plan.num_devices == problem.num_devices
+        assert math.isfinite(result.plan.objective_value) and json.loads(result.plan.to_json())
+        outcomes.append("planned")
+
+    one()
+    reached = len(outcomes) - outcomes.count("refused")
+    assert len(outcomes) >= 200 and reached >= 0.25 * len(outcomes) and outcomes.count("planned") >= 0.2 * len(outcomes), \
+        {k: outcomes.count(k) for k in set(outcomes)}
 
 
 @st.composite

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -222,13 +223,55 @@ def test_hostile_plan_files_are_one_plan_error(tmp_path, capsys, text, says):
 
 
 @pytest.mark.parametrize("field, value", [("num_devices", 10 ** 18), ("num_layers", 10 ** 12),
-                                          ("micro_batch_size", 10 ** 15), ("gpus_per_node", 1e300)])
+                                          ("micro_batch_size", 10 ** 15), ("gpus_per_node", 10 ** 300)])
 def test_plan_sizes_are_bounded_before_anything_is_built(field, value):
     d = plan_dict()
     d[field] = value
     d.pop("global_batch")
     with pytest.raises(PlanError, match="config.limits"):
         Plan.from_json(json.dumps(d))
+
+
+@pytest.mark.parametrize("path, value, says", [
+    ("pipelines/0/stages/0/devices/0", 0.5, "pipelines[0].stages[0].devices[0] must be an integer, got 0.5"),
+    ("pipelines/0/stages/1/devices/0", True, "pipelines[0].stages[1].devices[0] must be an integer, got True"),
+    ("pipelines/0/stages/1/devices/0", "1", "pipelines[0].stages[1].devices[0] must be an integer, got '1'"),
+    ("pipelines/0/stages/1/layers", [2, 4.0], "pipelines[0].stages[1].layers[1] must be an integer"),
+    ("pipelines/0/stages/1/layers", [2], "pipelines[0].stages[1].layers must be [start, end)"),
+    ("pipelines/0/stages/0", "x", "pipelines[0].stages[0] must be an object"),
+    ("pipelines/0/micro_batches", 1.5, "pipelines[0].micro_batches must be an integer"),
+    ("pipelines/0", [], "pipelines[0] must be an object"), ("pipelines", {}, "pipelines must be a list"),
+    ("num_devices", 2.0, "num_devices must be an integer"), ("num_layers", False, "num_layers must be an integer"),
+    ("excluded", "01", "excluded must be a list"), ("suspended", [0.0], "suspended[0] must be an integer"),
+    ("objective", 3, "objective must be a string"), ("objective_value", "fast", "objective_value must be a finite number or null"),
+    ("solve_seconds", True, "solve_seconds must be a finite number or null"), ("inputs", [1], "inputs must be an object"),
+    ("global_batch", 2.0, "global_batch must be an integer"),
+])
+def test_previous_plans_take_whole_numbers_and_typed_fields_only(tmp_path, capsys, path, value, says):
+    """`--previous` plans: device ids, layers and counts are ints as the writer writes them (a
+    fraction is not truncated, a bool is not a number), the informative fields are of their type;
+    one line names the field."""
+    d = plan_dict()
+    *parents, last = path.split("/")
+    node = d
+    for k in parents:
+        node = node[int(k) if k.isdigit() else k]
+    node[int(last) if last.isdigit() else last] = value
+    with pytest.raises(PlanError, match=re.escape(says)):
+        Plan.from_json(json.dumps(d))
+    f, scenario = tmp_path / "bad.json", tmp_path / "s.json"
+    f.write_text(json.dumps(d))
+    scenario.write_text(json.dumps(GOOD))
+    assert cli.main(["plan", str(scenario), "--previous", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("malleus: error: ") and err.count("\n") == 1 and says in err, err
+
+
+def test_plan_numbers_beyond_any_float_are_refused_in_words():
+    d = plan_dict()
+    d["objective_value"] = 10 ** 400          # from a Python caller (a file refuses it earlier)
+    with pytest.raises(PlanError, match="objective_value must be a finite number or null"):
+        Plan.from_dict(d)
 
 
 def test_plans_are_written_as_standard_json():
@@ -313,3 +356,43 @@ def test_generated_json_gives_a_config_or_a_config_error(doc):
         Plan.from_json(text)
     except PlanError as e:
         assert "\n" not in str(e)
+
+
+# ---------------------------------------------------------------------- numbers on command lines
+PREP = ["prepare-data", "in.txt", "--tokenizer", "t.json", "--out", "o"]
+NUMBER_OPTIONS = [   # every number option of every malleus subcommand: (command, flag, an integer?)
+    (["simulate", "paper-fig4-16gpu"], "--backward-ratio", False), (["demo"], "--factor", False),
+    (["demo"], "--steps", True), (["demo"], "--global-batch", True), (["demo"], "--nodes", True),
+    (["train", "examples/tiny_job.yaml"], "--steps", True), (["train", "examples/tiny_job.yaml"], "--metrics-port", True),
+    (PREP, "--train-tokenizer", True), (PREP, "--workers", True),
+    (["bench", "malleable"], "--factor", False), (["bench", "prepare-data"], "--mb", False),
+    (["bench", "lengths-runtime"], "--factor", False), (["bench", "lengths-runtime"], "--time-limit", False),
+    (["bench", "planner-scale"], "--budget", False), (["bench", "simulate"], "--planner-timeout", False),
+    (["bench", "simulate"], "--restart-seconds", False), (["bench", "simulate"], "--checkpoint-minutes", False),
+    (["bench", "lengths"], "--rate", False), (["bench", "lengths"], "--ilp-time-limit", False),
+    (["bench", "lengths"], "--pack-time-limit", False), (["bench", "lengths"], "--pack-total", False),
+]
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400", "-5", "abc", "", "9" * 5000, "2.5"])
+@pytest.mark.parametrize("command, flag, integer", NUMBER_OPTIONS, ids=[f"{c[0]}-{c[1] if c[0] == 'bench' else ''}{f}"
+                                                                         for c, f, _ in NUMBER_OPTIONS])
+def test_number_options_refuse_bad_values_in_one_line(capsys, monkeypatch, command, flag, integer, value):
+    """Not a number, not finite, out of range (or a fraction for a count): exit 2 and one line with
+    the accepted range, before the command does anything (no usage block, no traceback)."""
+    if value == "2.5" and not integer:
+        value = "1e300"                   # above every float option's range
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit) as e:
+        cli.main([*command, f"{flag}={value}"])     # = : "-inf" is a value, not an option
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and f"error: {flag} must be " in err and " in [" in err, err
+    assert len(err) < 300, err
+
+
+def test_every_number_option_checks_its_range():
+    """argparse's type=float takes nan and inf: no command parses a number that way."""
+    for path in [*(REPO / "malleus_svc").rglob("*.py"), *(REPO / "benchmarks").rglob("*.py")]:
+        text = path.read_text()
+        assert "type=float" not in text.replace("`type=float`", ""), path
+        assert path.relative_to(REPO).parts[0] == "benchmarks" or "type=int" not in text, path

@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from malleus_svc.config.errors import ConfigError, shorten
+from malleus_svc.config.fields import Section
 from malleus_svc.config.files import parse_document
+from malleus_svc.config.limits import MAX_LAYERS, MAX_MODEL_DIM
 from malleus_svc.config.presets import ModelShape
 from malleus_svc.plan import Plan
 
@@ -24,6 +26,7 @@ from .errors import CheckpointError
 
 FORMAT = "malleus-checkpoint"
 FORMAT_VERSION = 1
+_SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelShape))
 
 
 @dataclass(frozen=True)
@@ -108,16 +111,44 @@ class Manifest:
         if stored != actual:
             raise bad(f"manifest checksum mismatch: expected {stored}, actual {actual} (the manifest is damaged)")
         try:
-            files = {n: FileEntry(sha256=str(f["sha256"]), bytes=int(f["bytes"]), part=f["part"],
-                                  tensors=dict(f.get("tensors", {}))) for n, f in d["files"].items()}
-            m = cls(step=int(d["step"]), model_shape=dict(d["model_shape"]), data=dict(d["data"]), files=files,
-                    created_unix=float(d["created_unix"]), plan=d.get("plan"), optim=d.get("optim"),
-                    extra=dict(d.get("extra") or {}), format_version=int(d["format_version"]))
-            m.shape  # noqa: B018 - the model shape must be a valid ModelShape
-            m.sampler_state  # noqa: B018
-        except (KeyError, TypeError, ValueError, OverflowError) as e:
-            raise bad(f"missing or malformed field: {shorten(e)}") from None
+            m = _parse(d)
+        except ConfigError as e:          # a field of the wrong type or out of range: skip, saying which
+            raise bad(str(e)) from None
         return m
+
+
+def _parse(d: Mapping[str, Any]) -> Manifest:
+    """The manifest's fields, each checked for the type and range a writer gives it (mappings where
+    mappings are, whole numbers where counts are); ConfigError names the first one that is not."""
+    root = Section(d, "")
+    mappings = {k: _mapping(root, k) for k in ("model_shape", "data", "files")}
+    optional = {k: _mapping(root, k, optional=True) for k in ("plan", "optim", "extra")}
+    sh = Section(mappings["model_shape"], "model_shape")
+    shape = {f: None if f == "kv_heads" and sh.raw(f, None) is None     # None: as many as heads
+             else sh.int(f, minimum=1, maximum=MAX_LAYERS if f == "layers" else MAX_MODEL_DIM) for f in _SHAPE_FIELDS}
+    sh.done()
+    _mapping(Section(mappings["data"], "data"), "sampler")
+    files = {}
+    for name, f in mappings["files"].items():
+        e = Section(f, f"files.{name}")
+        sha, part = e.raw("sha256"), e.raw("part")
+        if not isinstance(sha, str):
+            raise e.error("sha256", sha, "a hex digest (text)")
+        if isinstance(part, bool) or not isinstance(part, (int, str)):
+            raise e.error("part", part, "a block index or a part name")
+        files[name] = FileEntry(sha256=sha, bytes=e.int("bytes", minimum=0), part=part,
+                                tensors=dict(_mapping(e, "tensors", optional=True) or {}))
+    return Manifest(step=root.int("step", minimum=0), model_shape=shape, data=dict(mappings["data"]), files=files,
+                    created_unix=root.float("created_unix", minimum=0), plan=optional["plan"],
+                    optim=optional["optim"], extra=dict(optional["extra"] or {}),
+                    format_version=root.int("format_version"))
+
+
+def _mapping(s: Section, key: str, optional: bool = False) -> Mapping[str, Any] | None:
+    v = s.raw(key, None) if optional else s.raw(key)
+    if not (isinstance(v, Mapping) or (optional and v is None)):
+        raise s.error(key, v, "a mapping" + (" or null" if optional else ""))
+    return v
 
 
 def _finite(value: Any) -> Any:

@@ -85,12 +85,18 @@ class Section:
                      for i, x in enumerate(v))
 
     def done(self) -> None:
-        unknown = sorted(((str(k), k) for k in self.data if str(k) not in self._read), key=lambda t: t[0])   # any type
+        unknown = sorted(((key_name(k), k) for k in self.data if str(k) not in self._read), key=lambda t: t[0])   # any type
         if unknown:
             known = ", ".join(sorted(self._read))
             name, key = unknown[0]
             raise ConfigError(self._field(name), self.data[key], f"unknown field; known fields here: {known}",
                               self.source)
+
+
+def key_name(k: Any) -> str:
+    """A key (of any type) as a field name: as written, or quoted when blank (an empty name names nothing)."""
+    text = str(k)
+    return text if text.strip() else repr(text)
 
 
 def check_float(v: Any, field: str, minimum: float | None = None, exclusive: bool = False,

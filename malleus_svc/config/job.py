@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .fields import Section
+from .fields import Section, key_name
 from .limits import MAX_MEMORY_MB, MAX_RATE, MAX_SAMPLES, MAX_SECONDS, MAX_TOKEN_FILES, MAX_WEIGHT
 from .files import read_mapping
 from .scenario import SCENARIO_KEYS, Scenario
@@ -203,7 +203,7 @@ class JobConfig:
         known = set(SCENARIO_KEYS) | set(JOB_KEYS)
         for k in d:
             if k not in known:
-                raise ConfigError(str(k), d[k], f"unknown top-level field; known fields: {', '.join(sorted(known))}",
+                raise ConfigError(key_name(k), d[k], f"unknown top-level field; known fields: {', '.join(sorted(known))}",
                                   source)
         scenario = Scenario.from_dict({k: v for k, v in d.items() if k in SCENARIO_KEYS}, source=source)
         shape = scenario.shape

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from malleus_svc.config.errors import shorten
+
 from .coordinator import NAMESPACE, MalleusError, actor_name, describe_plan
+from .requests import check_reason
 
 __all__ = ["Client", "MalleusError", "connect", "list_jobs"]
 
@@ -52,7 +55,7 @@ def connect(job: str, address: str | None = None, timeout_s: float = 60.0) -> "C
     """
     import ray
     if not isinstance(job, str) or not job.strip():
-        raise MalleusError(f"connect needs a job name or Ray job id, got {job!r}")
+        raise MalleusError(f"connect needs a job name or Ray job id, got {shorten(job)}")
     _ensure_ray(address)
     try:
         return Client(ray.get_actor(actor_name(job), namespace=NAMESPACE), job, timeout_s)
@@ -67,7 +70,7 @@ def connect(job: str, address: str | None = None, timeout_s: float = 60.0) -> "C
             continue
         if job in (info.get("ray_job_id"), info.get("actor_job_id"), info.get("submission_id")):
             return Client(handle, name, timeout_s)
-    raise MalleusError(f"no malleus job {job!r} on this Ray cluster; running jobs: "
+    raise MalleusError(f"no malleus job {shorten(job)} on this Ray cluster; running jobs: "
                        f"{', '.join(names) if names else '(none)'}")
 
 
@@ -115,14 +118,12 @@ class Client:
 
     # ------------------------------------------------------------------ asking
     def replan(self, reason: str = "user request", force: bool = False, urgent: bool = False) -> dict:
-        if not isinstance(reason, str) or not reason.strip():
-            raise MalleusError(f"reason must be a non-empty string, got {reason!r}")
-        return self._call("replan", reason, force, urgent)
+        return self._call("replan", check_reason(reason), force, urgent)
 
     def set_rates(self, rates: Mapping[int, float | None]) -> dict:
         if not isinstance(rates, Mapping) or not rates:
             raise MalleusError(f"set_rates needs a non-empty mapping of device -> rate (>= 1.0, None clears), "
-                               f"got {rates!r}")
+                               f"got {shorten(rates)}")
         return self._call("set_rates", dict(rates))
 
     def clear_rates(self) -> dict:
@@ -143,5 +144,5 @@ def _as_list(devices, what: str) -> list:
     if isinstance(devices, int) and not isinstance(devices, bool):
         return [devices]
     if not isinstance(devices, (list, tuple, set, frozenset)) or not devices:
-        raise MalleusError(f"{what} needs a non-empty list of device ids, got {devices!r}")
+        raise MalleusError(f"{what} needs a non-empty list of device ids, got {shorten(devices)}")
     return list(devices)

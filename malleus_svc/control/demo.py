@@ -29,15 +29,19 @@ import sys
 import time
 from typing import Sequence
 
+from malleus_svc.config.limits import MAX_GLOBAL_BATCH
+from malleus_svc.config.options import number_option
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="malleus demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=HEALTHY_STEPS + 3 * 15,
+    number_option(p, "--steps", 1, 10**6, integer=True, default=HEALTHY_STEPS + 3 * 15,
                    help=f"iterations per run (default {HEALTHY_STEPS + 3 * 15}: {HEALTHY_STEPS} healthy, then three "
                         "phases of 15; the phases scale)")
-    p.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="1 node of 8 workers, or 2 nodes of 4")
-    p.add_argument("--global-batch", type=int, default=16, help="samples per iteration (default 16)")
-    p.add_argument("--factor", type=float, default=3.0, help="slowdown of the emulated stragglers (default 3)")
+    number_option(p, "--nodes", 1, 2, integer=True, default=1, help="1 node of 8 workers, or 2 nodes of 4")
+    number_option(p, "--global-batch", 1, MAX_GLOBAL_BATCH, integer=True, default=16,
+                  help="samples per iteration (default 16)")
+    number_option(p, "--factor", 1, 100, default=3.0, help="slowdown of the emulated stragglers (default 3)")
     p.add_argument("--no-static", action="store_true", help="skip the static baseline run")
     p.add_argument("--summary-out", default=None, help="write the summary as JSON to this file")
     p.add_argument("--plain", action="store_true", help="plain lines even on a TTY")

@@ -12,7 +12,7 @@ import argparse
 import json
 import math
 
-from malleus_svc.config.errors import ConfigError
+from malleus_svc.config.errors import ConfigError, shorten
 from malleus_svc.config.limits import MAX_RATE
 from malleus_svc.control.client import MalleusError, connect
 from malleus_svc.control.coordinator import describe_plan
@@ -73,7 +73,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         runs, records = outcome.ray_jobs(args.address), recorded()
         ended = outcome.ended(args.job, runs, records)
         if ended is None:
-            raise MalleusError(f"no malleus job {args.job!r} on this Ray cluster; recent jobs: "
+            raise MalleusError(f"no malleus job {shorten(args.job)} on this Ray cluster; recent jobs: "
                                f"{', '.join(outcome.recent(runs, records)) or '(none)'}") from None
         return _print(args, ended, outcome.format_ended(ended))
     st = client.status()

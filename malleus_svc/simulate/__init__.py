@@ -93,6 +93,7 @@ def _describe(name: str, decision: Decision, sim: SimResult, mem: MemoryReport, 
 def simulate_cli(argv: list[str]) -> int:
     """`malleus simulate SCENARIO [--system NAME|all] [--rate D=X ...] [--plan FILE]`."""
     from ..config import ConfigError, validate_rates
+    from ..config.options import number_option
     from ..plan import Plan, PlanError
 
     ap = argparse.ArgumentParser(prog="malleus simulate", description=__doc__.split("\n")[0])
@@ -102,7 +103,7 @@ def simulate_cli(argv: list[str]) -> int:
     ap.add_argument("--rate", action="append", default=[], metavar="D=X", help="override a device's true rate")
     ap.add_argument("--plan", metavar="FILE", help="simulate this plan file instead of planning")
     ap.add_argument("--p2p", choices=("blocking", "overlapped"), default="blocking")
-    ap.add_argument("--backward-ratio", type=float, default=2.0, help="backward time / forward time (default 2)")
+    number_option(ap, "--backward-ratio", 0.01, 100, default=2.0, help="backward time / forward time (default 2)")
     ap.add_argument("--brief", action="store_true", help="pipelines only, no per-stage rows")
     ap.add_argument("--json", action="store_true", help="also print a JSON summary")
     args = ap.parse_args(argv)
