@@ -64,18 +64,41 @@ def good_with(**changes) -> str:
     return json.dumps(d)
 
 
-# ---------------------------------------------------------------------- the alias bomb
-def test_alias_bomb_is_refused_fast_in_bounded_memory(tmp_path):
-    bomb = tmp_path / "bomb.yaml"
-    bomb.write_text(alias_bomb())
-    assert len(bomb.read_bytes()) < 1200
+# ---------------------------------------------------------------------- bounded refusals
+def big_yaml() -> str:
+    """A YAML list of small values just under the size cap (about 260,000 values)."""
+    return "name: big\nrates:\n" + "- 1\n" * (MAX_YAML_BYTES // 4 - 8)
+
+
+def big_json() -> str:
+    """A JSON list of small values just under the size cap (about 8 million values)."""
+    n = MAX_FILE_BYTES // 2 - 32
+    return '{"name": "big", "rates": [' + ",".join(["1"] * n) + "]}"
+
+
+def huge_batch() -> str:
+    """A valid scenario whose one iteration is 10**6 micro-batches: planned in a moment, but each is
+    an event of `simulate`."""
+    return good_with(batch__global=10 ** 6)
+
+
+@pytest.mark.parametrize("command, suffix, make, says", [
+    ("plan", ".yaml", alias_bomb, "aliases"),
+    ("plan", ".yaml", big_yaml, "MAX_YAML_VALUES"),
+    ("plan", ".json", big_json, "MAX_VALUES"),
+    ("simulate", ".json", huge_batch, "forward and backward ops"),
+], ids=["alias-bomb", "yaml-under-the-size-cap", "json-under-the-size-cap", "simulate-a-huge-batch"])
+def test_hostile_files_are_refused_fast_in_bounded_memory(tmp_path, command, suffix, make, says):
+    f = tmp_path / f"hostile{suffix}"
+    f.write_text(make())
     # Time and peak memory of the refusal alone (imports done first), in a fresh process.
     probe = textwrap.dedent(f"""
         import json, resource, time, sys
         from malleus_svc import cli
+        import malleus_svc.simulate, malleus_svc.planner
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         t = time.perf_counter()
-        rc = cli.main(["plan", {str(bomb)!r}])
+        rc = cli.main([{command!r}, {str(f)!r}])
         seconds = time.perf_counter() - t
         grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
         print(json.dumps({{"rc": rc, "seconds": seconds, "grown_mb": grown_mb}}))
@@ -84,8 +107,14 @@ def test_alias_bomb_is_refused_fast_in_bounded_memory(tmp_path):
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["rc"] == 2 and got["seconds"] < 2.0 and got["grown_mb"] < 200, got
-    assert out.stderr.count("\n") == 1 and "anchor" in out.stderr, out.stderr
-    # The command line itself: exit 2, one line on stderr, no traceback.
+    assert out.stderr.count("\n") == 1 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_the_alias_bomb_is_one_line_from_the_command_line(tmp_path):
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(alias_bomb())
+    assert len(bomb.read_bytes()) < 1200
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     run = subprocess.run([sys.executable, "-m", "malleus_svc.cli", "plan", str(bomb)], capture_output=True,
                          text=True, env=env, timeout=120)
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "Traceback" not in run.stderr, run.stderr

@@ -3,8 +3,8 @@
 A hostile file gets one ConfigError line, in bounded time and memory: the size is capped
 (limits.MAX_FILE_BYTES), bytes must be UTF-8, YAML anchors and aliases are refused (an alias
 bomb of a kilobyte expands to gigabytes when walked), so are duplicate keys (which one would
-count?), nesting deeper than limits.MAX_DEPTH, more than limits.MAX_VALUES values (counted before
-anything is built: a file of small values costs ~100 bytes of memory a value once parsed),
+count?), nesting deeper than limits.MAX_DEPTH, more values than limits.MAX_VALUES (JSON) or
+MAX_YAML_VALUES (counted before anything is built: a small value costs ~100 bytes once parsed),
 integers too large for a float, and NaN/Infinity.
 """
 from __future__ import annotations
@@ -18,11 +18,12 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError
-from .limits import MAX_DEPTH, MAX_FILE_BYTES, MAX_INT_DIGITS, MAX_VALUES, MAX_YAML_BYTES
+from .limits import MAX_DEPTH, MAX_FILE_BYTES, MAX_INT_DIGITS, MAX_VALUES, MAX_YAML_BYTES, MAX_YAML_VALUES
 
 _BaseLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)   # libyaml when built with it: faster
 _NESTING = f"lists and mappings nested at most {MAX_DEPTH} deep (limits.MAX_DEPTH)"
-_VALUES = f"at most {MAX_VALUES} values in one file (limits.MAX_VALUES)"
+_VALUES = {"json": f"at most {MAX_VALUES} values in a JSON file (limits.MAX_VALUES)",
+           "yaml": f"at most {MAX_YAML_VALUES} values in a YAML file (limits.MAX_YAML_VALUES)"}
 _NUMBERS = (f"finite numbers a float holds (|x| < 1.8e308), integers of at most {MAX_INT_DIGITS} digits "
             "(limits.MAX_INT_DIGITS)")
 
@@ -113,7 +114,7 @@ def _parse_json(text: str) -> Any:
     # Every value but the first follows a comma or opens a container: an upper bound, in C time.
     values = text.count(",") + text.count("[") + text.count("{") + 1
     if values > MAX_VALUES:
-        raise _Refused("values", f"up to {values}", _VALUES)
+        raise _Refused("values", f"up to {values}", _VALUES["json"])
     return json.loads(text, object_pairs_hook=_json_object, parse_int=_json_int,
                       parse_float=_json_float, parse_constant=_json_constant)
 
@@ -201,8 +202,8 @@ def _parse_yaml(text: str) -> Any:
 def _check_events(text: str) -> None:
     depth = 0
     for n, event in enumerate(yaml.parse(text, Loader=_BaseLoader)):
-        if n > 2 * MAX_VALUES:   # a value is one event, a collection two
-            raise _Refused("values", f"over {MAX_VALUES}", _VALUES)
+        if n > 2 * MAX_YAML_VALUES:   # a value is one event, a collection two
+            raise _Refused("values", f"over {MAX_YAML_VALUES}", _VALUES["yaml"])
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
             name = ("*" if isinstance(event, yaml.AliasEvent) else "&") + str(event.anchor)
             raise _Refused("anchor", name, "YAML anchors and aliases (&name, *name) are not accepted: "

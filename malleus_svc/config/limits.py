@@ -8,7 +8,8 @@ from __future__ import annotations
 MAX_FILE_BYTES = 16 * 1024 * 1024   # a JSON file: plan, checkpoint manifest (one entry a layer), scenario
 MAX_YAML_BYTES = 1024 * 1024        # a YAML file (hand-written; parsing costs ~20x JSON's per byte)
 MAX_DEPTH = 64                      # nesting of lists/mappings in a file (real files: < 10)
-MAX_VALUES = 500_000                # values in a file (a plan over 65,536 devices: ~330,000)
+MAX_VALUES = 500_000                # values in a JSON file (a plan over 65,536 devices: ~330,000)
+MAX_YAML_VALUES = 100_000           # values in a YAML file (hand-written; ~0.5 s to read this many)
 MAX_INT_DIGITS = 400                # an integer literal's digits (a float holds < 10**309)
 
 MAX_NAME = 64                       # scenario/job name: [A-Za-z0-9._-], 1..64 characters

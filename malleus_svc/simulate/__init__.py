@@ -19,7 +19,7 @@ from pathlib import Path
 from ..geometry import one_f_one_b
 from .baselines import SYSTEMS, Costs, Decision, System, make_systems, migration_seconds, restart_plan
 from .memory import MemoryReport, StageMemory, memory_report
-from .timeline import SimOptions, SimResult, SimulationError, simulate
+from .timeline import MAX_SIMULATED_OPS, SimOptions, SimResult, SimulationError, simulate, simulated_ops
 from .trace import IterationClock, Phase, Trace, TraceResult, run_trace, trace_from_dict
 from ..planner.build import build_problem
 
@@ -128,6 +128,12 @@ def simulate_cli(argv: list[str]) -> int:
             base = make_systems(names=("static",))[0].decide(problem, None).plan
             decisions = [(s.name, s.decide(problem, None if s.name == "static" else base))
                          for s in make_systems(Costs(), options, names)]
+        ops = max(simulated_ops(dec.plan) for _, dec in decisions)
+        if ops > MAX_SIMULATED_OPS:
+            raise ConfigError("batch.global", scenario.global_batch,
+                              f"a batch this command simulates in at most {MAX_SIMULATED_OPS:,} forward and backward "
+                              f"ops (its plan needs {ops:,}); steady-state time scales with the batch, so simulate "
+                              f"a smaller one")
         print(f"{scenario.name}: {scenario.num_devices} devices, {scenario.num_layers} blocks, "
               f"{scenario.num_micro_batches} micro-batches; true rates "
               f"{ {d: x for d, x in sorted(rates.items()) if x != 1.0} or 'all 1.0'}; t0 = {problem.t0_seconds * 1e3:.1f} ms; "

@@ -32,7 +32,7 @@ from ..plan import Plan
 from ..planner.problem import PlannerProblem
 from ..planner import authors_plan, baseline_plan, plan, rebalance_data
 from ..planner.search import homogeneous_plan
-from .timeline import SimOptions, simulate
+from .timeline import MAX_SIMULATED_OPS, SimOptions, simulate
 
 SYSTEMS = ("static", "data-only", "restart", "authors", "malleus")
 
@@ -159,11 +159,12 @@ def make_systems(costs: Costs = Costs(), options: SimOptions = SimOptions(),
     def malleus(problem, current):
         # The planner searches on its analytic objective and picks among its finalists with this
         # simulator, which sees the overlaps (drain vs gradient reduction) the objective cannot.
-        # An event simulation of a 1024-device plan takes seconds, so beyond paper scale the
-        # analytic objective alone decides.
+        # An event simulation of a 1024-device plan (or of a huge batch) takes seconds, so beyond
+        # paper scale the analytic objective alone decides.
         p = full(problem)
         judge = None
-        if p.num_devices <= EXACT_JUDGE_MAX_DEVICES:
+        deepest = min(p.num_layers, p.num_devices)     # any plan's ops are at most 2 x M x its deepest pipeline
+        if p.num_devices <= EXACT_JUDGE_MAX_DEVICES and 2 * p.num_micro_batches * deepest <= MAX_SIMULATED_OPS:
             judge = lambda c: simulate(c, p, options=options).iteration_t0  # noqa: E731
         r = plan(p, previous=current, score=judge)
         return _migrate(r.plan, r.solve_seconds, current, problem, costs)

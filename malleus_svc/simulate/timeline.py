@@ -271,6 +271,16 @@ def stage_rate(problem: PlannerProblem, devices: Sequence[int], rates: Sequence[
     return problem.alpha(len(devices)) * max(rates[d] for d in devices)
 
 
+# What `malleus simulate` and the planner's exact judge simulate at most: forward and backward ops
+# of one iteration (each op is an event: about 10 s and 400 MB for this many here).
+MAX_SIMULATED_OPS = 100_000
+
+
+def simulated_ops(plan: Plan) -> int:
+    """Forward and backward ops of one iteration of `plan`: micro-batches x stages x 2 per pipeline."""
+    return sum(2 * p.micro_batches * len(p.stages) for p in plan.pipelines)
+
+
 def simulate(plan: Plan, problem: PlannerProblem, rates: Sequence[float] | Mapping[int, float] | None = None,
              options: SimOptions = SimOptions(), work: Sequence[Sequence[float]] | None = None,
              volume: Sequence[Sequence[float]] | None = None) -> SimResult:
