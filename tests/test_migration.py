@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from malleus_svc.config.presets import ModelShape
-from _plans import BASELINE, PLAN_1, PLAN_A, PLAN_B, SHAPE_32, make_plan, random_plan
+from _plans import BASELINE, PLAN_1, PLAN_A, PLAN_B, SHAPE_32, random_plan
 from malleus_svc.plan import EMBEDDING, HEAD, Plan
 from malleus_svc.runtime.migrate import MigrationError, plan_migration, sharded_moves_by_fraction
 from malleus_svc.geometry import part_of, part_tensors, split_dim, tensor_spec

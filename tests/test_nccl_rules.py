@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from _mp import run_on_gloo
-from _plans import BASELINE, PLAN_1, PLAN_A, PLAN_B, SHAPE_32, make_plan, random_plan
+from _plans import BASELINE, PLAN_1, PLAN_A, PLAN_B, SHAPE_32, random_plan
 from malleus_svc.config.presets import ModelShape, preset
 from malleus_svc.plan import Pipeline, Plan, Stage
 from malleus_svc.runtime.groups import pipeline_peers

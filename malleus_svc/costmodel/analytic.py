@@ -8,8 +8,6 @@ cost models of the AMP and Galvatron papers). Measured profiles replace these nu
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ..config.device import DeviceSpec
 from ..config.presets import ModelShape
 from ..plan import StateSizes

@@ -80,7 +80,6 @@ from typing import Sequence
 
 from ..config.scenario import OBJECTIVES, SOLVERS
 from ..costmodel.profile import MemoryProfile
-from ..highs import SolverError
 
 REL_TOL = 1e-9      # relative tolerance when comparing a slot value a*n+b with a bottleneck v
 
