@@ -149,7 +149,10 @@ def prepare(inputs: list[str], tokenizer: str, out: str, *, field: str = "text",
     else:
         _id_dtype(dtype, train_vocab)
     workers = max(1, workers or min(8, os.cpu_count() or 1))
-    work = Path(tempfile.mkdtemp(prefix=f".{Path(out).name}.prepare-", dir=_existing(Path(out).absolute().parent)))
+    try:
+        work = Path(tempfile.mkdtemp(prefix=f".{Path(out).name}.prepare-", dir=_existing(Path(out).absolute().parent)))
+    except OSError as e:
+        raise ConfigError("output", out, f"a place this process can write ({e.strerror or e})") from None
     try:
         cache, tokenizer_used, staged = str(work / "cache"), tokenizer, str(work / "corpus")
         if train_vocab is not None:
@@ -174,12 +177,15 @@ def prepare(inputs: list[str], tokenizer: str, out: str, *, field: str = "text",
                    "tokens": int(lengths.sum()), "max_token_id": top, "seconds": round(seconds, 3),
                    "tokens_per_s": round(float(lengths.sum()) / seconds, 1), "lengths": length_stats(lengths)}
         summary_path(staged).write_text(json.dumps(summary, indent=1) + "\n")
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        for src, dst in zip(corpus_files(staged), corpus_files(out)):
-            os.replace(src, dst)
-        if tokenizer_used != tokenizer:
-            Path(tokenizer).parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(tokenizer_used, tokenizer)
+        try:
+            if tokenizer_used != tokenizer:   # first: a corpus never lands without the tokenizer that made it
+                Path(tokenizer).parent.mkdir(parents=True, exist_ok=True)
+                shutil.move(tokenizer_used, tokenizer)
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            for src, dst in zip(corpus_files(staged), corpus_files(out)):
+                os.replace(src, dst)
+        except OSError as e:
+            raise ConfigError("output", out, f"a place this process can write ({e.strerror or e})") from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return summary

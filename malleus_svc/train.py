@@ -49,9 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.steps is not None and args.steps < 1:
-        print(f"error: --steps must be >= 1, got {args.steps}", file=sys.stderr)
-        return 2
     from malleus_svc.config.job import load_job_config
     from malleus_svc.runtime.data import DataError
 

@@ -201,9 +201,12 @@ def _parse_yaml(text: str) -> Any:
 
 def _check_events(text: str) -> None:
     depth = 0
-    for n, event in enumerate(yaml.parse(text, Loader=_BaseLoader)):
-        if n > 2 * MAX_YAML_VALUES:   # a value is one event, a collection two
-            raise _Refused("values", f"over {MAX_YAML_VALUES}", _VALUES["yaml"])
+    values = 0
+    for event in yaml.parse(text, Loader=_BaseLoader):
+        if isinstance(event, (yaml.ScalarEvent, yaml.CollectionStartEvent)):   # a value (keys count too)
+            values += 1
+            if values > MAX_YAML_VALUES:
+                raise _Refused("values", f"over {MAX_YAML_VALUES}", _VALUES["yaml"])
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
             name = ("*" if isinstance(event, yaml.AliasEvent) else "&") + str(event.anchor)
             raise _Refused("anchor", name, "YAML anchors and aliases (&name, *name) are not accepted: "

@@ -135,20 +135,22 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
                     plan = self._plan_after_loss(frozenset(group.gone))
                 n = group.set_data(job.data.spec(), job.data.mode, job.data.seq_len)
                 sampler = GlobalSampler(n, plan.global_batch, seed=job.train.seed)
-                loading = ckpt is not None or bool(job.scenario.pretrained)   # then no initialisation
-                group.apply_plan(plan, job.shape, seed=job.train.seed, optim=optim_config(job), init=not loading)
-                emulated = job.emulated_device
-                pace = group.pace(plan.micro_batch_size * job.data.seq_len, emulated.flops_per_second,
-                                  emulated.bytes_per_second)
-                start_step = 0
-                if ckpt is None and job.scenario.pretrained:   # a Hugging Face LLaMA folder's weights
+                pretrained = job.scenario.pretrained if ckpt is None else None   # a Hugging Face LLaMA folder
+                if pretrained:
                     from malleus_svc.runtime.pretrained import check_pretrained
-                    check_pretrained(job.scenario.pretrained, job.shape)
-                    group.load_pretrained(job.scenario.pretrained)
-                    self._event("start", f"weights from {job.scenario.pretrained}")
+                    check_pretrained(pretrained, job.shape)           # before any worker builds anything
+                loading = ckpt is not None or bool(pretrained)      # then no initialisation
+                group.apply_plan(plan, job.shape, seed=job.train.seed, optim=optim_config(job), init=not loading)
+                start_step = 0
+                if pretrained:
+                    group.load_pretrained(pretrained)
+                    self._event("start", f"weights from {pretrained}")
                 if ckpt is not None:  # parameters, Adam state and the data position, under this plan
                     from malleus_svc.checkpoint import restore_group
                     start_step = restore_group(group, ckpt, sampler)
+                emulated = job.emulated_device   # timed on the weights the job trains, never on uninitialised memory
+                pace = group.pace(plan.micro_batch_size * job.data.seq_len, emulated.flops_per_second,
+                                  emulated.bytes_per_second)
                 probe_baselines(group, group.live, rounds=1)   # warm-up round, discarded
                 baselines = probe_baselines(group, group.live, rounds=5)
             except BaseException:

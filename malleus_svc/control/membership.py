@@ -70,8 +70,8 @@ class Membership:
             return plan
 
     def _membership_changed(self, old: Plan, detail: str) -> None:
-        """The group runs another plan because devices left or came back (the state was rebuilt
-        with the world, not migrated by a round). Book it like a re-plan."""
+        """The group runs another plan because devices left or came back (the state moved with the
+        new world, not in a round's migration). Book it like a re-plan."""
         new = self.group.plan
         with self._lock:
             self._adopt(old, new, self.effective_rates())

@@ -264,7 +264,7 @@ class WorkerGroup:
             except WorkerGroupError as e:  # e.g. a worker that could not reach the port in time
                 last = e
                 # A half-initialised world cannot be re-entered: close what did come up and retry.
-                self._each("close")
+                self._each("close", True)   # keeping any shards a recovery or rejoin is carrying over
         raise WorkerGroupError(f"torch.distributed rendezvous failed {attempts} times: {last}")
 
     def shutdown(self) -> None:
@@ -459,15 +459,15 @@ class WorkerGroup:
         Lost = a worker whose actor died (RayActorError), or whose step neither returned nor failed
         within the collective timeout (a hang: the device that did not arrive; it is killed). The
         others are NOT restarted: they finish their failed step (a collective with a lost peer errors
-        out, at the latest at the timeout), export their shards, leave the old world and join a new
+        out, at the latest at the timeout), leave the old world keeping their shards, and join a new
         one with a fresh actor in each lost device's bundle. A lost device whose bundle cannot host
         one (see the module docstring) is gone: then `plan_for(gone devices)` gives the plan to run
-        on the rest. The state is reassembled from the survivors when every slice has a surviving
-        copy (data parallelism keeps replicas): `source="replicas"`; otherwise `source="none"` and
-        the caller restores a checkpoint. No survivor has applied the failed step's update (see
-        `step`): they are all at the state before it, and it is redone. The survivors keep their
-        shards across the new world and send them where the plan needs them (a migration with the
-        lost devices unavailable as sources): nothing passes through the driver.
+        on the rest. When every slice has a surviving copy (data parallelism keeps replicas), the
+        survivors send their shards where the plan needs them, worker to worker (a migration with
+        the lost devices unavailable as sources; nothing passes through the driver):
+        `source="replicas"`. Otherwise `source="none"` and the caller restores a checkpoint. No
+        survivor has applied the failed step's update (see `step`): they are all at the state
+        before it, and it is redone.
         """
         t0 = time.perf_counter()
         refs, self._inflight = self._inflight, {}
@@ -502,7 +502,7 @@ class WorkerGroup:
                 raise WorkerGroupError(f"devices {sorted(gone)} are gone (no worker could start in their bundles "
                                        f"within {self.replace_timeout_s:g} s) and no plan without them was given")
             plan = plan_for(frozenset(self.gone))
-        source = self._restart_world(old, plan, sorted(lost - gone), lost)
+        source = self._restart_world(plan, sorted(lost - gone), lost)
         return RecoveryReport(lost=sorted(lost), source=source, seconds=time.perf_counter() - t0,
                               gone=sorted(gone), plan_id=plan.plan_id)
 
@@ -547,7 +547,7 @@ class WorkerGroup:
         if not back:
             return []
         self._each("close", True, devices=[d for d in self.live if d not in back])
-        source = self._restart_world(self.plan, plan_for(frozenset(self.gone)), sorted(back), back)
+        source = self._restart_world(plan_for(frozenset(self.gone)), sorted(back), back)
         if source != "replicas":   # every running worker kept its shards: this cannot lose state
             raise WorkerGroupError(f"rejoin of {sorted(back)}: the running workers' state did not reassemble "
                                    f"({self.last_recovery_error})")
@@ -572,25 +572,29 @@ class WorkerGroup:
                        devices=[d for d in fresh if d not in failed])
         return failed
 
-    def _restart_world(self, old: Plan, plan: Plan, fresh: Sequence[int], unavailable) -> str:
+    def _restart_world(self, plan: Plan, fresh: Sequence[int], unavailable) -> str:
         """A new world over the live devices (the old one is closed, each worker kept its shards of
-        `old`), data for the fresh workers, and the state migrated from `old` to `plan` with the
+        the running plan), data for the fresh workers, and the state migrated to `plan` with the
         `unavailable` devices' shards lost. "replicas" if the others held every slice; "none" if
         not: then `plan` is applied without state and the caller restores a checkpoint."""
+        from .migrate import MigrationError, plan_migration
+
         self._init_world()
         if fresh:
             self._each("set_data", *self._data_args, devices=fresh)
         # The survivors agree on the step (updates are applied only after every device finished it),
-        # so their shards either cover the whole model or lack a slice that only lost devices held.
+        # so their shards either cover the whole model or lack a slice that only lost devices held:
+        # the schedule says which before a byte moves.
         self.last_recovery_error = None
         try:
-            self.migrate(plan, unavailable=unavailable)
-            return "replicas"
-        except WorkerGroupError as e:   # a slice held only by lost devices (refused before a byte moved)
+            plan_migration(self.plan, plan, self.shape, unavailable=unavailable)
+        except MigrationError as e:
             self.last_recovery_error = str(e).splitlines()[0]
             log.warning("state cannot be rebuilt from the survivors: %s", self.last_recovery_error)
             self.apply_plan(plan, self.shape, seed=self.seed, optim=self.optim, init=False)
             return "none"
+        self.migrate(plan, unavailable=unavailable)
+        return "replicas"
 
     # ------------------------------------------------------------------ state and control
     def export_states(self) -> dict[int, Any]:

@@ -328,7 +328,8 @@ class DeviceWorker:
 
         from .groups import clear_group_cache
 
-        self._held = self.engine.export_state(copy=False) if keep_state and self.engine is not None else None
+        if self.engine is not None:    # a second close (a rendezvous retry) keeps what the first kept
+            self._held = self.engine.export_state(copy=False) if keep_state else None
         self._drop_engine()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -90,6 +90,14 @@ def _describe(name: str, decision: Decision, sim: SimResult, mem: MemoryReport, 
     return out
 
 
+def _check_ops(ops: int, scenario) -> None:
+    from ..config import ConfigError
+    if ops > MAX_SIMULATED_OPS:
+        raise ConfigError("batch.global", scenario.global_batch,
+                          f"a batch this command simulates in at most {MAX_SIMULATED_OPS:,} forward and backward ops "
+                          f"(a plan needs {ops:,}); steady-state time scales with the batch, so simulate a smaller one")
+
+
 def simulate_cli(argv: list[str]) -> int:
     """`malleus simulate SCENARIO [--system NAME|all] [--rate D=X ...] [--plan FILE]`."""
     from ..config import ConfigError, validate_rates
@@ -121,6 +129,8 @@ def simulate_cli(argv: list[str]) -> int:
         rates = validate_rates(rates, scenario.num_devices, field_name="--rate")
         problem = build_problem(scenario, rates=rates)
         options = SimOptions(backward_ratio=args.backward_ratio, p2p=args.p2p)
+        # Before planning: the baselines simulate plans of the scenario's depth while they decide.
+        _check_ops(2 * problem.num_micro_batches * scenario.pp, scenario)
         if args.plan:
             decisions = [("plan file", Decision(Plan.load(args.plan)))]
         else:
@@ -128,12 +138,7 @@ def simulate_cli(argv: list[str]) -> int:
             base = make_systems(names=("static",))[0].decide(problem, None).plan
             decisions = [(s.name, s.decide(problem, None if s.name == "static" else base))
                          for s in make_systems(Costs(), options, names)]
-        ops = max(simulated_ops(dec.plan) for _, dec in decisions)
-        if ops > MAX_SIMULATED_OPS:
-            raise ConfigError("batch.global", scenario.global_batch,
-                              f"a batch this command simulates in at most {MAX_SIMULATED_OPS:,} forward and backward "
-                              f"ops (its plan needs {ops:,}); steady-state time scales with the batch, so simulate "
-                              f"a smaller one")
+        _check_ops(max(simulated_ops(dec.plan) for _, dec in decisions), scenario)
         print(f"{scenario.name}: {scenario.num_devices} devices, {scenario.num_layers} blocks, "
               f"{scenario.num_micro_batches} micro-batches; true rates "
               f"{ {d: x for d, x in sorted(rates.items()) if x != 1.0} or 'all 1.0'}; t0 = {problem.t0_seconds * 1e3:.1f} ms; "
