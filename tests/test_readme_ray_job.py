@@ -172,22 +172,42 @@ def test_status_of_a_job_that_ran_all_its_steps(head):
 
 
 def test_status_of_a_job_that_failed_on_the_cluster(head):
-    """Its data file exists here but is ignored by git, so the upload leaves it behind: the job
-    fails when its workers open it. The driver still records why, and Ray's FAILED state answers."""
+    """Its corpus is a plain uint16 file without a summary that holds one id beyond the model's
+    vocabulary: only the scan that the job makes once its coordinator is up finds it, so the job
+    fails on the cluster after it started. The driver records why, and Ray's FAILED state answers."""
     wd = head.dir / "broken"
     (wd / "data").mkdir(parents=True)
-    (wd / ".gitignore").write_text("data/\n")
-    (wd / "data" / "corpus.bin").write_bytes(bytes(range(256)) * 64)        # 8192 uint16 ids, all < 256
+    ids = [i % 256 for i in range(8192)]
+    ids[5000] = 300
+    (wd / "data" / "corpus.bin").write_bytes(b"".join(i.to_bytes(2, "little") for i in ids))
     job = (REPO / "examples" / "tiny_job.yaml").read_text().replace("name: tiny", "name: broken")
     job = re.sub(r"data:\n(  .*\n)+", "data: {source: tokens, files: [data/corpus.bin], seq_len: 64, vocab: 256}\n", job)
     (wd / "job.yaml").write_text(job)
     sid = head.run(f"malleus submit {wd / 'job.yaml'} --working-dir {wd}").stdout.split()[0]
     text, st = ended_status(head, sid, "FAILED")
     assert re.match(rf"job broken \(Ray job {sid}\): FAILED, 0/10 steps", text), text
-    assert "error: data: " in text and "data/corpus.bin" in text and "does not exist" in text, text
+    assert "error: data: " in text and "data/corpus.bin" in text and "token id 300" in text, text
     s = st["summary"]
     assert s["state"] == "failed" and s["steps"] == 0 and s["submission_id"] == sid
     assert "exit code 2" in st["ray"]["message"]
+
+
+def test_status_of_a_job_whose_data_is_missing_on_the_cluster(head):
+    """Its data file exists here but git ignores it, so the upload leaves it behind: the driver
+    refuses the job before Ray's workers start, records nothing, and status says so beside Ray's
+    own failure message."""
+    wd = head.dir / "missing"
+    (wd / "data").mkdir(parents=True)
+    (wd / ".gitignore").write_text("data/\n")
+    (wd / "data" / "corpus.bin").write_bytes(bytes(512))
+    job = (REPO / "examples" / "tiny_job.yaml").read_text().replace("name: tiny", "name: missing")
+    job = re.sub(r"data:\n(  .*\n)+", "data: {source: tokens, files: [data/corpus.bin], seq_len: 64, vocab: 256}\n", job)
+    (wd / "job.yaml").write_text(job)
+    sid = head.run(f"malleus submit {wd / 'job.yaml'} --working-dir {wd}").stdout.split()[0]
+    text, st = ended_status(head, sid, "FAILED")
+    assert re.match(rf"job missing \(Ray job {sid}\): FAILED\n", text), text
+    assert "data/corpus.bin' does not exist" in text and "no summary recorded" in text, text
+    assert st["summary"] is None and "exit code 2" in st["ray"]["message"]
 
 
 def test_status_of_a_job_stopped_by_ray_job_stop(head):
