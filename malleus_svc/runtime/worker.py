@@ -262,10 +262,10 @@ class DeviceWorker:
             raise RuntimeError(f"device {self.device_id} runs plan {self.plan_id}, asked to migrate from {old.plan_id}")
         schedule = plan_migration(old, new, shape, bucket_bytes=int(bucket_bytes), unavailable=unavailable)
         old_states = None if fresh else self.engine.export_state(copy=False) if self.engine is not None else self._held
-        self._held = None
         export_s = time.perf_counter() - t0
         states, stats = execute_migration(schedule, self.device_id, old_states, comm_device=self.torch_device)
         del old_states
+        self._held = None    # only now: a migration that failed leaves the kept shards for another try
         t1 = time.perf_counter()
         self._drop_engine()
         role = new.roles().get(self.device_id)
