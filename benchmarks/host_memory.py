@@ -2,9 +2,10 @@
 the state that process owns (fp32 parameters and both Adam moments of its shards).
 
 Four CPU workers on a local Ray cluster train a model of 8 blocks under DP 2 x PP 2, lose worker 1
-(killed; its replica is worker 3) and recover, then migrate to TP 2 x PP 2, then checkpoint. Each process's peak is its resident high-water mark over
-the operation alone (procfs, reset before it) minus what it held before, so a ratio of 1 means the
-operation needed one more copy of the process's own state.
+(killed; its replica is worker 3) and recover, then migrate to TP 2 x PP 2, then checkpoint. Each
+process's peak is its resident high-water mark over the operation alone (procfs, reset before it)
+minus what it held before, so a ratio of 1 means the operation needed one more copy of the
+process's own state.
 """
 from __future__ import annotations
 

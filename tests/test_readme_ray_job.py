@@ -171,19 +171,27 @@ def test_status_of_a_job_that_ran_all_its_steps(head):
     assert s["steps"] == 6 and s["first_loss"] > 0 and s["last_loss"] > 0 and s["tokens_per_second"] > 0
 
 
+def submit_tokens_job(head, name: str, corpus: bytes, ignored: bool = False) -> str:
+    """Submit the tiny job renamed `name`, training on `corpus` (a plain uint16 file beside it, which
+    git ignores, so the upload leaves it behind, if `ignored`); its submission id."""
+    wd = head.dir / name
+    (wd / "data").mkdir(parents=True)
+    if ignored:
+        (wd / ".gitignore").write_text("data/\n")
+    (wd / "data" / "corpus.bin").write_bytes(corpus)
+    job = (REPO / "examples" / "tiny_job.yaml").read_text().replace("name: tiny", f"name: {name}")
+    job = re.sub(r"data:\n(  .*\n)+", "data: {source: tokens, files: [data/corpus.bin], seq_len: 64, vocab: 256}\n", job)
+    (wd / "job.yaml").write_text(job)
+    return head.run(f"malleus submit {wd / 'job.yaml'} --working-dir {wd}").stdout.split()[0]
+
+
 def test_status_of_a_job_that_failed_on_the_cluster(head):
     """Its corpus is a plain uint16 file without a summary that holds one id beyond the model's
     vocabulary: only the scan that the job makes once its coordinator is up finds it, so the job
     fails on the cluster after it started. The driver records why, and Ray's FAILED state answers."""
-    wd = head.dir / "broken"
-    (wd / "data").mkdir(parents=True)
     ids = [i % 256 for i in range(8192)]
     ids[5000] = 300
-    (wd / "data" / "corpus.bin").write_bytes(b"".join(i.to_bytes(2, "little") for i in ids))
-    job = (REPO / "examples" / "tiny_job.yaml").read_text().replace("name: tiny", "name: broken")
-    job = re.sub(r"data:\n(  .*\n)+", "data: {source: tokens, files: [data/corpus.bin], seq_len: 64, vocab: 256}\n", job)
-    (wd / "job.yaml").write_text(job)
-    sid = head.run(f"malleus submit {wd / 'job.yaml'} --working-dir {wd}").stdout.split()[0]
+    sid = submit_tokens_job(head, "broken", b"".join(i.to_bytes(2, "little") for i in ids))
     text, st = ended_status(head, sid, "FAILED")
     assert re.match(rf"job broken \(Ray job {sid}\): FAILED, 0/10 steps", text), text
     assert "error: data: " in text and "data/corpus.bin" in text and "token id 300" in text, text
@@ -196,14 +204,7 @@ def test_status_of_a_job_whose_data_is_missing_on_the_cluster(head):
     """Its data file exists here but git ignores it, so the upload leaves it behind: the driver
     refuses the job before Ray's workers start, records nothing, and status says so beside Ray's
     own failure message."""
-    wd = head.dir / "missing"
-    (wd / "data").mkdir(parents=True)
-    (wd / ".gitignore").write_text("data/\n")
-    (wd / "data" / "corpus.bin").write_bytes(bytes(512))
-    job = (REPO / "examples" / "tiny_job.yaml").read_text().replace("name: tiny", "name: missing")
-    job = re.sub(r"data:\n(  .*\n)+", "data: {source: tokens, files: [data/corpus.bin], seq_len: 64, vocab: 256}\n", job)
-    (wd / "job.yaml").write_text(job)
-    sid = head.run(f"malleus submit {wd / 'job.yaml'} --working-dir {wd}").stdout.split()[0]
+    sid = submit_tokens_job(head, "missing", bytes(512), ignored=True)
     text, st = ended_status(head, sid, "FAILED")
     assert re.match(rf"job missing \(Ray job {sid}\): FAILED\n", text), text
     assert "data/corpus.bin' does not exist" in text and "no summary recorded" in text, text

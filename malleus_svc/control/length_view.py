@@ -12,8 +12,9 @@ log = logging.getLogger(__name__)
 
 
 def drift_detector():
+    """The coordinator's drift detector: the defaults, whose detection bound lengths/stats.py states."""
     from malleus_svc.lengths import DriftDetector
-    return DriftDetector(window=8, threshold=0.25, min_samples=256)   # lengths: stats.py
+    return DriftDetector()
 
 
 class LengthView:
