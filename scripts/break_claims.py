@@ -7,7 +7,7 @@ the tests, and restores the file whatever happens; it refuses files with uncommi
 the restored file is the committed one.
 
     .venv/bin/python scripts/break_claims.py            # all, a markdown table at the end
-    .venv/bin/python scripts/break_claims.py --only sha256 weights-only
+    .venv/bin/python scripts/break_claims.py --only sha256 safetensors-only
     .venv/bin/python scripts/break_claims.py --list
 """
 from __future__ import annotations
@@ -90,14 +90,14 @@ BREAKS = (
           "tmp = final = self.root / step_dir_name(step)",
           ("tests/test_checkpoint.py::test_sigkill_mid_write_never_yields_a_partial_checkpoint",)),
     Break("sha256", "a damaged checkpoint is skipped (sha256 per file)",
-          "malleus_svc/checkpoint/reader.py",
-          "    if actual != entry.sha256:\n", "    if False:\n",
+          "malleus_svc/runtime/shard_files.py",
+          "    if actual != sha256:\n", "    if False:\n",
           ("tests/test_checkpoint.py::test_damaged_checkpoint_falls_back_to_the_previous_good_one",)),
-    Break("weights-only", "checkpoints load with weights_only=True: a pickled payload never runs",
-          "malleus_svc/checkpoint/reader.py",
-          'return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)',
-          'return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)',
-          ("tests/test_checkpoint.py::test_pickled_objects_are_refused_not_executed",)),
+    Break("safetensors-only", "checkpoints are read as safetensors only: a pickled payload never runs",
+          "malleus_svc/runtime/shard_files.py",
+          "        first = str(e).strip().splitlines()[0] if str(e).strip() else \"\"\n",
+          "        first = str(torch.load(open(Path(folder) / name, \"rb\"), weights_only=False))\n",
+          ("tests/test_checkpoint.py::test_a_pickle_in_place_of_a_shard_file_is_refused_not_executed",)),
     Break("no-aliases", "YAML anchors and aliases are refused before anything is built",
           "malleus_svc/config/files.py",
           "        if isinstance(event, yaml.AliasEvent) or getattr(event, \"anchor\", None):",
@@ -130,8 +130,8 @@ BREAKS = (
     Break("reason-cap", "a re-plan reason is at most 200 characters",
           "malleus_svc/control/requests.py", "    if len(reason.strip()) > MAX_REASON:\n", "    if False:\n",
           ("tests/test_control_requests.py::test_reasons_are_capped",)),
-    Break("part-files-regular", "a checkpoint's part files are read only if they are regular files (no symlink, no FIFO)",
-          "malleus_svc/checkpoint/reader.py", "    if not stat.S_ISREG(st.st_mode):\n", "    if False:\n",
+    Break("shard-files-regular", "a checkpoint's shard files are read only if they are regular files (no symlink, no FIFO)",
+          "malleus_svc/runtime/shard_files.py", "    if not stat.S_ISREG(st.st_mode):\n", "    if False:\n",
           ("tests/test_checkpoint.py::test_crafted_part_files_are_skipped_before_they_are_read",)),
     Break("rate-bound", "a client's straggling rate is at most limits.MAX_RATE",
           "malleus_svc/control/requests.py", "        if not 1.0 <= float(r) <= MAX_RATE:\n",

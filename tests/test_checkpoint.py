@@ -1,7 +1,8 @@
-"""Plan-agnostic checkpoints (malleus_svc/checkpoint): a resume under another plan on another
-number of devices continues exactly like the uninterrupted run; damaged, truncated, incomplete or
-crashed checkpoints are never loaded; torch.load(weights_only=True) refuses code; the writer runs
-in the background and its errors surface.
+"""Plan-agnostic sharded checkpoints (malleus_svc/checkpoint): a resume under another plan on another
+number of devices continues exactly like the uninterrupted run; the workers write and read their own
+pieces; damaged, truncated, incomplete or crashed checkpoints are never loaded; a file that is not
+safetensors (a pickle smuggling code) is refused unread; the writer runs in the background and its
+errors surface.
 """
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def write_steps(root, steps, keep_last=None):
 
 
 # --------------------------------------------------------------------------- format, no Ray
-def test_format_one_file_per_layer_and_a_complete_manifest(tmp_path):
+def test_format_shard_files_and_a_complete_manifest(tmp_path):
     state = make_state(step=5)
     plan = make_plan([([((0,), (0, 4))], 4)], suspended=(1,), num_devices=2, layers=4, gpn=2, mbs=2)
     with CheckpointWriter(tmp_path) as w:
@@ -80,22 +81,58 @@ def test_format_one_file_per_layer_and_a_complete_manifest(tmp_path):
     d = tmp_path / "step-00000005"
     assert result.path == d and sorted(os.listdir(tmp_path)) == ["step-00000005"]   # no working dirs left
     files = sorted(os.listdir(d))
-    assert files == ["block-0000.pt", "block-0001.pt", "block-0002.pt", "block-0003.pt", "embedding.pt", "head.pt",
-                     "manifest.json"]
+    assert files == ["block-0000.safetensors", "block-0001.safetensors", "block-0002.safetensors",
+                     "block-0003.safetensors", "embedding.safetensors", "head.safetensors", "manifest.json"]
     m = json.loads((d / "manifest.json").read_text())
-    assert m["format_version"] == 1 and m["step"] == 5 and m["model_shape"] == TINY.to_dict()
+    assert m["format_version"] == 2 and m["step"] == 5 and m["model_shape"] == TINY.to_dict()
     assert m["data"]["sampler"]["position"] == 70 and (m["data"]["epoch"], m["data"]["offset"]) == (1, 6)
     assert m["plan"]["plan_id"] == plan.plan_id and m["extra"] == {"job": "t"} and m["created"].endswith("Z")
     for name, entry in m["files"].items():
         assert entry["bytes"] == (d / name).stat().st_size
     assert result.bytes == sum(f.stat().st_size for f in d.iterdir())
-    # A layer file is the full tensors of that layer only, loadable with weights_only.
-    block = torch.load(d / "block-0002.pt", weights_only=True)
-    assert sorted(block["tensors"]) == sorted(n for n in state if n.startswith("blocks.2.") and ":" not in n)
-    assert torch.equal(block["tensors"]["blocks.2.mlp.w_down"]["exp_avg_sq"], state["blocks.2.mlp.w_down:exp_avg_sq"])
+    # A whole-tensor file holds all rows of its part's tensors (rows along the split dim: w_down's columns).
+    assert m["files"]["block-0002.safetensors"]["tensors"]["blocks.2.mlp.w_down"] == {"rows": [0, TINY.ffn], "step": 5}
+    from safetensors.torch import load_file
+    block = load_file(str(d / "block-0002.safetensors"))
+    assert sorted(block) == sorted(n for n in state if n.startswith("blocks.2.") and not n.endswith(STEP))
+    assert torch.equal(block["blocks.2.mlp.w_down:exp_avg_sq"], state["blocks.2.mlp.w_down:exp_avg_sq"])
     ckpt = load_latest(tmp_path, TINY)
     assert ckpt.step == 5 and ckpt.skipped == [] and ckpt.manifest.plan_obj() == plan
     assert_same(ckpt.state, state)
+
+
+def test_a_manifest_of_the_older_format_is_refused_in_one_line(tmp_path):
+    write_steps(tmp_path, [1])
+    f = tmp_path / "step-00000001" / "manifest.json"
+    doc = json.loads(f.read_text())
+    doc.pop("manifest_sha256")
+    doc["format_version"] = 1
+    doc["manifest_sha256"] = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+    f.write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(f.parent)
+    assert "format_version 1" in str(e.value) and "older build" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (lambda t: t["blocks.1.attn.wq"].update(rows=[0, 32]), r"pieces of blocks.1.attn.wq cover rows \['\[0, 32\)'\]"),
+    (lambda t: t["blocks.1.attn.wq"].update(rows=[0, 65]), r"rows = \[0, 65\] is not valid"),
+    (lambda t: t["blocks.1.attn.wq"].update(step=-1), r"step = -1 is not valid"),
+    (lambda t: t.update({"blocks.2.attn.wq": {"rows": [0, 64], "step": 3}}), "part 1 has no such tensor"),
+])
+def test_manifest_pieces_that_do_not_cover_the_model_once_are_skipped(tmp_path, edit, reason):
+    """Re-signed manifests whose pieces leave rows uncovered, overrun a tensor, disagree about the
+    Adam step or name a tensor of another part: skipped with the reason, the older one loaded."""
+    write_steps(tmp_path, [1, 2])
+    f = tmp_path / "step-00000002" / "manifest.json"
+    doc = json.loads(f.read_text())
+    doc.pop("manifest_sha256")
+    edit(doc["files"]["block-0001.safetensors"]["tensors"])
+    doc["manifest_sha256"] = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+    f.write_text(json.dumps(doc))
+    ckpt = load_latest(tmp_path, TINY)
+    assert ckpt.step == 1 and re.search(reason, ckpt.skipped[0][1]), ckpt.skipped
+    assert "\n" not in ckpt.skipped[0][1]
 
 
 def test_shape_mismatch_is_rejected_with_field_value_accepted(tmp_path):
@@ -141,22 +178,22 @@ def _truncate(path: Path):
 
 
 @pytest.mark.parametrize("damage, reason", [
-    ("flip", r"block-0001.pt sha256 mismatch: expected [0-9a-f]{64}, actual [0-9a-f]{64}"),
-    ("truncate", r"head.pt has \d+ bytes, the manifest says \d+ \(truncated"),
-    ("delete_file", r"embedding.pt is missing"),
+    ("flip", r"block-0001.safetensors sha256 mismatch: expected [0-9a-f]{64}, actual [0-9a-f]{64}"),
+    ("truncate", r"head.safetensors has \d+ bytes, the manifest says \d+ \(truncated"),
+    ("delete_file", r"embedding.safetensors is missing"),
     ("no_manifest", r"no manifest.json \(an incomplete checkpoint\)"),
     ("edit_manifest", r"manifest checksum mismatch"),
 ])
 def test_damaged_checkpoint_falls_back_to_the_previous_good_one(tmp_path, caplog, damage, reason):
     write_steps(tmp_path, [1, 2, 3])
     d3 = tmp_path / "step-00000003"
-    expected_sha = read_manifest(d3).files["block-0001.pt"].sha256
+    expected_sha = read_manifest(d3).files["block-0001.safetensors"].sha256
     if damage == "flip":
-        _flip(d3 / "block-0001.pt")
+        _flip(d3 / "block-0001.safetensors")
     elif damage == "truncate":
-        _truncate(d3 / "head.pt")
+        _truncate(d3 / "head.safetensors")
     elif damage == "delete_file":
-        (d3 / "embedding.pt").unlink()
+        (d3 / "embedding.safetensors").unlink()
     elif damage == "no_manifest":
         (d3 / "manifest.json").unlink()
     else:  # still valid JSON, only the data position changed: the manifest's own checksum catches it
@@ -202,15 +239,15 @@ def test_incomplete_work_dirs_are_ignored_and_cleaned(tmp_path):
 def test_no_good_checkpoint_is_an_error_naming_each(tmp_path):
     assert load_latest(tmp_path / "nothing-here") is None
     write_steps(tmp_path, [1, 2])
-    _flip(tmp_path / "step-00000001" / "embedding.pt")
+    _flip(tmp_path / "step-00000001" / "embedding.safetensors")
     (tmp_path / "step-00000002" / "manifest.json").unlink()
     with pytest.raises(CheckpointError) as e:
         load_latest(tmp_path)
     assert "step-00000002: manifest.json" not in str(e.value)  # reasons are per checkpoint, named
-    assert "step-00000002: no manifest.json" in str(e.value) and "step-00000001: embedding.pt sha256" in str(e.value)
+    assert "step-00000002: no manifest.json" in str(e.value) and "step-00000001: embedding.safetensors sha256" in str(e.value)
 
 
-# --------------------------------------------------------------------------- weights_only
+# --------------------------------------------------------------------------- data, never code
 class Payload:
     """Creates a directory when unpickled: the stand-in for code smuggled into a checkpoint."""
 
@@ -221,30 +258,21 @@ class Payload:
         return os.mkdir, (self.marker,)
 
 
-def test_pickled_objects_are_refused_not_executed(tmp_path):
+def test_a_pickle_in_place_of_a_shard_file_is_refused_not_executed(tmp_path):
     write_steps(tmp_path, [1, 2])
     d2 = tmp_path / "step-00000002"
     marker = tmp_path / "code-ran"
-    good = torch.load(d2 / "embedding.pt", weights_only=True)
-    good["tensors"]["embedding.weight"]["exp_avg"] = Payload(str(marker))
-    torch.save(good, d2 / "embedding.pt")
-    # Re-sign the manifest, as an attacker with write access would: only weights_only stands in the way.
-    import hashlib
-
-    m = read_manifest(d2)
-    data = (d2 / "embedding.pt").read_bytes()
-    files = dict(m.files)
-    files["embedding.pt"] = dataclasses.replace(files["embedding.pt"], sha256=hashlib.sha256(data).hexdigest(),
-                                                bytes=len(data))
-    (d2 / "manifest.json").write_text(dataclasses.replace(m, files=files).to_json())
-
-    with pytest.raises(CheckpointError, match=r"embedding.pt refused by torch.load\(weights_only=True\)"):
+    torch.save({"embedding.weight": Payload(str(marker))}, d2 / "embedding.safetensors.new")
+    os.replace(d2 / "embedding.safetensors.new", d2 / "embedding.safetensors")
+    _resign(d2, "embedding.safetensors")   # as an attacker with write access would: only the format stands in the way
+    with pytest.raises(CheckpointError, match=r"embedding.safetensors is not a readable safetensors file"):
         load_checkpoint(d2)
     assert not marker.exists()
     ckpt = load_latest(tmp_path)
-    assert ckpt.step == 1 and "weights_only" in ckpt.skipped[0][1] and not marker.exists()
+    assert ckpt.step == 1 and "not a readable safetensors file" in ckpt.skipped[0][1] and not marker.exists()
     # The payload is live: an unsafe load would have run it.
-    torch.load(d2 / "embedding.pt", weights_only=False)
+    with open(d2 / "embedding.safetensors", "rb") as f:   # a file object: torch.load reads the pickle
+        torch.load(f, weights_only=False)
     assert marker.exists()
 
 
@@ -261,37 +289,43 @@ def _resign(d: Path, name: str, **entry) -> None:
     (d / "manifest.json").write_text(dataclasses.replace(m, files=files).to_json())
 
 
+EMB = "embedding.safetensors"
+
+
 def _symlink_out(d: Path, outside: Path) -> None:
-    (outside / "stolen.pt").write_bytes((d / "embedding.pt").read_bytes())
-    (d / "embedding.pt").unlink()
-    (d / "embedding.pt").symlink_to(outside / "stolen.pt")
+    (outside / "stolen").write_bytes((d / EMB).read_bytes())
+    (d / EMB).unlink()
+    (d / EMB).symlink_to(outside / "stolen")
 
 
 def _fifo(d: Path, outside: Path) -> None:
-    (d / "embedding.pt").unlink()
-    os.mkfifo(d / "embedding.pt")
+    (d / EMB).unlink()
+    os.mkfifo(d / EMB)
 
 
 def _sparse(d: Path, outside: Path) -> None:
-    with open(d / "embedding.pt", "r+b") as f:
+    with open(d / EMB, "r+b") as f:
         f.truncate(8 << 30)                      # 8 GiB of holes: a read of it all would take minutes
 
 
 def _sparse_promised(d: Path, outside: Path) -> None:
     _sparse(d, outside)
-    _resign(d, "embedding.pt", bytes=8 << 30)   # and a manifest that says so
+    _resign(d, EMB, bytes=8 << 30)   # and a manifest that says so
 
 
 def _float64(d: Path, outside: Path) -> None:
-    good = torch.load(d / "embedding.pt", weights_only=True)
-    good["tensors"]["embedding.weight"]["exp_avg"] = good["tensors"]["embedding.weight"]["exp_avg"].double()
-    torch.save(good, d / "embedding.pt")
-    _resign(d, "embedding.pt")
+    from safetensors.torch import load_file, save_file
+
+    good = load_file(str(d / EMB))
+    good["embedding.weight:exp_avg"] = good["embedding.weight:exp_avg"].double()
+    (d / EMB).unlink()
+    save_file(good, str(d / EMB))
+    _resign(d, EMB)
 
 
 @pytest.mark.parametrize("craft, reason", [
-    (_symlink_out, "embedding.pt is a symlink"), (_fifo, "embedding.pt is not a regular file"),
-    (_sparse, "has 8589934592 bytes, the manifest says"), (_sparse_promised, "takes at most"),
+    (_symlink_out, f"{EMB} is a symlink"), (_fifo, f"{EMB} is not a regular file"),
+    (_sparse, "has 8589934592 bytes, the manifest says"), (_sparse_promised, "take at most"),
     (_float64, "expected a float32 tensor"),
 ])
 def test_crafted_part_files_are_skipped_before_they_are_read(tmp_path, craft, reason):
@@ -307,9 +341,9 @@ def test_crafted_part_files_are_skipped_before_they_are_read(tmp_path, craft, re
     t0 = time.monotonic()
     reader.start()
     reader.join(10)
-    if reader.is_alive() and os.path.exists(root / "step-00000002" / "embedding.pt"):
+    if reader.is_alive() and os.path.exists(root / "step-00000002" / EMB):
         with contextlib.suppress(OSError):   # unblock a reader stuck on the FIFO before failing
-            os.close(os.open(root / "step-00000002" / "embedding.pt", os.O_WRONLY | os.O_NONBLOCK))
+            os.close(os.open(root / "step-00000002" / EMB, os.O_WRONLY | os.O_NONBLOCK))
     assert not reader.is_alive() and time.monotonic() - t0 < 5, "the reader blocked or read too much"
     ckpt = done["ckpt"]
     assert ckpt.step == 1 and len(ckpt.skipped) == 1 and reason in ckpt.skipped[0][1], ckpt.skipped
@@ -327,8 +361,9 @@ def _set(doc: dict, path: str, value) -> None:
     ("files", []), ("files", "x"), ("data", ["sampler"]), ("data/sampler", 5), ("model_shape", [4, 64]),
     ("model_shape/layers", "4"), ("model_shape/hidden", 10 ** 12), ("model_shape/heads", True), ("model_shape/kv_heads", 0.5),
     ("step", "2"), ("step", 2.5), ("created_unix", "now"), ("plan", []), ("optim", 3), ("extra", "x"),
-    ("files/embedding.pt", None), ("files/embedding.pt", []), ("files/embedding.pt/bytes", "100"),
-    ("files/embedding.pt/sha256", 7), ("files/embedding.pt/part", False), ("files/embedding.pt/tensors", [1]),
+    ("files/embedding.safetensors", None), ("files/embedding.safetensors", []),
+    ("files/embedding.safetensors/bytes", "100"), ("files/embedding.safetensors/sha256", 7),
+    ("files/embedding.safetensors/part", False), ("files/embedding.safetensors/tensors", [1]),
 ])
 def test_malformed_manifests_with_a_valid_checksum_are_skipped_with_the_reason(tmp_path, path, value):
     """A manifest that is valid JSON with a correct manifest_sha256 (as an attacker with write
@@ -442,7 +477,7 @@ def _kill(proc):
     assert proc.returncode == -signal.SIGKILL, proc.stderr.read()[-2000:]
 
 
-@pytest.mark.parametrize("point", ["embedding.pt", "manifest.json"])
+@pytest.mark.parametrize("point", ["embedding.safetensors", "manifest.json"])
 def test_sigkill_mid_write_never_yields_a_partial_checkpoint(tmp_path, point):
     proc = _spawn(tmp_path, point, TINY)
     root, paused = tmp_path / "ckpt", tmp_path / "ckpt" / "paused"
@@ -619,3 +654,67 @@ def test_training_went_on_while_the_checkpoint_was_written(runs):
     # What was written is the state at the save, not the state after the steps that ran meanwhile.
     assert_same(load_checkpoint(res.path).state, runs["state_at_save"])
     assert not torch.equal(runs["a_final"]["head.weight"], runs["state_at_save"]["head.weight"])
+
+
+# --------------------------------------------------------------------------- Ray: the workers write and read their own pieces
+# DP 2 x PP 2 and TP 2 x PP 2 over the same 4 devices, the same global batch (2 x 4 = 8).
+DP_PP = make_plan([([((0,), (0, 2)), ((1,), (2, 4))], 2), ([((2,), (0, 2)), ((3,), (2, 4))], 2)],
+                  num_devices=4, layers=4, gpn=4, mbs=2)
+TP_PP = make_plan([([((0, 2), (0, 2)), ((1, 3), (2, 4))], 4)], num_devices=4, layers=4, gpn=4, mbs=2)
+# Large enough that a shard stands out of the driver's own noise: ~10 MiB of state per block, 24 per embedding.
+SHARDED = dataclasses.replace(TINY, hidden=256, heads=4, ffn=768, vocab=8192, seq_len=32)
+
+
+@pytest.mark.ray
+def test_workers_write_their_own_pieces_and_another_plan_reads_them(ray_cluster, tmp_path, monkeypatch):
+    """A checkpoint under DP 2 x PP 2: each file is written by the one worker that the layout names
+    (one replica per piece; the driver writes none and its peak memory stays under a worker's
+    shard), and each worker's peak stays within twice its own state. Resumed under TP 2 x PP 2 on the
+    same workers, training goes on with the losses of the run that never stopped."""
+    from malleus_svc.checkpoint import writer as writer_module
+    from malleus_svc.runtime import host_memory
+    from malleus_svc.runtime.cluster import WorkerGroup
+    from malleus_svc.runtime.data import GlobalSampler
+
+    def driver_must_not_write(*args, **kwargs):
+        raise AssertionError("the driver wrote a shard file")
+
+    monkeypatch.setattr(writer_module, "write_part", driver_must_not_write)
+    spec = {**SPEC, "vocab": SHARDED.vocab}
+    with WorkerGroup(4, 4, name="test-ckpt-sharded") as g:
+        n = g.set_data(spec, "pack", 32)
+        g.apply_plan(DP_PP, SHARDED, seed=4, optim=_optim())
+        sampler = GlobalSampler(n, DP_PP.global_batch, seed=3)
+        for _ in range(2):
+            g.step(sampler.next_global_batch())
+        saved = g.full_state()
+        own = {d: sum(3 * s.param.numel() * 4 for s in states.values())
+               for d, states in zip(g.live, g._each("export_state"))}
+        held = {d: m["memory_bytes"] for d, m in zip(g.live, g._each("host_memory", True))}
+        start = host_memory.resident()
+        host_memory.reset_peak()
+        with CheckpointWriter(tmp_path, keep_last=None) as w:
+            save_group(w, g, sampler, 2, wait=True)
+        driver_peak = host_memory.peak() - start
+        worker_peak = {d: m["peak_memory_bytes"] - held[d] for d, m in zip(g.live, g._each("host_memory"))}
+        unbroken = [g.step(sampler.next_global_batch()).loss for _ in range(3)]
+
+        d = tmp_path / "step-00000002"
+        assert sorted(p.name for p in d.iterdir()) == [
+            "block-0000.d0002.safetensors", "block-0001.d0000.safetensors", "block-0002.d0003.safetensors",
+            "block-0003.d0001.safetensors", "embedding.d0000.safetensors", "head.d0003.safetensors", "manifest.json"]
+        print(f"\nown state per worker (MiB): { {k: round(v / 2**20, 1) for k, v in own.items()} }; peak during the "
+              f"checkpoint: driver {driver_peak / 2**20:.1f} MiB, workers "
+              f"{ {k: round(v / 2**20, 1) for k, v in worker_peak.items()} }")
+        assert driver_peak < min(own.values()), (driver_peak, own)
+        assert all(worker_peak[k] <= 2 * own[k] for k in own), (worker_peak, own)
+
+        # Another plan on the same workers, without initialising: every worker reads its own rows.
+        g.apply_plan(TP_PP, SHARDED, seed=99, optim=_optim(), init=False)
+        ckpt = load_latest(tmp_path, SHARDED)
+        resumed_sampler = GlobalSampler(n, TP_PP.global_batch, seed=3)
+        assert restore_group(g, ckpt, resumed_sampler) == 2
+        assert_same(g.full_state(), saved)
+        resumed = [g.step(resumed_sampler.next_global_batch()).loss for _ in range(3)]
+    assert resumed == pytest.approx(unbroken, rel=1e-5, abs=0)
+    assert_same(ckpt.state, saved)     # and a tool assembles the same whole tensors

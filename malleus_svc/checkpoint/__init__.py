@@ -1,12 +1,13 @@
-"""Plan-agnostic checkpoints: full (unsharded) per-layer tensors + Adam state, a manifest with
-checksums, atomic publication, asynchronous writing, verified loading under any plan.
+"""Plan-agnostic sharded checkpoints: each worker writes its own pieces of the parameters and Adam
+state (safetensors), a manifest describes them in full-tensor coordinates with checksums, atomic
+publication, asynchronous writing, and each worker reads only its own rows under any plan.
 
     writer = CheckpointWriter(root, keep_last=3)
-    save_group(writer, group, sampler, step)          # background write; training goes on
+    save_group(writer, group, sampler, step)          # workers write in the background; training goes on
     ...
-    ckpt = load_latest(root, shape)                   # newest checkpoint that verifies
-    group.apply_plan(any_plan, shape)
-    step = restore_group(group, ckpt, sampler)
+    ckpt = load_latest(root, shape)                   # newest checkpoint that verifies (no tensor read)
+    group.apply_plan(any_plan, shape, init=False)
+    step = restore_group(group, ckpt, sampler)        # each worker reads its own rows
 """
 from .errors import CheckpointError, CheckpointMismatchError
 from .manifest import CheckpointMeta, FileEntry, Manifest

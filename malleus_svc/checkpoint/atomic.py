@@ -1,4 +1,5 @@
-"""Durable, all-or-nothing directory publication (the only place that touches fsync/rename).
+"""Durable, all-or-nothing directory publication (files themselves are fsynced by their writers,
+runtime/shard_files.py).
 
 A checkpoint is written into a private temporary directory, every file flushed and fsynced, the
 directory fsynced, then renamed to its final name and the parent fsynced. rename(2) within one
@@ -10,14 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-
-
-def write_durably(path: Path, data: bytes) -> None:
-    """Create `path` (it must not exist) with `data`, flushed and fsynced to disk."""
-    with open(path, "xb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def fsync_dir(path: Path) -> None:

@@ -1,5 +1,7 @@
 """manifest.json: what a checkpoint is (step, data position, model, optimizer, provenance) and the
-checksum and size of every file in it. Written last: a directory without one is not a checkpoint.
+checksum, size, part and pieces (rows of full tensors, see layout.py) of every file in it. Written
+last, by the coordinator, from what the writers of the files reported: a directory without one is
+not a checkpoint.
 
 The manifest carries its own sha256 (over its canonical JSON without that field), so a damaged
 manifest that is still valid JSON (a flipped digit of a step or of a checksum) is caught too.
@@ -25,7 +27,7 @@ from malleus_svc.plan import Plan
 from .errors import CheckpointError
 
 FORMAT = "malleus-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2      # 1: one torch.save file of whole tensors per part, no longer read
 _SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelShape))
 
 
@@ -48,7 +50,7 @@ class FileEntry:
     sha256: str
     bytes: int
     part: int | str
-    tensors: Mapping[str, Any]              # name -> shape, dtype, Adam step (informative)
+    tensors: Mapping[str, Any]              # name -> {"rows": [start, end) of the full tensor, "step": Adam step}
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,9 @@ class Manifest:
             raise CheckpointError(str(e), where) from None
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise bad(f"not a {FORMAT} manifest")
+        if d.get("format_version") == 1:
+            raise bad("format_version 1 (whole tensors in .pt files, written by an older build) is not read by this "
+                      f"build, which reads {FORMAT_VERSION}: resume it with the build that wrote it, or start afresh")
         if d.get("format_version") != FORMAT_VERSION:
             raise bad(f"format_version {shorten(d.get('format_version'))} is not supported (this build reads {FORMAT_VERSION})")
         stored = d.pop("manifest_sha256", None)

@@ -1,29 +1,32 @@
 """Finding, verifying and loading checkpoints.
 
-Every file's kind (regular, not a link), size and sha256 are checked against the manifest, and the
-manifest's sizes against the model, before a byte is deserialised;
-and deserialisation is `torch.load(weights_only=True)` only: a checkpoint is data, never code.
+Every file's kind (regular, not a link), size and sha256 are checked against the manifest, the
+manifest's pieces and sizes against the model, and each file's safetensors header against its
+pieces, before a tensor is read; safetensors holds data only, never code. Verifying streams the
+files through sha256 and reads no tensor: `load_checkpoint` holds none of the model. A job's
+workers then read their own rows (`restore_group`, runtime/shard_files.py); `Checkpoint.state`
+assembles whole tensors for tools.
 `load_latest` walks the published checkpoints newest first and returns the first that verifies,
 reporting (log + `Checkpoint.skipped`) every newer one it passed over and why.
 """
 from __future__ import annotations
 
-import hashlib
-import io
 import logging
-import stat
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from malleus_svc.config.errors import ConfigError
 from malleus_svc.config.files import read_bytes
 from malleus_svc.config.presets import ModelShape
+from malleus_svc.geometry import model_parts, part_tensors
+from malleus_svc.runtime.engine import EXP_AVG, EXP_AVG_SQ, STEP
+from malleus_svc.runtime.shard_files import ShardFileError, ShardReader, check_header, verify_file
 
 from .errors import CheckpointError, CheckpointMismatchError
-from .layout import MANIFEST, expected_files, max_part_file_bytes, step_of_dir, unpack_into
+from .layout import MANIFEST, check_files, header_of, step_of_dir
 from .manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -31,14 +34,40 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Checkpoint:
+    """A verified checkpoint: its manifest; tensors are read where they are needed."""
+
     path: Path
     manifest: Manifest
-    state: dict[str, torch.Tensor]          # flat full state, as WorkerGroup.full_state() gives it
     skipped: list[tuple[Path, str]] = field(default_factory=list)   # newer ones load_latest passed over
 
     @property
     def step(self) -> int:
         return self.manifest.step
+
+    def table(self) -> dict:
+        """What a `shard_files.ShardReader` needs (plain data, shipped to the workers): each file's
+        sha256 and size, each tensor's pieces and Adam step."""
+        files = self.manifest.files
+        return {"files": {n: [e.sha256, e.bytes] for n, e in files.items()},
+                "pieces": {t: [list(p) for p in ps] for t, ps in check_files(self.manifest.shape, files).items()},
+                "steps": {t: piece["step"] for e in files.values() for t, piece in e.tensors.items()}}
+
+    @cached_property
+    def state(self) -> dict[str, torch.Tensor]:
+        """The flat full state (as `WorkerGroup.full_state()` gives it), whole tensors read one by
+        one in this process: for tools and tests. A job's workers read their own rows instead."""
+        shape = self.manifest.shape
+        reader = ShardReader(self.path, shape, self.table(), verified=self.manifest.files)
+        out: dict[str, torch.Tensor] = {}
+        try:
+            for part in model_parts(shape.layers):
+                for spec in part_tensors(shape, part):
+                    st = reader.state(spec.name, 0, spec.shape[spec.axis])
+                    out[spec.name], out[spec.name + EXP_AVG], out[spec.name + EXP_AVG_SQ] = st.param, st.exp_avg, st.exp_avg_sq
+                    out[spec.name + STEP] = torch.tensor(st.step)
+        except ShardFileError as e:
+            raise CheckpointError(str(e), self.path) from None
+        return out
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:
@@ -76,48 +105,16 @@ def check_shape(manifest: Manifest, shape: ModelShape, path: Path | None = None)
                 f"and cannot be loaded into {shape} (resume with the same model, or start without it)", path)
 
 
-def _read_verified(path: Path, name: str, entry) -> bytes:
-    """A part file's bytes, trusted only once they match the manifest. Before reading: a regular
-    file of this directory (a symlink could point anywhere, a FIFO blocks a read forever) of the
-    size the manifest says (a sparse or swapped file is refused without being read)."""
-    try:
-        st = (path / name).lstat()
-    except FileNotFoundError:
-        raise CheckpointError(f"{name} is missing", path) from None
-    except OSError as e:
-        raise CheckpointError(f"{name} cannot be read: {e}", path) from None
-    if not stat.S_ISREG(st.st_mode):
-        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
-        raise CheckpointError(f"{name} is {kind}; a checkpoint holds only the regular files it wrote", path)
-    if st.st_size != entry.bytes:
-        raise CheckpointError(f"{name} has {st.st_size} bytes, the manifest says {entry.bytes} (truncated or overwritten)", path)
-    try:
-        with (path / name).open("rb") as f:
-            data = f.read(entry.bytes + 1)
-    except OSError as e:
-        raise CheckpointError(f"{name} cannot be read: {e}", path) from None
-    if len(data) != entry.bytes:
-        raise CheckpointError(f"{name} has {len(data)} bytes, the manifest says {entry.bytes} (changed while read)", path)
-    actual = hashlib.sha256(data).hexdigest()
-    if actual != entry.sha256:
-        raise CheckpointError(f"{name} sha256 mismatch: expected {entry.sha256}, actual {actual} (the file is damaged)", path)
-    return data
-
-
-def _load_tensors(path: Path, name: str, data: bytes) -> Any:
-    try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any refusal or decode error is a bad checkpoint
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{name} refused by torch.load(weights_only=True): {type(e).__name__}: {first}", path) from e
-
-
 def verify_checkpoint(path: str | Path, shape: ModelShape | None = None) -> Manifest:
-    """Check the manifest, the model shape (if given) and every file's size and sha256."""
+    """Check the manifest, the model shape (if given), and every file's size, sha256 and header."""
     path = Path(path)
     manifest = _checked_manifest(path, shape)
-    for name, entry in manifest.files.items():
-        _read_verified(path, name, entry)
+    for name, entry in sorted(manifest.files.items()):
+        try:
+            verify_file(path, name, entry.sha256, entry.bytes)
+            check_header(path, name, header_of(manifest.shape, entry.tensors))
+        except ShardFileError as e:
+            raise CheckpointError(str(e), path) from None
     return manifest
 
 
@@ -125,28 +122,18 @@ def _checked_manifest(path: Path, shape: ModelShape | None) -> Manifest:
     manifest = read_manifest(path)
     if shape is not None:
         check_shape(manifest, shape, path)
-    wanted = expected_files(manifest.shape)
-    if set(manifest.files) != set(wanted):
-        raise CheckpointError(f"{MANIFEST} lists files {sorted(manifest.files)}, a model of {manifest.shape} "
-                              f"needs {sorted(wanted)}", path)
-    for name, entry in manifest.files.items():
-        most = max_part_file_bytes(manifest.shape, wanted[name])
-        if not 0 < entry.bytes <= most:
-            raise CheckpointError(f"{MANIFEST} says {name} has {entry.bytes} bytes; that part of a model of "
-                                  f"{manifest.shape} takes at most {most}", path)
+    try:
+        check_files(manifest.shape, manifest.files)
+    except CheckpointError as e:
+        raise CheckpointError(e.reason, path) from None
     return manifest
 
 
 def load_checkpoint(path: str | Path, shape: ModelShape | None = None) -> Checkpoint:
-    """Verify and load one checkpoint directory. `shape`: the job's model, if it should be checked
-    (CheckpointMismatchError if it differs). Raises CheckpointError for anything damaged."""
+    """Verify one checkpoint directory (no tensor is read). `shape`: the job's model, if it should be
+    checked (CheckpointMismatchError if it differs). Raises CheckpointError for anything damaged."""
     path = Path(path)
-    manifest = _checked_manifest(path, shape)
-    state: dict[str, torch.Tensor] = {}
-    for name, entry in sorted(manifest.files.items()):
-        data = _read_verified(path, name, entry)          # verified before it is deserialised
-        unpack_into(state, _load_tensors(path, name, data), name, manifest.shape, path)
-    return Checkpoint(path, manifest, state)
+    return Checkpoint(path, verify_checkpoint(path, shape))
 
 
 def load_latest(root: str | Path, shape: ModelShape | None = None) -> Checkpoint | None:

@@ -1,10 +1,10 @@
 """Glue between checkpoints and a running `WorkerGroup` + `GlobalSampler`.
 
-Saving gathers the full (plan-independent) state on the driver with `WorkerGroup.full_state()`
-and hands it to the writer; restoring loads it into the group under whatever plan the group was
-just given (`apply_plan` first), each worker cutting its own shards, and puts the sampler back at
-the saved data position, so the next global batches are the ones the interrupted run would have
-taken.
+Saving: each worker writes its own pieces (one replica of each) into the checkpoint's temporary
+directory and the writer publishes them with the manifest; restoring: each worker, under whatever
+plan the group was just given (`apply_plan` first), reads only its own rows of the files. No
+tensor passes through the driver either way. The sampler goes back to the saved data position,
+so the next global batches are the ones the interrupted run would have taken.
 """
 from __future__ import annotations
 
@@ -32,11 +32,11 @@ def save_group(writer: CheckpointWriter, group, sampler, step: int, *, wait: boo
                extra: Mapping[str, Any] | None = None) -> Path:
     """Checkpoint the group's state and the sampler's position as of `step` completed steps.
 
-    The gather (`full_state`) is synchronous; the write runs in the background unless `wait`.
+    The workers' snapshots are synchronous; the files are written in the background unless `wait`.
     Call at an iteration boundary (no step in flight).
     """
     meta = group_meta(group, sampler, step, extra)
-    path = writer.save_async(group.full_state(), meta)
+    path = writer.save_shards_async(group.write_checkpoint, meta)
     if wait:
         writer.wait()
     return path
@@ -53,7 +53,7 @@ def restore_group(group, checkpoint: Checkpoint, sampler=None) -> int:
         now = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(optim).items()}
         if now != dict(saved_optim):
             log.warning("optimizer config differs from the checkpoint's: saved %s, now %s", saved_optim, now)
-    group.load_full_state(checkpoint.state)
+    group.load_checkpoint(checkpoint.path, checkpoint.table())
     if sampler is not None:
         sampler.load_state_dict(checkpoint.manifest.sampler_state)
     return checkpoint.step

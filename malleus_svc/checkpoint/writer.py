@@ -1,17 +1,20 @@
-"""CheckpointWriter: atomic, optionally asynchronous checkpoint writes with retention.
+"""CheckpointWriter: atomic, asynchronous checkpoint writes with retention.
 
-save_async() checks the state and metadata at once (a bad state fails in the caller, not later),
-then a background thread serialises, writes and fsyncs the files while training goes on. One write
+A job's checkpoint (`save_shards_async`): the workers write their own pieces into the temporary
+directory (`WorkerGroup.write_checkpoint`: snapshots taken at once, files written by a thread of
+each worker while training goes on) and report each file's sha256, size and pieces; a background
+thread here waits for those reports, checks that the pieces cover every tensor exactly once,
+writes the manifest and publishes the directory. No tensor passes through this process.
+`save_async` writes a whole state held by this process (tools, tests) the same way.
+
+The metadata (and a whole state) are checked at once, so a bad one fails in the caller. One write
 at a time: a new save first waits for the previous one. A failure in the thread is logged when it
 happens and raised, as CheckpointError, by the next save/save_async/wait/close call: never lost.
-
-The state must not be modified in place until the write is done (`WorkerGroup.full_state()`
+A whole state must not be modified in place until the write is done (`WorkerGroup.full_state()`
 returns fresh CPU tensors that nothing else touches, so it can be handed over as is).
 """
 from __future__ import annotations
 
-import hashlib
-import io
 import logging
 import os
 import threading
@@ -20,17 +23,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import torch
+from malleus_svc.runtime.shard_files import write_durably, write_part
 
 from . import atomic
 from .errors import CheckpointError
-from .layout import MANIFEST, WORK_DIR, describe, pack, step_dir_name, step_of_dir, tmp_dir_name
+from .layout import MANIFEST, WORK_DIR, check_files, step_dir_name, step_of_dir, tmp_dir_name, whole_pieces
 from .manifest import CheckpointMeta, FileEntry, build_manifest
 
 log = logging.getLogger(__name__)
 
-# Called after each file (layer files, then manifest.json) is durably written into the temporary
-# directory, before the directory is published. For progress reporting, and for tests that need
+# Called after each file (shard files, then manifest.json) is durably written into the temporary
+# directory, before the directory is published (for the workers' files: once they all reported). For progress reporting, and for tests that need
 # to stop a writer at a known point.
 FileHook = Callable[[str, Path], None]
 
@@ -68,13 +71,51 @@ class CheckpointWriter:
         return result
 
     def save_async(self, state: Mapping[str, Any], meta: CheckpointMeta) -> Path:
-        """Start writing a checkpoint in the background; returns the directory it will have."""
+        """Start writing a whole state (held by this process) in the background; returns the
+        directory it will have."""
         self.wait()  # one write at a time; raises the previous write's error, if any
-        payloads = pack(state, meta.shape)     # validates, and copies views/GPU tensors to CPU
-        build_manifest(meta, {}).to_json()     # the metadata must be JSON: fail here, not later
+        parts = whole_pieces(state, meta.shape)   # validates, and copies GPU tensors to CPU
+        build_manifest(meta, {}).to_json()        # the metadata must be JSON: fail here, not later
+
+        def produce(tmp: Path) -> dict[str, dict]:
+            entries = {}
+            for part, states in parts.items():
+                name, entries[name] = write_part(tmp, part, None, states)
+                self._hook(name, tmp / name)
+            return entries
+        return self._start(meta, produce, make_dir=True)
+
+    def save_shards_async(self, write_shards: Callable[[Path], Callable[[], dict[str, dict]]],
+                          meta: CheckpointMeta) -> Path:
+        """Start a checkpoint whose tensors their holders write: `write_shards(folder)` has each
+        writer snapshot its pieces and write them into `folder` in the background, and returns a
+        function that waits for them and gives the files' entries (`WorkerGroup.write_checkpoint`).
+        Returns the directory the checkpoint will have, once the snapshots are taken."""
+        self.wait()
+        build_manifest(meta, {}).to_json()
+        tmp = self.root / tmp_dir_name(meta.step)
+        try:
+            atomic.remove_tree(tmp)
+            tmp.mkdir()
+        except OSError as e:
+            raise CheckpointError(f"cannot create {tmp.name}: {type(e).__name__}: {e}", self.root) from e
+        try:
+            written = write_shards(tmp)
+        except BaseException:
+            atomic.remove_tree(tmp)
+            raise
+
+        def produce(tmp: Path) -> dict[str, dict]:
+            entries = written()
+            for name in sorted(entries):
+                self._hook(name, tmp / name)
+            return entries
+        return self._start(meta, produce, make_dir=False)
+
+    def _start(self, meta: CheckpointMeta, produce: Callable[[Path], dict[str, dict]], make_dir: bool) -> Path:
         step = int(meta.step)
         self._result = None
-        self._thread = threading.Thread(target=self._run, args=(payloads, meta), daemon=False,
+        self._thread = threading.Thread(target=self._run, args=(meta, produce, make_dir), daemon=False,
                                         name=f"checkpoint-writer-{step}")
         self._thread.start()
         return self.root / step_dir_name(step)
@@ -113,32 +154,28 @@ class CheckpointWriter:
                 log.error("%s", e)
 
     # ------------------------------------------------------------------ the thread
-    def _run(self, payloads: dict[str, dict], meta: CheckpointMeta) -> None:
+    def _run(self, meta: CheckpointMeta, produce, make_dir: bool) -> None:
         try:
-            self._result = self._write(payloads, meta)
+            self._result = self._write(meta, produce, make_dir)
             self.results.append(self._result)
         except BaseException as e:  # surfaced by the next call
             self._error, self._error_step = e, int(meta.step)
             log.error("writing the checkpoint of step %s under %s failed: %s: %s",
                       meta.step, self.root, type(e).__name__, e)
 
-    def _write(self, payloads: dict[str, dict], meta: CheckpointMeta) -> SaveResult:
+    def _write(self, meta: CheckpointMeta, produce, make_dir: bool) -> SaveResult:
         t0 = time.perf_counter()
         step = int(meta.step)
         tmp, final = self.root / tmp_dir_name(step), self.root / step_dir_name(step)
-        atomic.remove_tree(tmp)
-        tmp.mkdir()
+        if make_dir:
+            atomic.remove_tree(tmp)
+            tmp.mkdir()
         try:
-            entries: dict[str, FileEntry] = {}
-            for name, payload in payloads.items():
-                buf = io.BytesIO()
-                torch.save(payload, buf)
-                data = buf.getvalue()
-                atomic.write_durably(tmp / name, data)
-                entries[name] = FileEntry(hashlib.sha256(data).hexdigest(), len(data), payload["part"], describe(payload))
-                self._hook(name, tmp / name)
+            entries = {name: FileEntry(e["sha256"], int(e["bytes"]), e["part"], e["tensors"])
+                       for name, e in produce(tmp).items()}
+            check_files(meta.shape, entries)    # every tensor covered exactly once, or nothing is published
             manifest = build_manifest(meta, entries).to_json().encode()
-            atomic.write_durably(tmp / MANIFEST, manifest)   # last: it is what makes the directory a checkpoint
+            write_durably(tmp / MANIFEST, manifest)   # last: it is what makes the directory a checkpoint
             self._hook(MANIFEST, tmp / MANIFEST)
             atomic.publish(tmp, final)
         except BaseException:

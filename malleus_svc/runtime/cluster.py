@@ -384,6 +384,42 @@ class WorkerGroup:
             raise WorkerGroupError("apply_plan must run before load_full_state")
         self._each("load_state", ray.put(full_shard_states(full)), devices=sorted(self.plan.roles()))
 
+    def write_checkpoint(self, folder) -> "Callable[[], dict[str, dict]]":
+        """Every active worker snapshots its pieces of a checkpoint (one replica of each) and writes
+        them into `folder`, one every worker sees, from a thread of its own; returns once the
+        snapshots are taken (at an iteration boundary), so training goes on meanwhile. The function
+        returned waits for the files and gives their manifest entries (file -> part, sha256, bytes,
+        rows and step of each tensor). No tensor passes through the driver."""
+        if self.plan is None:
+            raise WorkerGroupError("apply_plan must run before write_checkpoint")
+        devices = sorted(self.plan.roles())
+        self._each("write_checkpoint", str(folder), self.plan.to_dict(), devices=devices)
+        workers = {d: self.workers[d] for d in devices}
+
+        def written() -> dict[str, dict]:
+            refs = {w.checkpoint_written.remote(): d for d, w in workers.items()}
+            entries: dict[str, dict] = {}
+            for ref, d in refs.items():   # no deadline: a large shard takes what the disk takes
+                try:
+                    entries.update(ray.get(ref))
+                except Exception as e:
+                    cause = getattr(e, "cause", None)    # a worker's own exception, not Ray's wrapper
+                    cause = cause if isinstance(cause, BaseException) else e
+                    last = (str(cause).strip().splitlines() or [""])[-1]
+                    raise WorkerGroupError(f"the checkpoint files of device {d} were not written: "
+                                           f"{type(cause).__name__}: {last}") from e
+            return entries
+
+        return written
+
+    def load_checkpoint(self, folder, table) -> None:
+        """Every active worker reads its own rows of a checkpoint's shard files (in `folder`, one they
+        all see; `table` as `checkpoint.Checkpoint.table()` gives it), verifying each file it opens.
+        No tensor passes through the driver."""
+        if self.plan is None:
+            raise WorkerGroupError("apply_plan must run before load_checkpoint")
+        self._each("load_checkpoint", str(folder), table, devices=sorted(self.plan.roles()))
+
     # ------------------------------------------------------------------ steps
     def count_tokens(self, ids: Sequence[int]) -> tuple[int, int]:
         """(input tokens, loss tokens) of these samples under the collate mode, from lengths alone."""

@@ -391,6 +391,11 @@ class Engine:
             states[name] = ShardState(dim, start, end, t, torch.zeros_like(t), torch.zeros_like(t), 0, full)
         self.load_state(states)
 
+    def load_checkpoint(self, reader) -> None:
+        """This device's shards out of a checkpoint's shard files (a `shard_files.ShardReader`): only
+        its own rows are read, one tensor at a time."""
+        self.load_state(reader.states({name: self._shard_bounds(name)[1:3] for name in self.params}))
+
     def load_state(self, states: Mapping[str, ShardState]) -> None:
         """Take this device's shards out of `states` (each may cover more than the shard, e.g. the full tensor)."""
         missing = [n for n in self.params if n not in states]

@@ -16,6 +16,8 @@ Concurrency: the actor declares a `control` concurrency group (one thread of its
 default group. Everything else runs in the default group with max_concurrency 1, so training
 calls stay strictly serial and never race each other. (A threaded actor with max_concurrency=2
 would also reach set_slowdown, but would let two train_steps overlap if a caller ever misbehaved.)
+A `checkpoint` group of its own serves `checkpoint_written`, which waits for this device's
+checkpoint files while training goes on in the default group.
 
 Time: every compute op runs on the worker's DeviceClock (device_clock.py): CUDA events on a GPU;
 on CPU a paced clock that makes the worker behave like an accelerator of its own once the group
@@ -62,6 +64,7 @@ class DeviceWorker:
         self.seq_len: int | None = None
         self.world_ready = False
         self._listener = None        # rank 0's rendezvous socket, from pick_port to init_world
+        self._shard_write = None     # this device's checkpoint files being written
 
     # ------------------------------------------------------------------ where am I
     @ray.method(concurrency_group="control")
@@ -235,6 +238,43 @@ class DeviceWorker:
         self.engine.load_state(states)
         return True
 
+    # ------------------------------------------------------------------ checkpoints
+    def write_checkpoint(self, folder: str, plan_dict: dict) -> int:
+        """Snapshot this device's pieces of a checkpoint (`shard_files.pieces_written`: one replica
+        of each) and write them into `folder` from a thread of their own, so training goes on;
+        `checkpoint_written` waits for the files. Returns the number of files."""
+        from malleus_svc.plan import Plan
+
+        from .shard_files import ShardWrite, pieces_written, snapshot
+
+        self._shard_write = None     # one not collected belonged to a save its coordinator gave up
+        parts = {}
+        if self.engine is not None:
+            live = self.engine.export_state(copy=False)
+            written = pieces_written(Plan.from_dict(plan_dict), self.device_id, self.engine.shape)
+            parts = {part: {n: snapshot(live[n]) for n in names} for part, names in written.items()}
+        self._shard_write = ShardWrite(folder, self.device_id, parts)
+        return len(parts)
+
+    @ray.method(concurrency_group="checkpoint")
+    def checkpoint_written(self) -> dict[str, dict]:
+        """The manifest entries of the files `write_checkpoint` started, once written (on a thread of
+        its own, so training calls are not held up while the files are written)."""
+        write, self._shard_write = self._shard_write, None
+        if write is None:
+            raise RuntimeError(f"device {self.device_id}: no checkpoint write in progress (a fresh worker?)")
+        return write.result()
+
+    def load_checkpoint(self, folder: str, table: dict) -> bool:
+        """Read this device's own rows out of a checkpoint's shard files (a `shard_files.ShardReader`
+        table), verifying each file it opens; False without work."""
+        from .shard_files import ShardReader
+
+        if self.engine is None:
+            return False
+        self.engine.load_checkpoint(ShardReader(folder, self.engine.shape, table))
+        return True
+
     # ------------------------------------------------------------------ live migration
     def migrate(self, old_plan_dict: dict, new_plan_dict: dict, shape, seed: int, optim,
                 bucket_bytes: int, unavailable: Sequence[int] = ()) -> dict[str, Any]:
@@ -345,7 +385,8 @@ def _as_dict(stats: Any) -> dict[str, Any]:
     return dict(vars(stats))
 
 
-# The actor: the methods marked `concurrency_group="control"` run on that group's own thread; the
-# default group keeps max_concurrency=1 so train_step, apply_plan and export_state never overlap.
+# The actor: the methods marked with a concurrency group ("control", "checkpoint") run on that
+# group's own thread; the default group keeps max_concurrency=1 so train_step, apply_plan and export_state never overlap.
 # In order: the group sends apply_update without waiting and relies on it running before the next call.
-WORKER = ray.remote(concurrency_groups={"control": 1}, allow_out_of_order_execution=False)(DeviceWorker)
+WORKER = ray.remote(concurrency_groups={"control": 1, "checkpoint": 1},
+                    allow_out_of_order_execution=False)(DeviceWorker)
