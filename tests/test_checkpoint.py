@@ -405,6 +405,34 @@ def test_error_in_the_writer_thread_surfaces_on_the_next_call(tmp_path):
     assert load_latest(root).step == 7
 
 
+def _lost_writer(folder):
+    def written():
+        raise RuntimeError("device 3 was lost while writing")
+    return written
+
+
+def _embedding_only(folder):
+    from malleus_svc.checkpoint.layout import whole_pieces
+    from malleus_svc.runtime.shard_files import write_part
+
+    name, entry = write_part(folder, "embedding", 0, whole_pieces(make_state(step=4), TINY)["embedding"])
+    return lambda: {name: entry}
+
+
+@pytest.mark.parametrize("write_shards, reason", [
+    (_lost_writer, "RuntimeError: device 3 was lost while writing"),
+    (_embedding_only, r"CheckpointError: .*the pieces of blocks.0.attn_norm.weight cover rows none"),
+])
+def test_a_sharded_save_that_fails_surfaces_on_the_next_call_and_publishes_nothing(tmp_path, write_shards, reason):
+    """The writers' files come back with an error, or do not cover the model: the save fails at the
+    next call, naming why, and no directory (published or temporary) is left."""
+    w = CheckpointWriter(tmp_path)
+    assert w.save_shards_async(write_shards, meta(4)) == tmp_path / "step-00000004"
+    with pytest.raises(CheckpointError, match="checkpoint of step 4 failed: " + reason):
+        w.wait()
+    assert os.listdir(tmp_path) == [] and load_latest(tmp_path) is None
+
+
 def test_save_async_returns_before_the_write_and_the_state_is_the_one_handed_over(tmp_path):
     release, reached = threading.Event(), threading.Event()
 
