@@ -29,10 +29,19 @@ def _plan(pipes, layers):
 
 
 
-def own_state_bytes(group) -> dict[int, int]:
-    """Bytes of parameters + Adam moments each device holds (fp32)."""
-    sizes = group._each("export_state")
-    return {d: sum(3 * s.param.numel() * 4 for s in (states or {}).values()) for d, states in zip(group.live, sizes)}
+def own_state_bytes(plan, shape) -> dict[int, int]:
+    """Bytes of parameters + Adam moments each device holds under `plan` (fp32), from the geometry:
+    nothing is shipped to the driver to count it."""
+    from math import prod
+
+    from malleus_svc.geometry import model_parts, part_tensors
+
+    out = {d: 0 for d in plan.roles()}
+    for part in model_parts(shape.layers):
+        for _, stage in plan.holders(part):
+            for d in stage.devices:
+                out[d] += sum(3 * 4 * prod(t.shard_shape(stage.tp)) for t in part_tensors(shape, part))
+    return out
 
 
 def mark(group) -> dict[int, int]:
@@ -79,7 +88,7 @@ def main(argv: list[str]) -> int:
             group.apply_plan(dp_pp, shape)
             init_peak = peaks(group, held)
             group.step(sampler.next_global_batch())           # Adam moments exist from here on
-            before = own_state_bytes(group)
+            before = own_state_bytes(dp_pp, shape)
             rows += [("init (DP 2 x PP 2)", f"worker {d}", init_peak[d], before[d] // 3) for d in sorted(before)]
             print("recovery ...", flush=True)
             held = mark(group)
@@ -97,7 +106,7 @@ def main(argv: list[str]) -> int:
             held = mark(group)
             group.migrate(tp_pp)
             moved = peaks(group, held)
-            after = own_state_bytes(group)
+            after = own_state_bytes(tp_pp, shape)
             rows += [("migration to TP 2 x PP 2", f"worker {d}", moved[d], max(before[d], after[d]))
                      for d in sorted(after)]
             with tempfile.TemporaryDirectory() as tmp:
