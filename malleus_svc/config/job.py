@@ -15,7 +15,8 @@ Format (YAML or JSON); every scenario section (see scenario.py) plus:
              # file-SD target is written (null: <Ray temp dir>/malleus/metrics_sd)
     checkpoint: {dir: null, every: 0, keep: 3}
              # plan-agnostic checkpoints every `every` steps under `dir` (null/0: none); a job that finds
-             # one there resumes from it, and its coordinator restarts from it if it dies
+             # one there resumes from it, and its coordinator restarts from it if it dies. Each worker
+             # writes its own files there: `dir` must be on a file system every node sees
     control: {window: 5, skip: 3, warmup: 3, skip_after_migration: 2, band: 0.3, threshold: 1.2,
               confirm: 2, min_interval: 3, grace: 0.1, migration_overhead_s: 2.0,
               seconds_per_byte: 2.0e-8, bucket_mb: 64, collective_timeout_s: 120, replace_timeout_s: 60,
