@@ -80,7 +80,8 @@ class CheckpointWriter:
         def produce(tmp: Path) -> dict[str, dict]:
             entries = {}
             for part, states in parts.items():
-                name, entries[name] = write_part(tmp, part, None, states)
+                name, entry = write_part(tmp, part, None, states)
+                entries[name] = entry
                 self._hook(name, tmp / name)
             return entries
         return self._start(meta, produce, make_dir=True)
@@ -95,8 +96,7 @@ class CheckpointWriter:
         build_manifest(meta, {}).to_json()
         tmp = self.root / tmp_dir_name(meta.step)
         try:
-            atomic.remove_tree(tmp)
-            tmp.mkdir()
+            _fresh(tmp)
         except OSError as e:
             raise CheckpointError(f"cannot create {tmp.name}: {type(e).__name__}: {e}", self.root) from e
         try:
@@ -168,8 +168,7 @@ class CheckpointWriter:
         step = int(meta.step)
         tmp, final = self.root / tmp_dir_name(step), self.root / step_dir_name(step)
         if make_dir:
-            atomic.remove_tree(tmp)
-            tmp.mkdir()
+            _fresh(tmp)
         try:
             entries = {name: FileEntry(e["sha256"], int(e["bytes"]), e["part"], e["tensors"])
                        for name, e in produce(tmp).items()}
@@ -198,6 +197,12 @@ class CheckpointWriter:
             if old != keep:
                 atomic.retire(old)
                 log.info("retention (keep_last=%d): removed %s", self.keep_last, old)
+
+
+def _fresh(tmp: Path) -> None:
+    """An empty working directory (what a writer of the same step in this process left is dropped)."""
+    atomic.remove_tree(tmp)
+    tmp.mkdir()
 
 
 def clean_stale(root: Path) -> list[Path]:
