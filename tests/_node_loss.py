@@ -40,6 +40,14 @@ def train(cfg, out: Path, **kwargs) -> tuple[int, list[dict]]:
     return rc, [json.loads(x) for x in out.read_text().splitlines()]
 
 
+T0 = time.monotonic()
+
+
+def mark(what: str) -> None:
+    """Progress on stderr (the test shows its tail if the scenario fails): where the time goes."""
+    print(f"[node-loss {time.monotonic() - T0:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+
 SLOW = 40.0   # emulated slowdown (sleeps only) that keeps a job running while a node starts
 
 
@@ -110,7 +118,11 @@ def main() -> int:
 
     # The head runs the driver and the coordinators (0 CPUs: no worker lands there); each other
     # Ray node has room for exactly one logical node's two workers.
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    # A killed raylet is declared dead after 3 failed health checks a second apart (Ray's defaults:
+    # 5, 3 s apart), so the test waits less for what it is not testing.
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": False,
+        "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}})
     for _ in range(2):
         cluster.add_node(num_cpus=2)
     tmp = Path(tempfile.mkdtemp(prefix="malleus-node-loss-"))
@@ -118,7 +130,9 @@ def main() -> int:
         ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
                  log_to_driver=False)
         cluster.wait_for_nodes()
+        mark("cluster of 3 nodes up")
         rc_ref, reference = train(job("nl-ref"), tmp / "ref.jsonl")
+        mark("reference run done")
         result = {"rc_ref": rc_ref, "reference": reference, "events": []}
 
         faulted = start_job(job("nl-fault", tmp / "ckpt-fault"), tmp / "fault.jsonl")
@@ -138,18 +152,23 @@ def main() -> int:
             assert st["state"] not in ("done", "failed"), st
             time.sleep(0.1)
         result["shrunk"] = st
+        mark("recovered over the survivors")
         result.update(grow(cluster, faulted))
+        mark("node rejoined, faulted run done")
 
         # Elastic start: one logical node cannot be placed at start-up; it joins later.
         driver = ray.get_runtime_context().get_node_id()    # the coordinators sit beside the driver
         spare = next(n for n in cluster.list_all_nodes() if not n.is_head() and n.node_id != driver)
         remove(cluster, spare)
+        mark("spare node removed")
         grown = start_job(job("nl-grow", tmp / "ckpt-grow"), tmp / "grow.jsonl", slow=True)
         while (st := ray.get(grown["handle"].status.remote()))["state"] != "training":
             assert st["state"] not in ("done", "failed"), st
             time.sleep(0.2)
         result["grow_start"] = st
+        mark("elastic start training")
         result["grow"] = grow(cluster, grown)
+        mark("grown, elastic run done")
         print("RESULT " + json.dumps(result, default=str))
         return 0
     except BaseException:

@@ -39,6 +39,19 @@ def python_exe() -> str:
     return sys.executable
 
 
+def pytest_collection_finish(session):
+    """The node-loss scenario starts in the background as soon as the session is known to run a test
+    of it (tests/test_node_loss.py), and is stopped at the end if no test waited for it."""
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if module is not None and module.__name__ == "test_node_loss":
+            module.launch()
+            session.config.add_cleanup(module.stop)
+            return
+
+
 def pytest_terminal_summary(terminalreporter, config):
     """The random order's seed also under -q (pytest-randomly prints it only in the header)."""
     seed = getattr(config.option, "randomly_seed", None)

@@ -3,12 +3,15 @@ over the survivors without restarting them, takes the new node's devices back in
 ends on the uninterrupted run's losses with every global batch used exactly once.
 
 The cluster is several real raylets on this machine (`ray.cluster_utils.Cluster`), so the scenario
-runs in a subprocess (tests/_node_loss.py): a process joins one Ray cluster only."""
+runs in a subprocess (tests/_node_loss.py): a process joins one Ray cluster only. It starts when
+the session does, beside the other tests (`launch`)."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,13 +19,37 @@ import pytest
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 SCRIPT = Path(__file__).with_name("_node_loss.py")
+_run: dict = {}
+
+
+def launch() -> None:
+    """Start the scenario (once per session). It mostly waits (Ray nodes starting, timeouts running
+    out), so conftest starts it as soon as the session is known to need it, and other tests run
+    meanwhile. Output goes to files: a full pipe would stall it."""
+    if not _run:
+        out, err = (tempfile.TemporaryFile("w+") for _ in range(2))
+        _run.update(out=out, err=err, proc=subprocess.Popen([sys.executable, str(SCRIPT)], stdout=out, stderr=err))
+
+
+def stop() -> None:
+    """An interrupted session: end the scenario as Ctrl-C would (it then removes its Ray nodes)."""
+    if _run and _run["proc"].poll() is None:
+        _run["proc"].send_signal(signal.SIGINT)
+        try:
+            _run["proc"].wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            _run["proc"].kill()
 
 
 @pytest.fixture(scope="module")
 def outcome() -> dict:
-    proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=900)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    launch()
+    proc, out, err = _run["proc"], _run["out"], _run["err"]
+    proc.wait(timeout=900)
+    out.seek(0)
+    err.seek(0)
+    lines = [x for x in out.read().splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, err.read()[-4000:]
     return json.loads(lines[-1][len("RESULT "):])
 
 

@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -153,12 +154,16 @@ def test_the_readme_job_commands_work_as_typed(head):
     filed = head.env | {"HOME": str(head.dir / "other")}          # another cluster's token in ~/.ray/auth_token
     (head.dir / "other" / ".ray").mkdir(parents=True)
     (head.dir / "other" / ".ray" / "auth_token").write_text(secrets.token_hex(32))
-    for env, cause in ((bare, "this client sent none"), (wrong, "refused the authentication token from RAY_AUTH_TOKEN"),
-                       (filed, f"refused the authentication token from {head.dir / 'other' / '.ray' / 'auth_token'}")):
-        for command in ("malleus status tiny", "malleus submit examples/tiny_job.yaml"):
-            p = head.run(command, check=False, env=env)
-            assert p.returncode == 2 and p.stderr.count("\n") == 1, (command, p.stderr)
-            assert cause in p.stderr and "export RAY_AUTH_TOKEN" in p.stderr, (command, p.stderr)
+    cases = [(command, env, cause)
+             for env, cause in ((bare, "this client sent none"),
+                                (wrong, "refused the authentication token from RAY_AUTH_TOKEN"),
+                                (filed, f"refused the authentication token from {head.dir / 'other' / '.ray' / 'auth_token'}"))
+             for command in ("malleus status tiny", "malleus submit examples/tiny_job.yaml")]
+    with ThreadPoolExecutor(len(cases)) as pool:    # independent clients: side by side
+        answers = list(pool.map(lambda c: head.run(c[0], check=False, env=c[1]), cases))
+    for (command, _, cause), p in zip(cases, answers):
+        assert p.returncode == 2 and p.stderr.count("\n") == 1, (command, p.stderr)
+        assert cause in p.stderr and "export RAY_AUTH_TOKEN" in p.stderr, (command, p.stderr)
 
 
 def test_status_of_a_job_that_ran_all_its_steps(head):

@@ -165,7 +165,7 @@ class ControlConfig:
     seconds_per_byte: float = 2e-8       # 50 MB/s: conservative until a migration was measured
     bucket_mb: int = 64                  # migration transfer bucket
     collective_timeout_s: float = 120.0  # a collective slower than this is a failure
-    replace_timeout_s: float = 60.0      # a lost device with no new worker by then is gone
+    replace_timeout_s: float = 60.0      # a lost (or, at start, unplaced) device with no worker by then is gone
     rejoin_check_s: float = 5.0          # while devices are gone, how often to look for them
     length_window: int = 50              # batches of length statistics kept
 

@@ -22,8 +22,9 @@ joins the world concurrently. A failed rendezvous is retried.
 Devices gone for good. A lost device whose bundle cannot host a new worker within
 `replace_timeout_s` (its node left the cluster: Ray re-places the node's placement group only once
 a node with room joins) is *gone*: the world is rebuilt over the rest (groups.world_rank maps
-device ids to the denser ranks) and the caller supplies a plan without it. When its placement
-group is placed again, `rejoin` brings it back the same way.
+device ids to the denser ranks) and the caller supplies a plan without it. At start, a logical
+node that cannot be placed within the same time starts out gone. When its placement group is
+placed again, `rejoin` brings it back the same way.
 """
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ from .data import check_assignment, split_for_plan
 from .worker import WORKER
 
 log = logging.getLogger(__name__)
+
+HANG_MARGIN_S = 10.0   # past the collective timeout, a step that has neither returned nor failed hangs
 
 
 class WorkerGroupError(RuntimeError):
@@ -162,6 +165,8 @@ class WorkerGroup:
         self._started = False
         self._data_args: tuple | None = None   # (spec, mode, seq_len): a replacement worker needs them too
         self._inflight: dict = {}              # train_step refs of the step in progress -> device
+        self._inflight_since = 0.0             # when they were dispatched (time.monotonic)
+        self._longest_step_s = 0.0             # the longest step so far: how late a collective may be posted
         self._updates: dict = {}               # apply_update refs of the last finished step -> device
         self.last_recovery_error: str | None = None
         self.device_pace = None                # the emulated accelerator's speed (CPU workers), once paced
@@ -194,11 +199,18 @@ class WorkerGroup:
             k = min(self.gpus_per_node, self.num_devices - n * self.gpus_per_node)
             self.placement_groups.append(placement_group([self._bundle()] * k, strategy="STRICT_PACK",
                                                          name=f"{self.name}-node{n}"))
-        # Elastic start: logical nodes that cannot be placed by the deadline start out gone (their
-        # placement groups stay pending; `rejoin` brings them in once Ray places them).
-        deadline = time.monotonic() + self.timeout_s
+        # Elastic start: logical nodes that cannot be placed within replace_timeout_s (the same wait
+        # after which a lost device's bundle counts as gone) start out gone (their placement groups
+        # stay pending; `rejoin` brings them in once Ray places them). The job waits up to
+        # timeout_s for its first node.
+        start = time.monotonic()
+        deadline = start + self.replace_timeout_s
         unplaced = [n for n, pg in enumerate(self.placement_groups)
                     if not pg.wait(timeout_seconds=max(0.0, deadline - time.monotonic()))]
+        if len(unplaced) == nodes:
+            ray.wait([pg.ready() for pg in self.placement_groups], num_returns=1,
+                     timeout=max(0.0, start + self.timeout_s - time.monotonic()))
+            unplaced = [n for n, pg in enumerate(self.placement_groups) if not pg.wait(timeout_seconds=0)]
         if len(unplaced) == nodes:
             pg = self.placement_groups[0]
             raise WorkerGroupError(
@@ -208,7 +220,7 @@ class WorkerGroup:
         if unplaced:
             self.gone = {d for d in range(self.num_devices) if d // self.gpus_per_node in unplaced}
             log.warning("logical nodes %s could not be placed within %g s: starting without devices %s; they join "
-                        "when Ray can place them", unplaced, self.timeout_s, sorted(self.gone))
+                        "when Ray can place them", unplaced, self.replace_timeout_s, sorted(self.gone))
 
     def _remove_stale(self, nodes: int) -> None:
         """Placement groups of this name left by a predecessor that died (a coordinator that Ray
@@ -448,7 +460,7 @@ class WorkerGroup:
         roles = plan.roles()
         devices = sorted(roles)
         refs = [self.workers[d].train_step.remote(splits[roles[d].pipeline], loss_tokens) for d in devices]
-        self._inflight = dict(zip(refs, devices))
+        self._inflight, self._inflight_since = dict(zip(refs, devices)), time.monotonic()
         per = {r["device"]: r for r in self._get(refs, f"train_step {self._step}", devices=devices)}
         # Each worker ran the last step's update before this step (below): part of this iteration.
         for d, u in self._take_updates().items():
@@ -461,6 +473,7 @@ class WorkerGroup:
         # could reconcile. Not waited for: Ray runs one caller's calls to an actor in order (the
         # worker allows no out-of-order execution), so every later call sees the update applied.
         self._updates = {self.workers[d].apply_update.remote(): d for d in devices}
+        self._longest_step_s = max(self._longest_step_s, time.perf_counter() - t0)
         return self._record(plan, per, sample_ids, time.perf_counter() - t0)
 
     def _take_updates(self) -> dict[int, dict]:
@@ -507,9 +520,13 @@ class WorkerGroup:
         """
         t0 = time.perf_counter()
         refs, self._inflight = self._inflight, {}
-        # every survivor's train_step ends by the collective timeout (it errors out); what has not
-        # ended by then, with a margin, hangs
-        done, stuck = ray.wait(list(refs), num_returns=len(refs), timeout=self.timeout_s + 10) if refs else ([], [])
+        # Every survivor's train_step ends by the collective timeout (it errors out), counted from
+        # when it posted the collective, which is within about a step's time of the dispatch; what
+        # has not ended by then, with a margin, hangs. Anchored at the dispatch, not now: the
+        # caller has already waited for the first error, most of a timeout.
+        deadline = self._inflight_since + self.timeout_s + HANG_MARGIN_S + 2 * self._longest_step_s
+        done, stuck = (ray.wait(list(refs), num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
+                       if refs else ([], []))
         lost = {refs[r] for r in stuck}
         for r in done:
             try:
