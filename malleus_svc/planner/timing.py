@@ -16,6 +16,7 @@ finish estimated, so later stages' reductions hide behind the drain as they do t
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -49,23 +50,28 @@ def iteration_time(problem: PlannerProblem, pipes: Sequence[PipelineTimes]) -> f
     g = problem.comm.grad_sync_per_block
     if not g:
         return max(ends)
-    L = problem.num_layers
-    smallest, holders, latest = [0] * L, [0] * L, [0.0] * L
-    stages = []   # (first block, end block)
+    # Blocks in runs between consecutive stage boundaries of any pipeline: within a run every block
+    # has the same holders, so the cost is per run, not per block (10,000 blocks stay cheap).
+    bounds = sorted({0, problem.num_layers} | {a for p in pipes for a in itertools.accumulate(p.layers)})
+    runs = list(zip(bounds, bounds[1:]))
+    smallest, holders, latest = [0] * len(runs), [0] * len(runs), [0.0] * len(runs)
+    stages = []   # (first run, end run) of each stage holding blocks
     for p, w in zip(pipes, ends):
-        start, finish = 0, w
+        k, start, finish = 0, 0, w
         for t, n, size in zip(p.times, p.layers, p.sizes):
-            for b in range(start, start + n):
-                smallest[b] = size if not smallest[b] else min(smallest[b], size)
-                holders[b] += 1
-                latest[b] = max(latest[b], finish)
-            stages.append((start, start + n))
+            first = k
+            while k < len(runs) and runs[k][1] <= start + n:
+                smallest[k] = size if not smallest[k] else min(smallest[k], size)
+                holders[k] += 1
+                latest[k] = max(latest[k], finish)
+                k += 1
+            stages.append((first, k))
             finish -= BACKWARD_SHARE * t
             start += n
-    cost = [g / smallest[b] if holders[b] > 1 else 0.0 for b in range(L)]
+    cost = [g * (b - a) / smallest[k] if holders[k] > 1 else 0.0 for k, (a, b) in enumerate(runs)]
     last = max(ends)
-    for a, b in stages:
-        sync = sum(cost[a:b])
+    for first, end in stages:
+        sync = sum(cost[first:end])
         if sync:
-            last = max(last, max(latest[a:b]) + sync)
+            last = max(last, max(latest[first:end]) + sync)
     return last
