@@ -59,3 +59,18 @@ def test_full_ranks_finalists_like_the_simulator():
     paper = [evaluate(replace(p, objective="paper"), c) for c in cands]
     assert spearman(full, sim) >= 0.9
     assert spearman(full, sim) > spearman(paper, sim)
+
+
+@pytest.mark.parametrize("objective", ["bubble", "full"])
+def test_fill_drain_lower_bound_holds_and_beats_the_papers(objective):
+    """search.lower_bound with fill and drain, at the capacity of a plan's own groups: below the
+    plan's objective, above the paper's M·L/C."""
+    from malleus_svc.planner.grouping import group_rate
+    from malleus_svc.planner.search import lower_bound
+
+    for setup, situation in (("70b-64gpu", "authors"), ("32b-32gpu", "slow-node"), ("110b-64gpu", "mild")):
+        p = build_problem(paper_scenario(setup, situation), objective=objective)
+        for c in plan(p).finalists:
+            capacity = sum(1 / group_rate(p, s.devices) for pipe in c.pipelines for s in pipe.stages)
+            bound = lower_bound(p, capacity)
+            assert p.num_micro_batches * p.num_layers / capacity < bound <= evaluate(p, c) + 1e-9

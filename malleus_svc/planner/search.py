@@ -265,8 +265,20 @@ def ideal_objective(problem: PlannerProblem, deadline: Deadline = NEVER) -> floa
 
 
 def lower_bound(problem: PlannerProblem, capacity: float) -> float:
-    """M·L / Σ_g 1/y_g: no organisation of groups with this total capacity can do better."""
-    return problem.num_micro_batches * problem.num_layers / capacity
+    """No organisation of groups with this total capacity C = Σ_g 1/y_g can do better.
+
+    'paper': M·L/C. With fill and drain ('bubble', 'full'): a pipeline takes at least
+    (m_i - 1)·z_i + Σ_j y_ij·l_ij >= (m_i - 1)·L/c_i + L (every y >= 1), so summing m_i - 1 <= (w - L)·c_i/L
+    over at most `max_pipelines` pipelines gives w >= L + (M - P)·L/C."""
+    L, M = problem.num_layers, problem.num_micro_batches
+    if problem.objective == "paper":
+        return M * L / capacity
+    return L + max(0, M - max_pipelines(problem)) * L / capacity
+
+
+def max_pipelines(problem: PlannerProblem) -> int:
+    """The most pipelines any organisation may have (`_pipeline_counts` never goes beyond it)."""
+    return 2 * problem.dp if problem.allow_reshape else problem.dp
 
 
 def max_combinations(problem: PlannerProblem, num_groups: int) -> int:
@@ -340,7 +352,7 @@ def _pipeline_counts(problem: PlannerProblem, num_groups: int) -> list[int]:
     if problem.allow_reshape:
         ps |= {dp - 1, dp + 1}
         ps |= {d for d in range(max(1, dp // 2), 2 * dp + 1) if num_groups % d == 0}
-    return sorted((p for p in ps if 1 <= p <= num_groups), key=lambda p: (abs(p - dp), p))
+    return sorted((p for p in ps if 1 <= p <= min(num_groups, max_pipelines(problem))), key=lambda p: (abs(p - dp), p))
 
 
 def _organise(problem: PlannerProblem, scorer: Scorer, groups: Sequence[Group], counts: Sequence[int],
