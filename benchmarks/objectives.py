@@ -128,7 +128,7 @@ def summary_lines(rows: list[Row]) -> str:
              + ", ".join(f"{o} {s['mean_rho'][o]:+.3f}" for o in ORDER) + f" over {len(rows)} scenarios)."]
     if s["slower"]:
         lines.append("- A plan is faster in simulation than the default objective's on: " + "; ".join(
-            f"{r.name} ({c}, {100 * (1 / r.ratio(c) - 1):.1f}% faster)" for r, c in s["slower"]) + ".")
+            f"{r.name} ({c}, {100 * (1 / r.ratio(c) - 1):.2f}% faster)" for r, c in s["slower"]) + ".")
     else:
         lines.append(f"- The default objective's plan is never slower in simulation than the other objectives' "
                      f"plans, the authors' or the baselines ({len(rows)} scenarios).")
