@@ -79,6 +79,7 @@ import numpy as np
 from malleus_svc.plan import Pipeline, Plan, Stage
 from malleus_svc.runtime.rendezvous import join, listen
 from .planner import write_section
+from .ranks import kendall, spearman
 
 LAYERS = 8       # the `small` preset
 DEVICES = 2
@@ -573,7 +574,30 @@ def run(steps: int, rounds: int, mbs: int, seq_len: int, repeats: int = 100,
                     "predicted_without_handoff_corun_s": bare, "error_without_handoff_corun": (bare - T) / T,
                     "cpu_at_min_s": s.summary()["cpu_at_min_s"], "times_s": list(s.times),
                     "pace_ops": s.pace_ops, "pace_held": s.pace_held()})
+    fitted = [(sim_seconds(p, a, mbs, seq_len, a_terms), samples[n].stat()) for n, (_, p) in profiles.items()]
+    coeffs["ranks"] = rank_agreement([(r["predicted_s"], r["measured_s"]) for r in out], fitted)
     return coeffs, out
+
+
+def rank_agreement(validation: Sequence[tuple[float, float]], fitted: Sequence[tuple[float, float]]) -> dict:
+    """Does the simulator (fit A) order plans as the runtime does? Spearman and Kendall over the
+    validation plans (not fitted on), and over those with the profiling plans (fitted on) added;
+    pairs are (predicted s, measured s)."""
+    out = {}
+    for name, pairs in (("validation", list(validation)), ("all", list(validation) + list(fitted))):
+        pred, meas = [a for a, _ in pairs], [b for _, b in pairs]
+        out[name] = {"plans": len(pairs), "spearman": spearman(pred, meas), "kendall": kendall(pred, meas)}
+    return out
+
+
+def _ranks_line(coeffs: dict) -> str:
+    r = coeffs.get("ranks")
+    if not r:
+        return ""
+    v, a = r["validation"], r["all"]
+    return (f"Rank agreement, simulate() (fit A) vs measured: Spearman {v['spearman']:+.2f}, Kendall "
+            f"{v['kendall']:+.2f} over the {v['plans']} validation plans; {a['spearman']:+.2f} / {a['kendall']:+.2f} "
+            f"over all {a['plans']} plans (the profiling runs included, which the fit saw).\n\n")
 
 
 def _coeff_dict(fit: ComputeFit, terms: Terms) -> dict:
@@ -652,7 +676,7 @@ def table(coeffs: dict, rows: list[dict]) -> str:
             notes.append(f"fit {label}: {' and '.join(small)} within 3x the fit RMS ({c['fit_rms_s'] * 1e3:.1f} ms) "
                          "of zero, or negative: not identified by these runs")
     tail = ("\n\nNot identified: " + "; ".join(notes) + ".") if notes else ""
-    return head + "\n".join(out) + tail
+    return head + _ranks_line(coeffs) + "\n".join(out) + tail
 
 
 def rescore(path: Path, which: str, mbs: int = 1, seq_len: int = 128) -> list[float]:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from .config import ConfigError, load_scenario, validate_rates
+from .config.scenario import DEFAULT_OBJECTIVE, OBJECTIVES
 from .plan import Plan, PlanError
 from .service import commands
 from .service.commands import parse_rate_assignments
@@ -167,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--previous", help="the plan in force now (JSON); prefer plans that move little state from it")
     p.add_argument("-o", "--output", help="write the plan as JSON here")
     p.add_argument("--rate", action="append", default=[], metavar="DEVICE=RATE", help="override a straggling rate")
-    p.add_argument("--objective", choices=("paper", "bubble", "full"), help="override the scenario's objective")
+    p.add_argument("--objective", choices=OBJECTIVES,
+                   help=f"override the scenario's objective (default: the scenario's, else {DEFAULT_OBJECTIVE})")
     p.add_argument("--json", action="store_true", help="also print the plan JSON")
     p.set_defaults(func=cmd_plan)
 

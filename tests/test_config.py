@@ -1,5 +1,6 @@
 """Scenario files: presets, defaults from the cost model, and clear errors for bad input."""
 import copy
+import dataclasses
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -45,6 +46,19 @@ def test_defaults_come_from_the_model_shape():
     assert list(p.memory.layer_mb) == sorted(p.memory.layer_mb, reverse=True)
     assert p.t0_seconds == pytest.approx(analytic.block_seconds(PRESETS["llama-32b"], 4, 1, analytic.DeviceSpec()))
     assert p.state_sizes.block == PRESETS["llama-32b"].block_params() * 12
+
+
+def test_the_default_objective_is_full_and_paper_stays_available():
+    from malleus_svc.planner import PlannerProblem
+    from malleus_svc.config.scenario import DEFAULT_OBJECTIVE
+
+    assert DEFAULT_OBJECTIVE == "full"
+    assert build_problem(Scenario.from_dict(GOOD)).objective == "full"    # no planner section
+    fields = {f.name: f for f in dataclasses.fields(PlannerProblem)}
+    assert fields["objective"].default == "full"
+    d = copy.deepcopy(GOOD)
+    d["planner"] = {"objective": "paper"}
+    assert build_problem(Scenario.from_dict(d)).objective == "paper"
 
 
 def test_memory_extrapolates_beyond_the_listed_depths():

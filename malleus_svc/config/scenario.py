@@ -17,7 +17,7 @@ Format (YAML or JSON; see README "Scenario format"):
     device:   {peak_tflops: 312, efficiency: 0.45, intra_node_gbps: 200, inter_node_gbps: 25}
     rates:    {5: 8.0, 10: 2.0}          # device id -> straggling rate; missing means 1.0
     excluded: [3]                        # devices not part of the job (dead, drained)
-    planner:  {objective: paper, straggler_threshold: 1.2, time_limit_s: 10, time_budget_s: 60, mip_gap: 0,
+    planner:  {objective: full, straggler_threshold: 1.2, time_limit_s: 10, time_budget_s: 60, mip_gap: 0,
                solver: closed_form, allow_split: true, allow_reshape: true}
 """
 from __future__ import annotations
@@ -43,6 +43,9 @@ SCENARIO_KEYS = ("name", "cluster", "model", "parallel", "batch", "profile", "de
 _SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelShape))
 NAME_PATTERN = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_NAME}}}")   # safe in actor names, paths, logs
 OBJECTIVES = ("paper", "bubble", "full")          # the planner's objectives (planner.problem)
+# 'full' ranks plans as the event simulator times them (1F1B fill and drain, p2p, gradient reduction;
+# BENCHMARKS.md, objectives); 'paper' is the Malleus paper's m_i·z_i, kept for its worked examples.
+DEFAULT_OBJECTIVE = "full"
 SOLVERS = ("closed_form", "highs", "both")        # how the planner's lower level is solved (planner.lower)
 
 

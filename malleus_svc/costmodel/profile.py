@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+BACKWARD_RATIO = 2.0   # a block's backward time / its forward time (weights and inputs: twice the work)
+
 
 @dataclass(frozen=True)
 class MemoryProfile:

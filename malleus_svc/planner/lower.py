@@ -183,12 +183,15 @@ def solve_layers(rates: Sequence[float], mem_factors: Sequence[float], num_layer
 
 def solve_micro_batches(z: Sequence[float], stages: Sequence[int], num_micro_batches: int, objective: str = "paper",
                         solver: str = "closed_form", prefer: Sequence[int] | None = None,
-                        time_limit_s: float = 10.0, mip_gap: float = 0.0) -> DataSolution | None:
+                        time_limit_s: float = 10.0, mip_gap: float = 0.0,
+                        fill: Sequence[float] | None = None) -> DataSolution | None:
     """ILP-2: micro-batches per pipeline minimising the slowest pipeline's iteration time.
 
     'paper':           min max_i m_i * z_i,               m_i >= S_i (as the authors' code)
-    'bubble' / 'full': min max_i (m_i + S_i - 1) * z_i,   m_i >= 1   (1F1B fill/drain included)
+    'bubble' / 'full': min max_i m_i * z_i + f_i,         m_i >= 1   (1F1B fill/drain included)
     s.t. sum_i m_i = M, m_i integer. Returns None when the lower bounds sum to more than M.
+    f_i is `fill[i]` when given ('full': Σ_j t_ij - z_i, `timing.fill_drain`), else (S_i - 1)·z_i
+    (equal stages).
     Tie-break as in the module docstring (default: balanced; `prefer`: L1-closest).
     """
     zz = _floats("z", z, positive=True)
@@ -199,6 +202,8 @@ def solve_micro_batches(z: Sequence[float], stages: Sequence[int], num_micro_bat
         raise ValueError(f"stages has {len(stages)} entries, z has {p}: one per pipeline")
     for i, st in enumerate(stages):
         _check_count(f"stages[{i}]", st, minimum=1)
+    if fill is not None and (len(fill) != p or not all(math.isfinite(f) and f >= 0 for f in fill)):
+        raise ValueError(f"fill must be {p} finite times >= 0 (one per pipeline), got {list(fill)}")
     _check_count("num_micro_batches", num_micro_batches, minimum=1)
     if objective not in OBJECTIVES:
         raise ValueError(f"objective {objective!r} is not one of {OBJECTIVES}")
@@ -208,7 +213,7 @@ def solve_micro_batches(z: Sequence[float], stages: Sequence[int], num_micro_bat
         b = [0.0] * p
         lo = [int(st) for st in stages]
     else:
-        b = [(st - 1) * zi for st, zi in zip(stages, zz)]
+        b = [(st - 1) * zi for st, zi in zip(stages, zz)] if fill is None else [float(f) for f in fill]
         lo = [1] * p
     hi = [int(num_micro_batches)] * p
 

@@ -17,7 +17,7 @@ Two generators, one scorer:
     pipelines (slowest first), then a bounded local search moving one special group at a time.
   * `Scorer`: ILP-1 per pipeline (memoised on the pipeline's (y, h, extra) signature: templates
     repeat pipelines massively) and ILP-2, returning the paper's objective or its
-    bubble-aware variants.
+    bubble-aware variants ('full': `timing.iteration_time`).
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from .budget import NEVER, Deadline
 from .grouping import Group
 from .lower import LayerSolution, solve_layers, solve_micro_batches
 from .problem import PlannerProblem
+from .timing import PipelineTimes, fill_drain, iteration_time
 
 NORMAL = -1   # a placeholder for a normal group in a template
 Template = tuple[tuple[int, ...], ...]   # per pipeline: special-group indices then NORMAL slots
@@ -98,30 +99,6 @@ class Scorer:
         return solve_layers(ys, [float(h) for h in hs], p.num_layers, p.memory, extra=extra,
                             solver=p.solver, prefer=prefer, time_limit_s=p.time_limit_s, mip_gap=p.mip_gap)
 
-    def grad_term(self, layers: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> float:
-        """Gradient reduction after the last backward: the slowest stage's share of it.
-
-        A block's gradients are reduced slice by slice among the pipelines that hold it, so the
-        device of the SMALLEST group holding the block carries the largest slice: the block costs
-        g / (that size) on every holder, and nothing when a single pipeline holds it.
-        """
-        g = self.problem.comm.grad_sync_per_block
-        if self.objective != "full" or not g:
-            return 0.0
-        smallest: list[int] = [0] * self.problem.num_layers
-        holders: list[int] = [0] * self.problem.num_layers
-        spans = []
-        for ls, ss in zip(layers, sizes):
-            start = 0
-            for count, size in zip(ls, ss):
-                spans.append((start, start + count))
-                for b in range(start, start + count):
-                    smallest[b] = size if not smallest[b] else min(smallest[b], size)
-                    holders[b] += 1
-                start += count
-        cost = [g / smallest[b] if holders[b] > 1 else 0.0 for b in range(self.problem.num_layers)]
-        return max((sum(cost[a:b]) for a, b in spans), default=0.0)
-
     def score(self, pipelines: Sequence[Sequence[tuple[float, int]]],
               extras: Sequence[Sequence[float]] | None = None,
               sizes: Sequence[Sequence[int]] | None = None,
@@ -138,15 +115,22 @@ class Scorer:
             sols.append(sol)
         stages = [sum(1 for l in s.layers if l > 0) if self.effective_stages else len(s.layers) for s in sols]
         p = self.problem
+        full = self.objective == "full"
+        times = [tuple(y * l + (extras[i][j] if extras is not None else 0.0)
+                       for j, ((y, _), l) in enumerate(zip(pipe, sol.layers)) if l > 0)
+                 for i, (pipe, sol) in enumerate(zip(pipelines, sols))] if full else None
         data = solve_micro_batches([s.z for s in sols], stages, p.num_micro_batches, self.objective,
                                    solver=p.solver, prefer=prefer_micro_batches,
-                                   time_limit_s=p.time_limit_s, mip_gap=p.mip_gap)
+                                   time_limit_s=p.time_limit_s, mip_gap=p.mip_gap,
+                                   fill=[fill_drain(t) for t in times] if full else None)
         if data is None:
             return None
         layers = tuple(s.layers for s in sols)
         obj = data.w
-        if sizes is not None:
-            obj += self.grad_term(layers, sizes)
+        if full and sizes is not None:
+            obj = iteration_time(p, [PipelineTimes(m, t, tuple(l for l in ls if l > 0),
+                                                   tuple(g for g, l in zip(ss, ls) if l > 0))
+                                     for m, t, ls, ss in zip(data.micro_batches, times, layers, sizes)])
         return Score(obj, tuple(s.z for s in sols), layers, data.micro_batches)
 
 

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..config.scenario import DEFAULT_OBJECTIVE
 from ..costmodel.profile import CommCosts, MemoryProfile
 from ..plan import StateSizes
 
@@ -31,7 +32,7 @@ class PlannerProblem:
     tp_alpha: tuple[float, ...]     # slowdown of a block on tp/2^r devices instead of tp, r = 0, 1, ...
     memory: MemoryProfile
     excluded: frozenset[int] = frozenset()   # dead or user-excluded devices: never planned
-    objective: Objective = "paper"
+    objective: Objective = DEFAULT_OBJECTIVE   # type: ignore[assignment]  # the default lives in config
     comm: CommCosts = CommCosts()
     t0_seconds: float = 1.0
     straggler_threshold: float = 1.2        # τ: rates below it count as healthy

@@ -17,11 +17,11 @@ Keeping it fast:
   * ILP-1 is memoised on the pipeline signature (y, h, extra).
 
 Objectives ('paper', 'bubble', 'full') are those of `lower`; for 'full', z_ij includes the p2p
-time of the stage's boundaries (intra- or inter-node, `organize.p2p_extras`) and the objective
-adds the gradient reduction of the slowest stage after the max over pipelines (each block costs
-grad_sync_per_block / the smallest group holding it, `Scorer.grad_term`). That
-coupling term is evaluated exactly (in `evaluate` and when choosing among finalists) but
-optimised only through the candidate search, not inside the ILPs.
+time of the stage's boundaries (intra- or inter-node, `organize.p2p_extras`), a pipeline's fill and
+drain are its stages' own times, and the gradient reduction of each stage starts when the stages
+sharing its blocks have finished (`timing.iteration_time`). That coupling term is evaluated exactly
+(in `evaluate` and when choosing among finalists) but optimised only through the candidate search,
+not inside the ILPs.
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ from .organize import (Score, Scorer, Template, TooManyTemplates, dfs_templates,
                        greedy_templates, improve, p2p_extras, score_template, stage_plans)
 from ..config.scenario import OBJECTIVES
 from .problem import PlannerProblem
+from .timing import PipelineTimes, fill_drain, iteration_time
 
 NEAR_OPTIMAL = 0.005        # plans within 0.5% of the best compete on migration bytes
 DFS_BUDGET = 4000           # DFS visits per (combination, P) before switching to the greedy generator
@@ -61,6 +62,7 @@ class PlannerResult:
     ilp1_calls: int = 0             # ILP-1 solves actually run (after memoisation)
     moved_bytes: float | None = None  # vs `previous`, when given
     notes: list[str] = field(default_factory=list)
+    finalists: list[Plan] = field(default_factory=list)   # the concrete plans `plan` chose among
 
 
 @dataclass(order=True)
@@ -136,23 +138,26 @@ def plan(problem: PlannerProblem, previous: Plan | None = None,
     chosen = _finish(problem, chosen, ideal, elapsed, {"pipelines": len(chosen.pipelines), "candidates": combos,
                                                        **_budget_note(deadline)})
     return PlannerResult(chosen, chosen.objective_value, ideal, combos, elapsed, templates[0],
-                         scorer.ilp1_calls, moved, _budget_notes(deadline, combos))
+                         scorer.ilp1_calls, moved, _budget_notes(deadline, combos), plans)
 
 
 def evaluate(problem: PlannerProblem, plan: Plan) -> float:
     """Objective of `plan` under `problem`'s rates (same definition as the planner's)."""
-    z, sizes, layers = [], [], []
-    for pipe in plan.pipelines:
-        nodes = [plan.node_of(s.devices[0]) for s in pipe.stages]
-        ex = p2p_extras(problem, nodes) if problem.objective == "full" else (0.0,) * len(nodes)
-        z.append(max(group_rate(problem, s.devices) * s.num_layers + e for s, e in zip(pipe.stages, ex)))
-        sizes.append([s.tp for s in pipe.stages])
-        layers.append([s.num_layers for s in pipe.stages])
+    times = [_stage_times(problem, plan, pipe) for pipe in plan.pipelines]
+    if problem.objective == "full":
+        return iteration_time(problem, [PipelineTimes(p.micro_batches, t, tuple(s.num_layers for s in p.stages),
+                                                      tuple(s.tp for s in p.stages))
+                                        for p, t in zip(plan.pipelines, times)])
     if problem.objective == "paper":
-        w = max(p.micro_batches * zi for p, zi in zip(plan.pipelines, z))
-    else:
-        w = max((p.micro_batches + len(p.stages) - 1) * zi for p, zi in zip(plan.pipelines, z))
-    return w + Scorer(problem).grad_term(layers, sizes)
+        return max(p.micro_batches * max(t) for p, t in zip(plan.pipelines, times))
+    return max((p.micro_batches + len(p.stages) - 1) * max(t) for p, t in zip(plan.pipelines, times))
+
+
+def _stage_times(problem: PlannerProblem, plan: Plan, pipe: Pipeline) -> tuple[float, ...]:
+    """t0 per micro-batch of each stage: blocks × group rate, plus its p2p under 'full'."""
+    nodes = [plan.node_of(s.devices[0]) for s in pipe.stages]
+    ex = p2p_extras(problem, nodes) if problem.objective == "full" else (0.0,) * len(nodes)
+    return tuple(group_rate(problem, s.devices) * s.num_layers + e for s, e in zip(pipe.stages, ex))
 
 
 def memory_violations(problem: PlannerProblem, plan: Plan) -> list[str]:
@@ -202,14 +207,11 @@ def baseline_plan(problem: PlannerProblem) -> Plan:
 
 def rebalance_data(problem: PlannerProblem, plan: Plan) -> Plan:
     """Data-only re-balancing: same groups and layers, micro-batches re-solved (ILP-2)."""
-    z = []
-    for pipe in plan.pipelines:
-        nodes = [plan.node_of(s.devices[0]) for s in pipe.stages]
-        ex = p2p_extras(problem, nodes) if problem.objective == "full" else (0.0,) * len(nodes)
-        z.append(max(group_rate(problem, s.devices) * s.num_layers + e for s, e in zip(pipe.stages, ex)))
-    data = solve_micro_batches(z, [len(p.stages) for p in plan.pipelines], problem.num_micro_batches,
-                               problem.objective, solver=problem.solver,
-                               prefer=[p.micro_batches for p in plan.pipelines])
+    times = [_stage_times(problem, plan, pipe) for pipe in plan.pipelines]
+    data = solve_micro_batches([max(t) for t in times], [len(p.stages) for p in plan.pipelines],
+                               problem.num_micro_batches, problem.objective, solver=problem.solver,
+                               prefer=[p.micro_batches for p in plan.pipelines],
+                               fill=[fill_drain(t) for t in times] if problem.objective == "full" else None)
     if data is None:
         raise InfeasibleError(f"{problem.num_micro_batches} micro-batches cannot cover pipelines of "
                               f"{[len(p.stages) for p in plan.pipelines]} stages (the 'paper' objective needs "
@@ -263,8 +265,20 @@ def ideal_objective(problem: PlannerProblem, deadline: Deadline = NEVER) -> floa
 
 
 def lower_bound(problem: PlannerProblem, capacity: float) -> float:
-    """M·L / Σ_g 1/y_g: no organisation of groups with this total capacity can do better."""
-    return problem.num_micro_batches * problem.num_layers / capacity
+    """No organisation of groups with this total capacity C = Σ_g 1/y_g can do better.
+
+    'paper': M·L/C. With fill and drain ('bubble', 'full'): a pipeline takes at least
+    (m_i - 1)·z_i + Σ_j y_ij·l_ij >= (m_i - 1)·L/c_i + L (every y >= 1), so summing m_i - 1 <= (w - L)·c_i/L
+    over at most `max_pipelines` pipelines gives w >= L + (M - P)·L/C."""
+    L, M = problem.num_layers, problem.num_micro_batches
+    if problem.objective == "paper":
+        return M * L / capacity
+    return L + max(0, M - max_pipelines(problem)) * L / capacity
+
+
+def max_pipelines(problem: PlannerProblem) -> int:
+    """The most pipelines any organisation may have (`_pipeline_counts` never goes beyond it)."""
+    return 2 * problem.dp if problem.allow_reshape else problem.dp
 
 
 def max_combinations(problem: PlannerProblem, num_groups: int) -> int:
@@ -338,7 +352,7 @@ def _pipeline_counts(problem: PlannerProblem, num_groups: int) -> list[int]:
     if problem.allow_reshape:
         ps |= {dp - 1, dp + 1}
         ps |= {d for d in range(max(1, dp // 2), 2 * dp + 1) if num_groups % d == 0}
-    return sorted((p for p in ps if 1 <= p <= num_groups), key=lambda p: (abs(p - dp), p))
+    return sorted((p for p in ps if 1 <= p <= min(num_groups, max_pipelines(problem))), key=lambda p: (abs(p - dp), p))
 
 
 def _organise(problem: PlannerProblem, scorer: Scorer, groups: Sequence[Group], counts: Sequence[int],

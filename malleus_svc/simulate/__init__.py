@@ -102,6 +102,7 @@ def simulate_cli(argv: list[str]) -> int:
     """`malleus simulate SCENARIO [--system NAME|all] [--rate D=X ...] [--plan FILE]`."""
     from ..config import ConfigError, validate_rates
     from ..config.options import number_option
+    from ..costmodel.profile import BACKWARD_RATIO
     from ..plan import Plan, PlanError
 
     ap = argparse.ArgumentParser(prog="malleus simulate", description=__doc__.split("\n")[0])
@@ -111,7 +112,8 @@ def simulate_cli(argv: list[str]) -> int:
     ap.add_argument("--rate", action="append", default=[], metavar="D=X", help="override a device's true rate")
     ap.add_argument("--plan", metavar="FILE", help="simulate this plan file instead of planning")
     ap.add_argument("--p2p", choices=("blocking", "overlapped"), default="blocking")
-    number_option(ap, "--backward-ratio", 0.01, 100, default=2.0, help="backward time / forward time (default 2)")
+    number_option(ap, "--backward-ratio", 0.01, 100, default=BACKWARD_RATIO,
+                  help=f"backward time / forward time (default {BACKWARD_RATIO:g})")
     ap.add_argument("--brief", action="store_true", help="pipelines only, no per-stage rows")
     ap.add_argument("--json", action="store_true", help="also print a JSON summary")
     args = ap.parse_args(argv)

@@ -61,6 +61,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Mapping, Sequence
 
+from ..costmodel.profile import BACKWARD_RATIO
 from ..geometry import one_f_one_b
 from ..plan import Plan
 from ..planner.problem import PlannerProblem
@@ -74,7 +75,7 @@ class SimulationError(RuntimeError):
 
 @dataclass(frozen=True)
 class SimOptions:
-    backward_ratio: float = 2.0        # backward time / forward time
+    backward_ratio: float = BACKWARD_RATIO   # backward time / forward time
     p2p: P2PMode = "blocking"
     optimizer_per_block: float = 0.05  # t0 per block at full TP on a healthy device
     record_ops: bool = False           # keep every op's (start, end) in the result (for plots and tests)
