@@ -232,7 +232,9 @@ def node_options(problem: PlannerProblem, node: int,
     tail_len = len(avail) - n_full * k
     for o in slide_orders(order, len(avail) - s, s):
         full = assemble_full_groups(problem, o[:n_full * k], previous_groups)
-        for sizes in tail_splits(tail_len, k, prefixes=True, allow_split=problem.allow_split):
+        # small clusters: the tail may also be suspended whole (a TP1 straggler has no shorter prefix)
+        wide = [()] if problem.num_devices <= WIDE_DEVICES else []
+        for sizes in [*tail_splits(tail_len, k, prefixes=True, allow_split=problem.allow_split), *wide]:
             pos, tail = n_full * k, []
             for sz in sizes:
                 tail.append(o[pos:pos + sz])

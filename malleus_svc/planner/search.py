@@ -33,7 +33,7 @@ from typing import Callable, Iterator, Sequence
 
 from ..plan import Pipeline, Plan, Stage
 from .budget import NEVER, Deadline
-from .grouping import Group, NodeOption, group_rate, make_group, node_options
+from .grouping import WIDE_DEVICES, Group, NodeOption, group_rate, make_group, node_options
 from .lower import layer_caps, solve_micro_batches
 from .organize import (Score, Scorer, Template, TooManyTemplates, dfs_templates, fill,
                        greedy_templates, improve, p2p_extras, score_template, stage_plans)
@@ -114,13 +114,13 @@ def plan(problem: PlannerProblem, previous: Plan | None = None,
         if combos >= limit or (combos and deadline.passed()):
             break
         combos += 1
-        groups = [g for o in (*fixed, *choice) for g in o.groups]
-        fs = _organise(problem, scorer, groups, _pipeline_counts(problem, len(groups)), templates, thorough=False,
-                       deadline=deadline)
-        finalists.extend(fs)
-        v = min((f.objective for f in fs), default=math.inf)
-        best = min(best, v)
-        screened.append((v, combos, groups))
+        for groups in _idle_variants(problem, [g for o in (*fixed, *choice) for g in o.groups]):
+            fs = _organise(problem, scorer, groups, _pipeline_counts(problem, len(groups)), templates, thorough=False,
+                           deadline=deadline)
+            finalists.extend(fs)
+            v = min((f.objective for f in fs), default=math.inf)
+            best = min(best, v)
+            screened.append((v, combos, groups))
     for v, _, groups in sorted(screened, key=lambda t: t[:2])[:THOROUGH]:   # pass 2: the DFS
         if v < math.inf and not deadline.passed():
             finalists.extend(_organise(problem, scorer, groups, _pipeline_counts(problem, len(groups)), templates,
@@ -332,6 +332,17 @@ def _best_first(varying: list[list[NodeOption]]) -> Iterator[tuple[NodeOption, .
             if idx[v] + 1 < len(varying[v]):
                 nxt = idx[:v] + (idx[v] + 1,) + idx[v + 1:]
                 heapq.heappush(heap, (total - loss[v][idx[v]] + loss[v][idx[v] + 1], nxt, v))
+
+
+def _idle_variants(problem: PlannerProblem, groups: list[Group]) -> Iterator[list[Group]]:
+    """The groups, and on small clusters the same with 1, 2, ... normal groups idle: with few
+    micro-batches, fewer and shallower pipelines can beat using every healthy group."""
+    yield groups
+    if problem.num_devices <= WIDE_DEVICES:
+        normals = [i for i, g in enumerate(groups) if g.is_normal]
+        for k in range(1, len(normals) + 1):
+            idle = set(normals[-k:])
+            yield [g for i, g in enumerate(groups) if i not in idle]
 
 
 def _pipeline_counts(problem: PlannerProblem, num_groups: int) -> list[int]:
