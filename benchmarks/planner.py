@@ -8,8 +8,12 @@ rates drawn from {1.5, 2.5, 5, 12}); for each, the objective (the Malleus paper'
   no-split   - layers + data re-planned, TP groups kept whole,
   authors    - the authors' planner as published (tail-only score, fixed P),
   malleus    - ours,
-with ratios to the ideal and planning times. Results are printed as a markdown table, written to
-BENCHMARKS.md between markers (--write) and plotted (--plot).
+with ratios to the ideal and planning times; then per scenario the objective and the simulated
+iteration time (the 1F1B event simulator, t0 units) of ours, of the authors' plan and of the
+reference, the exhaustive search's optimum where the cluster has at most 16 devices, with the
+ratio ours / reference. `--small N` adds N random small scenarios per objective
+(benchmarks/small_problems.py) against exhaustive search. Results are printed as markdown tables,
+written to BENCHMARKS.md between markers (--write) and plotted (--plot).
 """
 from __future__ import annotations
 
@@ -19,13 +23,15 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from malleus_svc.config import Scenario
 from malleus_svc.planner.build import build_problem
+from malleus_svc.simulate import simulate
 
 RATES = (1.5, 2.5, 5.0, 12.0)
+EXHAUSTIVE_DEVICES = 16     # clusters this small get the exhaustive search's optimum as the reference
 SYSTEMS = ("unchanged", "data-only", "no-split", "authors", "malleus")
 
 
@@ -63,6 +69,7 @@ class Case:
     ideal: float
     objectives: dict[str, float]
     seconds: dict[str, float]
+    simulated: dict[str, float] = field(default_factory=dict)   # authors, malleus, reference: iteration t0
 
 
 def run_case(num_devices: int, seed: int) -> Case:
@@ -84,10 +91,60 @@ def run_case(num_devices: int, seed: int) -> Case:
     timed("unchanged", lambda: evaluate(problem, base))
     timed("data-only", lambda: evaluate(problem, rebalance_data(problem, base)))
     timed("no-split", lambda: plan_without_split(problem).objective)
-    timed("authors", lambda: authors_plan(problem).objective)
-    timed("malleus", lambda: plan(problem).objective)
+    plans = {}
+
+    def planned(name, result):
+        plans[name] = result.plan
+        return result.objective
+    timed("authors", lambda: planned("authors", authors_plan(problem)))
+    timed("malleus", lambda: planned("malleus", plan(problem)))
+    if num_devices <= EXHAUSTIVE_DEVICES:
+        timed("reference", lambda: planned("reference", plan(replace(problem, search="exhaustive"))))
     ideal = evaluate(healthy, baseline_plan(healthy))
-    return Case(num_devices, seed, len(rates), ideal, objectives, seconds)
+    simulated = {name: simulate(p, problem).iteration_t0 for name, p in plans.items()}
+    return Case(num_devices, seed, len(rates), ideal, objectives, seconds, simulated)
+
+
+def scenario_table(cases: list[Case]) -> str:
+    """Per scenario: objective and simulated iteration time (t0) of ours, the authors' and the reference."""
+    head = ("| devices | seed | malleus objective | malleus simulated | authors objective | authors simulated | "
+            "reference objective | reference simulated | malleus / reference (objective) | (simulated) |")
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for c in cases:
+        o, sim = c.objectives, c.simulated
+        ref = (f"{o['reference']:.1f} | {sim['reference']:.1f} | {o['malleus'] / o['reference']:.3f} | "
+               f"{sim['malleus'] / sim['reference']:.3f}") if "reference" in o else "— | — | — | —"
+        rows.append(f"| {c.devices} | {c.seed} | {o['malleus']:.1f} | {sim['malleus']:.1f} | {o['authors']:.1f} | "
+                    f"{sim['authors']:.1f} | {ref} |")
+    return "\n".join(rows)
+
+
+def small_table(count: int) -> str:
+    """`count` random small scenarios per objective: how often the default search is within 1% of
+    the exhaustive optimum, and the worst gap."""
+    from malleus_svc.planner import InfeasibleError, plan
+    from malleus_svc.planner.exhaustive import optimum
+
+    from benchmarks.small_problems import OBJECTIVES, random_problem
+
+    rows = ["| objective | scenarios (feasible) | default within 1% of exhaustive | worst gap | exhaustive s (mean) |",
+            "|---|---|---|---|---|"]
+    for objective in OBJECTIVES:
+        rng = random.Random(f"small-{objective}")
+        gaps, seconds = [], []
+        for _ in range(count):
+            problem = random_problem(rng, objective)
+            try:
+                default = plan(problem).objective
+            except InfeasibleError:
+                continue
+            t = time.perf_counter()
+            found = optimum(problem, default * (1 + 1e-6))
+            seconds.append(time.perf_counter() - t)
+            gaps.append(default / found.objective - 1 if found else 0.0)
+        rows.append(f"| {objective} | {count} ({len(gaps)}) | {sum(g <= 0.01 for g in gaps)} | "
+                    f"{max(gaps, default=0):+.2%} | {statistics.mean(seconds) if seconds else 0:.2f} |")
+    return "\n".join(rows)
 
 
 def table(cases: list[Case]) -> str:
@@ -150,6 +207,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seeds", type=int, default=5, help="random straggler situations per size")
     ap.add_argument("--write", metavar="MD", help="update this markdown file's planner section (e.g. BENCHMARKS.md)")
     ap.add_argument("--plot", metavar="PNG", help="write a plot of quality and planning time")
+    ap.add_argument("--small", type=int, default=0, metavar="N",
+                    help="also N random small scenarios per objective against exhaustive search")
     args = ap.parse_args(argv)
     try:
         sizes = [int(x) for x in args.sizes.split(",")]
@@ -166,7 +225,11 @@ def main(argv: list[str]) -> int:
             print(f"[{len(cases)}/{len(sizes) * args.seeds}] {n} devices, seed {seed}: malleus "
                   f"{c.objectives['malleus'] / c.ideal:.3f}x ideal in {c.seconds['malleus']:.2f} s, authors "
                   f"{c.objectives['authors'] / c.ideal:.3f}x in {c.seconds['authors']:.2f} s", file=sys.stderr, flush=True)
-    md = table(cases)
+    md = table(cases) + "\n\nPer scenario (objective 'paper', t0 units; simulated: one 1F1B iteration in the event " \
+        "simulator; reference: exhaustive search at 16 devices):\n\n" + scenario_table(cases)
+    if args.small:
+        md += (f"\n\nRandom small scenarios (benchmarks/small_problems.py, {args.small} per objective), default "
+               f"search against exhaustive search:\n\n" + small_table(args.small))
     print(md)
     if args.plot:
         plot(cases, Path(args.plot))

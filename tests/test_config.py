@@ -48,17 +48,17 @@ def test_defaults_come_from_the_model_shape():
     assert p.state_sizes.block == PRESETS["llama-32b"].block_params() * 12
 
 
-def test_the_default_objective_is_full_and_paper_stays_available():
+def test_the_default_objective_is_the_one_fact_and_full_is_available():
     from malleus_svc.planner import PlannerProblem
     from malleus_svc.config.scenario import DEFAULT_OBJECTIVE
 
-    assert DEFAULT_OBJECTIVE == "full"
-    assert build_problem(Scenario.from_dict(GOOD)).objective == "full"    # no planner section
+    assert build_problem(Scenario.from_dict(GOOD)).objective == DEFAULT_OBJECTIVE    # no planner section
     fields = {f.name: f for f in dataclasses.fields(PlannerProblem)}
-    assert fields["objective"].default == "full"
+    assert fields["objective"].default == DEFAULT_OBJECTIVE
     d = copy.deepcopy(GOOD)
-    d["planner"] = {"objective": "paper"}
-    assert build_problem(Scenario.from_dict(d)).objective == "paper"
+    for objective in ("full", "paper"):
+        d["planner"] = {"objective": objective}
+        assert build_problem(Scenario.from_dict(d)).objective == objective
 
 
 def test_memory_extrapolates_beyond_the_listed_depths():

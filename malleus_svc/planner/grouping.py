@@ -27,6 +27,8 @@ from typing import Iterable, Iterator, Mapping, Sequence
 
 from .problem import PlannerProblem
 
+WIDE_DEVICES = 16    # clusters this small also get the uniformly split groupings of every node
+
 
 @dataclass(frozen=True, order=True)
 class Group:
@@ -218,15 +220,21 @@ def node_options(problem: PlannerProblem, node: int,
     order = base_order(problem, avail)
     s = sum(is_straggler(problem, d) for d in avail)
     drop = problem.allow_reshape if allow_drop is None else allow_drop
+    options: dict[tuple, NodeOption] = {}
+    if problem.allow_split and problem.num_devices <= WIDE_DEVICES:
+        for opt in uniform_splits(problem, node, order, previous_roles):
+            options.setdefault(opt.key, opt)
     if s == 0 and len(avail) % k == 0:
         groups = assemble_full_groups(problem, avail, previous_groups)
-        return [NodeOption(node, tuple(make_group(problem, tp_order(g, previous_roles)) for g in groups), ())]
+        whole = NodeOption(node, tuple(make_group(problem, tp_order(g, previous_roles)) for g in groups), ())
+        return undominated([whole, *(o for key, o in options.items() if key != whole.key)])
     n_full = math.ceil(len(avail) / k) - 1
     tail_len = len(avail) - n_full * k
-    options: dict[tuple, NodeOption] = {}
     for o in slide_orders(order, len(avail) - s, s):
         full = assemble_full_groups(problem, o[:n_full * k], previous_groups)
-        for sizes in tail_splits(tail_len, k, prefixes=True, allow_split=problem.allow_split):
+        # small clusters: the tail may also be suspended whole (a TP1 straggler has no shorter prefix)
+        wide = [()] if problem.num_devices <= WIDE_DEVICES else []
+        for sizes in [*tail_splits(tail_len, k, prefixes=True, allow_split=problem.allow_split), *wide]:
             pos, tail = n_full * k, []
             for sz in sizes:
                 tail.append(o[pos:pos + sz])
@@ -237,13 +245,29 @@ def node_options(problem: PlannerProblem, node: int,
     if drop:
         opt = NodeOption(node, (), tuple(avail))
         options.setdefault(opt.key, opt)
-    return _undominated(list(options.values()))
+    return undominated(list(options.values()))
 
 
-def _undominated(options: list[NodeOption]) -> list[NodeOption]:
+def uniform_splits(problem: PlannerProblem, node: int, order: Sequence[int],
+                   previous_roles: Mapping[int, tuple[int, int]] | None = None) -> Iterator[NodeOption]:
+    """The node in groups of one smaller size t = tp/2, ..., 1, consecutive in the rate order
+    (Theorem 1), the slowest leftover devices suspended: healthy groups split into smaller stages,
+    which pays when the TP slowdown alpha is below the group-size ratio."""
+    t = problem.tp // 2
+    while t >= 1:
+        n = len(order) // t * t
+        if n:
+            groups = tuple(make_group(problem, tp_order(order[i:i + t], previous_roles)) for i in range(0, n, t))
+            yield NodeOption(node, groups, tuple(sorted(order[n:])))
+        t //= 2
+
+
+def undominated(options: list[NodeOption]) -> list[NodeOption]:
+    """The options no other option dominates (same number of groups of each size, elementwise no
+    slower), by decreasing capacity."""
     def dominates(a: NodeOption, b: NodeOption) -> bool:
         sa, sb = a.shape, b.shape
-        return ([s for s, _ in sa] == [s for s, _ in sb]
+        return ([(s, len(r)) for s, r in sa] == [(s, len(r)) for s, r in sb]
                 and all(x <= y for (_, ra), (_, rb) in zip(sa, sb) for x, y in zip(ra, rb)))
     keep: list[NodeOption] = []
     for i, b in enumerate(options):

@@ -30,16 +30,16 @@ logger = logging.getLogger(__name__)
 
 def solve_layers_model(rates: Sequence[float], mem_factors: Sequence[float], num_layers: int,
                        memory: MemoryProfile, extra: Sequence[float], time_limit_s: float,
-                       mip_gap: float) -> list[int] | None:
+                       mip_gap: float, min_layers: int = 0) -> list[int] | None:
     """ILP-1 for one pipeline with the memory rows of the Malleus memory model written out.
 
     min z  s.t.  sum_j l_j = L;  z >= y_j l_j + extra_j;  h_j (K[S-j] l_j + E_j) + X0 <= C - delta;
-    l_j in {0..L}.
+    l_j in {min_layers..L}.
     """
     s = len(rates)
     m = pyo.ConcreteModel(name="ilp1_layers")
     m.J = pyo.RangeSet(0, s - 1)
-    m.l = pyo.Var(m.J, domain=pyo.NonNegativeIntegers, bounds=(0, num_layers))
+    m.l = pyo.Var(m.J, domain=pyo.NonNegativeIntegers, bounds=(min_layers, num_layers))
     m.z = pyo.Var(domain=pyo.Reals)
     m.obj = pyo.Objective(expr=m.z, sense=pyo.minimize)
     m.total = pyo.Constraint(expr=sum(m.l[j] for j in m.J) == num_layers)

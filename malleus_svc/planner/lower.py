@@ -148,13 +148,14 @@ def _stage_caps(mem_factors: Sequence[float], num_layers: int, memory: MemoryPro
 def solve_layers(rates: Sequence[float], mem_factors: Sequence[float], num_layers: int, memory: MemoryProfile,
                  extra: Sequence[float] | None = None, solver: str = "closed_form",
                  prefer: Sequence[int] | None = None, time_limit_s: float = 10.0,
-                 mip_gap: float = 0.0) -> LayerSolution | None:
+                 mip_gap: float = 0.0, min_layers: int = 0) -> LayerSolution | None:
     """ILP-1 for one pipeline: blocks per stage minimising the bottleneck stage time.
 
-    min z  s.t.  sum_j l_j = L,  z >= y_j * l_j + extra_j,  memory row of each stage,  l_j >= 0 integer.
+    min z  s.t.  sum_j l_j = L,  z >= y_j * l_j + extra_j,  memory row of each stage,  l_j >= min_layers integer.
     `extra_j` (default 0) is a per-micro-batch time the stage pays whatever it holds (e.g. p2p);
     it counts even for a stage given 0 blocks. Returns None when the memory caps sum to < L, or
-    when some stage's memory row fails even with 0 blocks (embedding/head or X0 alone too big).
+    when some stage's memory row fails even with `min_layers` blocks (with 0: embedding/head or X0
+    alone too big). `min_layers=1` prices the pipeline with every group a real stage.
     See the module docstring for the solvers and the tie-break (default: balanced; `prefer`:
     L1-closest to the given layer counts).
     """
@@ -169,16 +170,27 @@ def solve_layers(rates: Sequence[float], mem_factors: Sequence[float], num_layer
         raise ValueError(f"extra has {len(e)} entries, rates has {s}: one per stage")
     _check_solver(solver, time_limit_s, mip_gap)
     pref = _prefer(prefer, s)
+    _check_count("min_layers", min_layers, minimum=0)
     caps = _stage_caps(mem_factors, num_layers, memory)
-    lo = [0] * s
+    lo = [min_layers] * s
 
     out = _solve_min_max(
         y, e, lo, caps, num_layers, pref, solver, mip_gap,
         lambda: _highs().solve_layers_model(y, _floats("mem_factors", mem_factors, positive=True),
-                                            num_layers, memory, e, time_limit_s, mip_gap),
+                                            num_layers, memory, e, time_limit_s, mip_gap, min_layers),
         "ILP-1 (layers)", f"ILP-1 rates={y} mem_factors={list(mem_factors)} L={num_layers} extra={e}",
-        infeasible=min(caps) < 0)   # a first/last stage cannot even hold the embedding/head
+        infeasible=min(caps) < min_layers)   # e.g. a first/last stage cannot even hold the embedding/head
     return None if out is None else LayerSolution(*out)
+
+
+def bottleneck(rates: Sequence[float], caps: Sequence[int], num_layers: int, extra: Sequence[float] | None = None,
+               min_layers: int = 0) -> float | None:
+    """The optimum z of ILP-1 for given memory caps (`layer_caps`), without the layout or any input
+    check: for search loops that price many stage orders and lay out only the best one."""
+    lo = [min_layers] * len(rates)
+    if min(caps) < min_layers:
+        return None
+    return _optimum(rates, extra or [0.0] * len(rates), lo, caps, num_layers)
 
 
 def solve_micro_batches(z: Sequence[float], stages: Sequence[int], num_micro_batches: int, objective: str = "paper",

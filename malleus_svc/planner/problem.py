@@ -16,6 +16,7 @@ from ..costmodel.profile import CommCosts, MemoryProfile
 from ..plan import StateSizes
 
 Objective = Literal["paper", "bubble", "full"]
+Search = Literal["default", "exhaustive"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class PlannerProblem:
     time_budget_s: float = 60.0             # the whole search (planner.budget): then the best plan found
     mip_gap: float = 0.0
     solver: Literal["closed_form", "highs", "both"] = "closed_form"
+    search: Search = "default"              # 'exhaustive': every plan of a small cluster (planner.exhaustive)
     state_sizes: StateSizes = field(default_factory=StateSizes)
 
     @property

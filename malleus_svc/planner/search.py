@@ -33,7 +33,7 @@ from typing import Callable, Iterator, Sequence
 
 from ..plan import Pipeline, Plan, Stage
 from .budget import NEVER, Deadline
-from .grouping import Group, NodeOption, group_rate, make_group, node_options
+from .grouping import WIDE_DEVICES, Group, NodeOption, group_rate, make_group, node_options
 from .lower import layer_caps, solve_micro_batches
 from .organize import (Score, Scorer, Template, TooManyTemplates, dfs_templates, fill,
                        greedy_templates, improve, p2p_extras, score_template, stage_plans)
@@ -45,6 +45,7 @@ NEAR_OPTIMAL = 0.005        # plans within 0.5% of the best compete on migration
 DFS_BUDGET = 4000           # DFS visits per (combination, P) before switching to the greedy generator
 THOROUGH = 2                # best combinations (after the greedy pass) that also get the template DFS
 FINALISTS = 6               # organisations kept for concretisation
+WIDE_GROUPS = 16            # combinations of at most this many groups try every pipeline count
 
 
 class InfeasibleError(ValueError):
@@ -88,6 +89,9 @@ def plan(problem: PlannerProblem, previous: Plan | None = None,
     The search stops at `problem.time_budget_s` (budget.py) with the best plan found by then, and
     says so in the result's notes and the plan's inputs.
     """
+    if problem.search == "exhaustive":
+        from .exhaustive import plan_exhaustive   # it builds on this module's helpers
+        return plan_exhaustive(problem, previous, score)
     t_start = time.perf_counter()
     _check_problem(problem)
     deadline = Deadline(problem.time_budget_s)
@@ -112,13 +116,13 @@ def plan(problem: PlannerProblem, previous: Plan | None = None,
         if combos >= limit or (combos and deadline.passed()):
             break
         combos += 1
-        groups = [g for o in (*fixed, *choice) for g in o.groups]
-        fs = _organise(problem, scorer, groups, _pipeline_counts(problem, len(groups)), templates, thorough=False,
-                       deadline=deadline)
-        finalists.extend(fs)
-        v = min((f.objective for f in fs), default=math.inf)
-        best = min(best, v)
-        screened.append((v, combos, groups))
+        for groups in _idle_variants(problem, [g for o in (*fixed, *choice) for g in o.groups]):
+            fs = _organise(problem, scorer, groups, _pipeline_counts(problem, len(groups)), templates, thorough=False,
+                           deadline=deadline)
+            finalists.extend(fs)
+            v = min((f.objective for f in fs), default=math.inf)
+            best = min(best, v)
+            screened.append((v, combos, groups))
     for v, _, groups in sorted(screened, key=lambda t: t[:2])[:THOROUGH]:   # pass 2: the DFS
         if v < math.inf and not deadline.passed():
             finalists.extend(_organise(problem, scorer, groups, _pipeline_counts(problem, len(groups)), templates,
@@ -344,14 +348,27 @@ def _best_first(varying: list[list[NodeOption]]) -> Iterator[tuple[NodeOption, .
                 heapq.heappush(heap, (total - loss[v][idx[v]] + loss[v][idx[v] + 1], nxt, v))
 
 
+def _idle_variants(problem: PlannerProblem, groups: list[Group]) -> Iterator[list[Group]]:
+    """The groups, and on small clusters the same with 1, 2, ... normal groups idle: with few
+    micro-batches, fewer and shallower pipelines can beat using every healthy group."""
+    yield groups
+    if problem.num_devices <= WIDE_DEVICES:
+        normals = [i for i, g in enumerate(groups) if g.is_normal]
+        for k in range(1, len(normals) + 1):
+            idle = set(normals[-k:])
+            yield [g for i, g in enumerate(groups) if i not in idle]
+
+
 def _pipeline_counts(problem: PlannerProblem, num_groups: int) -> list[int]:
     """P values to try: the baseline dp, and with reshaping dp±1 and divisors of the group count
-    within a factor 2 of dp (those give equal stage counts)."""
+    within a factor 2 of dp (those give equal stage counts), and every P for few groups."""
     dp = problem.dp
     ps = {dp}
     if problem.allow_reshape:
         ps |= {dp - 1, dp + 1}
         ps |= {d for d in range(max(1, dp // 2), 2 * dp + 1) if num_groups % d == 0}
+        if num_groups <= WIDE_GROUPS:    # small: every pipeline count, deeper or shallower than the baseline
+            ps |= set(range(1, num_groups + 1))
     return sorted((p for p in ps if 1 <= p <= min(num_groups, max_pipelines(problem))), key=lambda p: (abs(p - dp), p))
 
 
@@ -417,10 +434,15 @@ def _concretise(problem: PlannerProblem, scorer: Scorer, f: _Finalist, ctx: _Pre
               if ctx.plan is not None and len(ctx.plan.pipelines) == len(rows) else None)
     s = scorer.score([[g.cls for g in row] for row in rows], extras,
                      [[g.size for g in row] for row in rows], prefer, prev_m)
-    if s is None:
-        return None
+    return None if s is None else assemble(problem, rows, s.layers, s.micro_batches)
+
+
+def assemble(problem: PlannerProblem, rows: Sequence[Sequence[Group]], layers: Sequence[Sequence[int]],
+             micro_batches: Sequence[int]) -> Plan:
+    """Pipelines of these groups holding these block counts (0-block stages dropped); every other
+    usable device suspended."""
     pipes = []
-    for row, ls, m in zip(rows, s.layers, s.micro_batches):
+    for row, ls, m in zip(rows, layers, micro_batches):
         stages, start = [], 0
         for g, l in zip(row, ls):
             if l > 0:
