@@ -19,10 +19,11 @@ Left out are symmetric copies, plans a bound rules out and, under 'full', the as
     assumed under 'full' with p2p priced: among the orders that visit each node once, groups of
     one size and node placed by rule (`_Partitions._class_orders`, `_best_order`);
   * branch and bound: groupings in decreasing total capacity C = Σ 1/y, cut at M·L/C; a partial
-    partition is cut when (M + Σ_i (S_i - 1)) / (Σ_i 1/z_i + C_left / L) (M alone under 'paper'),
-    or max_i S_i·z_i, plus a floor on the gradient term under 'full', reaches the incumbent.
-Under 'full' the pipelines' layers are ILP-1's for that order, and the gradient term is evaluated
-on them, as the default search evaluates its candidates.
+    partition is cut when (M + Σ_i (S_i - 1)) / (Σ_i 1/z_i + C_left / L) (M alone under 'paper'
+    and 'full'), or max_i S_i·z_i, reaches the incumbent.
+Under 'full' the pipelines' layers are ILP-1's for that order (least slowest stage, not least fill
+and drain) and the plan is valued by `planner.timing` as `search.evaluate` values it: the search is
+exact for `EXACT_OBJECTIVES` only.
 """
 from __future__ import annotations
 
@@ -43,6 +44,9 @@ from .search import (InfeasibleError, PlannerResult, _choose, _compatible, _fini
                      _safe_rebalance, assemble, evaluate, ideal_objective, plan)
 
 MAX_DEVICES = 16
+# Objectives it is exact for: under 'full' a pipeline's layers are ILP-1's (least slowest stage),
+# not those of least fill and drain, so the default search can find better 'full' plans.
+EXACT_OBJECTIVES = ("paper", "bubble")
 BOUND_SLACK = 1e-6      # the seed's objective, widened so that a plan as good as the seed is still found
 
 
