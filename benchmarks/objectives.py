@@ -33,7 +33,7 @@ from malleus_svc.planner.problem import PlannerProblem
 from malleus_svc.simulate import simulate
 from malleus_svc.simulate.baselines import data_only_plan, restart_plan, static_plan
 from malleus_svc.simulate.scenarios import SETUPS, SITUATIONS, paper_scenario
-from .planner import draw_rates, scenario_for, write_section
+from .planner import draw_rates, parse_sizes, scenario_for, write_section
 from .ranks import kendall, spearman
 
 # 'full' first, the candidate for the default objective: every ratio is to its plan.
@@ -166,12 +166,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--write", metavar="MD", help="update this markdown file's objectives section")
     ap.add_argument("--plot", metavar="PNG", help="plot each scenario's rank correlations")
     args = ap.parse_args(argv)
-    try:
-        sizes = [int(x) for x in args.sizes.split(",") if x]
-    except ValueError:
-        ap.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
-    if args.seeds < 0 or any(n != 16 and (n < 32 or n % 32) for n in sizes):
-        ap.error("--seeds must be >= 0 and --sizes 16 or multiples of 32")
+    sizes = parse_sizes(ap, args.sizes)
+    if args.seeds < 0:
+        ap.error("--seeds must be >= 0")
     t = time.perf_counter()
     rows = []
     for name, problem in scenarios(sizes, args.seeds):

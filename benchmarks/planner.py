@@ -201,6 +201,18 @@ def write_section(markdown: str, path: Path, marker: str) -> None:
     path.write_text(text)
 
 
+def parse_sizes(ap: argparse.ArgumentParser, text: str) -> list[int]:
+    """`--sizes`: cluster sizes `scenario_for` can build (16, or multiples of 32), else the parser's error."""
+    try:
+        sizes = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        ap.error(f"--sizes must be comma-separated integers, got {text!r}")
+    for n in sizes:
+        if n != 16 and (n < 32 or n % 32):
+            ap.error(f"--sizes: {n} is not 16 or a multiple of 32 (DP x TP8 x PP4 layouts)")
+    return sizes
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="malleus bench planner", description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="16,64,256,1024", help="cluster sizes (devices, 8 per node)")
@@ -210,13 +222,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--small", type=int, default=0, metavar="N",
                     help="also N random small scenarios per objective against exhaustive search")
     args = ap.parse_args(argv)
-    try:
-        sizes = [int(x) for x in args.sizes.split(",")]
-    except ValueError:
-        ap.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
-    for n in sizes:
-        if n != 16 and (n < 32 or n % 32):
-            ap.error(f"--sizes: {n} is not 16 or a multiple of 32 (DP x TP8 x PP4 layouts)")
+    sizes = parse_sizes(ap, args.sizes)
     cases = []
     for n in sizes:
         for seed in range(args.seeds):

@@ -33,8 +33,8 @@ from .manifest import CheckpointMeta, FileEntry, build_manifest
 log = logging.getLogger(__name__)
 
 # Called after each file (shard files, then manifest.json) is durably written into the temporary
-# directory, before the directory is published (for the workers' files: once they all reported). For progress reporting, and for tests that need
-# to stop a writer at a known point.
+# directory, before the directory is published (for the workers' files: once they all reported).
+# For progress reporting, and for tests that need to stop a writer at a known point.
 FileHook = Callable[[str, Path], None]
 
 

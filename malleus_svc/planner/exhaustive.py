@@ -20,7 +20,7 @@ Left out are symmetric copies, plans a bound rules out and, under 'full', the as
     one size and node placed by rule (`_Partitions._class_orders`, `_best_order`);
   * branch and bound: groupings in decreasing total capacity C = Σ 1/y, cut at M·L/C; a partial
     partition is cut when (M + Σ_i (S_i - 1)) / (Σ_i 1/z_i + C_left / L) (M alone under 'paper'
-    and 'full'), or max_i S_i·z_i, reaches the incumbent.
+    and 'full'), or max_i S_i·z_i (max_i z_i under 'full'), reaches the incumbent.
 Under 'full' the pipelines' layers are ILP-1's for that order (least slowest stage, not least fill
 and drain) and the plan is valued by `planner.timing` as `search.evaluate` values it: the search is
 exact for `EXACT_OBJECTIVES` only.
@@ -235,7 +235,10 @@ class _Partitions:
             if pipe is None:
                 continue
             rest = tuple(c - v for c, v in zip(counts, vec))
-            self._rec(rest, pipes + [pipe], inv_z + 1.0 / pipe.z, max(worst, len(pipe.order) * pipe.z), t, vec)
+            # a pipeline takes at least S_i·z_i ('paper': m_i >= S_i; 'bubble': fill and drain at z_i),
+            # under 'full' only z_i (its fill and drain are its other stages' own, shorter, times)
+            least = pipe.z if self.full else len(pipe.order) * pipe.z
+            self._rec(rest, pipes + [pipe], inv_z + 1.0 / pipe.z, max(worst, least), t, vec)
         idle = counts[:t] + (0,) + counts[t + 1:]   # the remaining groups of type t stay idle
         self._rec(idle, pipes, inv_z, worst, -1, None)
 
