@@ -53,22 +53,50 @@ def tp_alpha(shape: ModelShape, tp: int, micro_batch: int, device: DeviceSpec) -
 
 
 def activation_mb(shape: ModelShape, tp: int, micro_batch: int, device: DeviceSpec) -> float:
-    """Activations one block keeps for backward, per micro-batch, per device (flash attention,
-    no sequence parallelism: the 10·s·b·h part is replicated in the TP group, 24·s·b·h/t is split)."""
+    """Megatron's count of the activations one block keeps for backward, per micro-batch, per device
+    (flash attention, no sequence parallelism: the 10·s·b·h part is replicated in the TP group,
+    24·s·b·h/t is split). What this runtime keeps is `block_activation_bytes`."""
     sbh = micro_batch * shape.seq_len * shape.hidden
     return sbh * (10.0 + 24.0 / tp) * (device.act_bytes / 2.0) / MB
 
 
+def block_activation_bytes(shape: ModelShape, tp: int, device: DeviceSpec) -> tuple[float, float]:
+    """Bytes per token one block of this runtime keeps for backward (flash attention, compute in
+    `act_bytes`, no recomputation): (replicated in the TP group, this device's share of the split part).
+    Replicated: both norms' inputs and outputs (the outputs enter TP regions), their fp32 1/rms, and
+    rotary's fp32 cos and sin for q and k. Split: rotated q and k, v, the attention output, flash's
+    fp32 log-sum-exp per head, and SwiGLU's gate, up, silu(gate) and their product."""
+    a, d = device.act_bytes, shape.head_dim
+    kv = shape.n_kv_heads * d
+    replicated = 4 * a * shape.hidden + 2 * 4 + 4 * 4 * (d // 2)
+    split = (a * (2 * shape.hidden + 2 * kv + 4 * shape.ffn) + 4 * shape.heads) / tp
+    return replicated, split
+
+
 def memory_profile(shape: ModelShape, tp: int, pp: int, micro_batch: int, gpu_memory_mb: float,
                    reserved_mb: float, safety_margin_mb: float, device: DeviceSpec) -> MemoryProfile:
-    """K[d] for d = pp..1 in-flight micro-batches, E for the embedding or head, at TP degree `tp`."""
-    state = shape.block_params() * TRAIN_STATE_BYTES_PER_PARAM / tp / MB
-    act = activation_mb(shape, tp, micro_batch, device)
-    layer_mb = tuple(state + d * act for d in range(max(pp, 2), 0, -1))
-    emb_state = shape.embedding_params() * TRAIN_STATE_BYTES_PER_PARAM / tp / MB
-    logits = micro_batch * shape.seq_len * shape.vocab * 4.0 / tp / MB  # fp32 logits for the loss
-    return MemoryProfile(layer_mb=layer_mb, embedding_mb=emb_state + logits, reserved_mb=reserved_mb,
-                         safety_margin_mb=safety_margin_mb, gpu_memory_mb=gpu_memory_mb)
+    """This runtime's memory at TP degree `tp` (what `malleus memory` measures on the meta device):
+    K[d] for d = max(pp, 2)..1 in-flight micro-batches and E for the embedding or head, each with
+    the part a smaller TP group does not split. A block: fp32 master weights, gradients and Adam
+    moments and a bf16 working copy (`TRAIN_STATE_BYTES_PER_PARAM`), split over the group but for
+    its norms, plus its activations per micro-batch in flight. The embedding and the head are
+    replicated in the group: the first stage also keeps the embedding's output per micro-batch in
+    flight, the last the final norm's input and output and the fp32 logits of its one micro-batch."""
+    tokens = micro_batch * shape.seq_len
+    norms = 2 * shape.hidden
+    state_split = (shape.block_params() - norms) * TRAIN_STATE_BYTES_PER_PARAM / tp / MB
+    state_kept = norms * TRAIN_STATE_BYTES_PER_PARAM / MB
+    act_kept, act_split = (tokens * b / MB for b in block_activation_bytes(shape, tp, device))
+    depths = range(max(pp, 2), 0, -1)
+    layer_mb = tuple(state_split + state_kept + d * (act_split + act_kept) for d in depths)
+    kept_mb = tuple(state_kept + d * act_kept for d in depths)
+    first = shape.embedding_params() * TRAIN_STATE_BYTES_PER_PARAM + max(pp, 2) * tokens * shape.hidden * device.act_bytes
+    last = (shape.head_params() * TRAIN_STATE_BYTES_PER_PARAM
+            + tokens * (2 * shape.hidden * device.act_bytes + 4 + 4 * shape.vocab))
+    ends = max(first, last) / MB
+    return MemoryProfile(layer_mb=layer_mb, embedding_mb=ends, reserved_mb=reserved_mb,
+                         safety_margin_mb=safety_margin_mb, gpu_memory_mb=gpu_memory_mb,
+                         replicated_layer_mb=kept_mb, replicated_embedding_mb=ends)
 
 
 def comm_costs(shape: ModelShape, tp: int, dp: int, micro_batch: int, device: DeviceSpec) -> CommCosts:

@@ -11,7 +11,12 @@ class MemoryProfile:
     """Per-device memory model of a stage under 1F1B (the Malleus memory model), in MB.
 
     `layer_mb[k]` is the memory of one block at the full TP degree when the stage keeps
-    d = len(layer_mb) - k micro-batches in flight (listed for d = len..1, as in the paper's code).
+    d = len(layer_mb) - k micro-batches in flight (listed for d = len..1, as in the paper's code);
+    `embedding_mb` what the first or last stage holds beyond its blocks. On a group h = tp/|g| times
+    smaller, the paper scales both by h. That is exact only for what the group splits:
+    `replicated_layer_mb` (same depths) and `replicated_embedding_mb` are the parts every member
+    holds whole (norms, the activations entering a TP region, an embedding not split over the
+    group), which a smaller group does not multiply. Left empty, everything splits (the paper's model).
     """
 
     layer_mb: tuple[float, ...]
@@ -19,19 +24,34 @@ class MemoryProfile:
     reserved_mb: float
     safety_margin_mb: float
     gpu_memory_mb: float
+    replicated_layer_mb: tuple[float, ...] = ()
+    replicated_embedding_mb: float = 0.0
 
     def per_layer_mb(self, in_flight: int) -> float:
         """K[d]; beyond the listed depths, extrapolate linearly (the authors' code raised IndexError)."""
-        n = len(self.layer_mb)
-        if in_flight <= n:
-            return self.layer_mb[n - in_flight]
-        step = (self.layer_mb[0] - self.layer_mb[1]) if n >= 2 else 0.0
-        return self.layer_mb[0] + step * (in_flight - n)
+        return _at_depth(self.layer_mb, in_flight)
+
+    def block_mb(self, h: float, in_flight: int) -> float:
+        """One block on a device of a group h = tp/|g| times smaller than full, `in_flight` deep."""
+        kept = _at_depth(self.replicated_layer_mb, in_flight) if self.replicated_layer_mb else 0.0
+        return h * (self.per_layer_mb(in_flight) - kept) + kept
+
+    def ends_mb(self, h: float) -> float:
+        """The embedding's (or head's) share on a device of the first (or last) stage of such a group."""
+        return h * (self.embedding_mb - self.replicated_embedding_mb) + self.replicated_embedding_mb
 
     @property
     def budget_mb(self) -> float:
         """Memory a stage may use for blocks and embedding/head: C - δ - X0."""
         return self.gpu_memory_mb - self.safety_margin_mb - self.reserved_mb
+
+
+def _at_depth(rows: tuple[float, ...], in_flight: int) -> float:
+    n = len(rows)
+    if in_flight <= n:
+        return rows[n - in_flight]
+    step = (rows[0] - rows[1]) if n >= 2 else 0.0
+    return rows[0] + step * (in_flight - n)
 
 
 @dataclass(frozen=True)

@@ -25,12 +25,16 @@ def scenario_costs(sc: Scenario) -> ScenarioCosts:
     tp_alpha = prof.tp_alpha if prof.tp_alpha is not None else analytic.tp_alpha(shape, sc.tp, sc.micro_batch, sc.device)
     layer_mb, emb = prof.layer_memory_mb, prof.embedding_memory_mb
     if shape is not None and (layer_mb is None or emb is None):
-        auto = analytic.memory_profile(shape, sc.tp, sc.pp, sc.micro_batch, sc.gpu_memory_mb,
-                                       prof.reserved_memory_mb, prof.safety_margin_mb, sc.device)
-        layer_mb = auto.layer_mb if layer_mb is None else layer_mb
-        emb = auto.embedding_mb if emb is None else emb
-    memory = MemoryProfile(layer_mb=tuple(layer_mb), embedding_mb=emb, reserved_mb=prof.reserved_memory_mb,
-                           safety_margin_mb=prof.safety_margin_mb, gpu_memory_mb=sc.gpu_memory_mb)
+        memory = analytic.memory_profile(shape, sc.tp, sc.pp, sc.micro_batch, sc.gpu_memory_mb,
+                                         prof.reserved_memory_mb, prof.safety_margin_mb, sc.device)
+        if layer_mb is not None or emb is not None:   # measured numbers say nothing of what splits
+            memory = MemoryProfile(layer_mb=tuple(layer_mb or memory.layer_mb),
+                                   embedding_mb=memory.embedding_mb if emb is None else emb,
+                                   reserved_mb=memory.reserved_mb, safety_margin_mb=memory.safety_margin_mb,
+                                   gpu_memory_mb=memory.gpu_memory_mb)
+    else:
+        memory = MemoryProfile(layer_mb=tuple(layer_mb), embedding_mb=emb, reserved_mb=prof.reserved_memory_mb,
+                               safety_margin_mb=prof.safety_margin_mb, gpu_memory_mb=sc.gpu_memory_mb)
     if prof.t0_seconds is not None:
         t0 = prof.t0_seconds
     else:

@@ -76,8 +76,8 @@ class LengthProfile:
           the unit t0 changed; the gradient reduction (per iteration, not per micro-batch) / work_ratio.
           So when short samples make compute cheaper, communication weighs more in the objective;
         * the activation part of each per-layer memory K[d] × memory_ratio, with K[d] = state + d · act
-          fitted through the profile's end points (exact for the analytic profile); K stays as it is
-          when it lists one depth only. The embedding/head term is left as it is (conservative).
+          fitted through the profile's end points (exact for the analytic profile), and likewise its
+          replicated part; K stays as it is when it lists one depth only. The embedding/head term is left as it is (conservative).
         tp_alpha is left as it is."""
         if self.is_fixed:
             return problem
@@ -85,12 +85,17 @@ class LengthProfile:
         comm = dataclasses.replace(c, p2p_intra_node=c.p2p_intra_node * self.token_ratio / w,
                                    p2p_inter_node=c.p2p_inter_node * self.token_ratio / w,
                                    grad_sync_per_block=c.grad_sync_per_block / w)
-        k = mem.layer_mb                      # listed for d = len(k) .. 1 micro-batches in flight
-        if len(k) >= 2 and self.memory_ratio != 1.0:
-            act = (k[0] - k[-1]) / (len(k) - 1)
-            k = tuple(v - (1.0 - self.memory_ratio) * (len(k) - n) * act for n, v in enumerate(k))
-            mem = dataclasses.replace(mem, layer_mb=k)
+        if len(mem.layer_mb) >= 2 and self.memory_ratio != 1.0:
+            mem = dataclasses.replace(mem, layer_mb=self._scale_activations(mem.layer_mb),
+                                      replicated_layer_mb=self._scale_activations(mem.replicated_layer_mb))
         return dataclasses.replace(problem, t0_seconds=problem.t0_seconds * w, comm=comm, memory=mem)
+
+    def _scale_activations(self, k: tuple[float, ...]) -> tuple[float, ...]:
+        """Rows listed for d = len(k) .. 1 micro-batches in flight, their per-depth part × memory_ratio."""
+        if len(k) < 2:
+            return k
+        act = (k[0] - k[-1]) / (len(k) - 1)
+        return tuple(v - (1.0 - self.memory_ratio) * (len(k) - n) * act for n, v in enumerate(k))
 
 
 def representative(observed: LengthHistogram | Sequence[int], n: int) -> list[int]:

@@ -46,10 +46,9 @@ def solve_layers_model(rates: Sequence[float], mem_factors: Sequence[float], num
     m.bottleneck = pyo.Constraint(m.J, rule=lambda m, j: m.z >= rates[j] * m.l[j] + extra[j])
 
     def memory_row(m, j):
-        k = memory.per_layer_mb(s - j)
-        e = memory.embedding_mb if j in (0, s - 1) else 0.0
-        return (mem_factors[j] * (k * m.l[j] + e) + memory.reserved_mb
-                <= memory.gpu_memory_mb - memory.safety_margin_mb)
+        k = memory.block_mb(mem_factors[j], s - j)
+        e = memory.ends_mb(mem_factors[j]) if j in (0, s - 1) else 0.0
+        return k * m.l[j] + e + memory.reserved_mb <= memory.gpu_memory_mb - memory.safety_margin_mb
 
     m.memory = pyo.Constraint(m.J, rule=memory_row)
     return _solve(m, m.l, s, time_limit_s, mip_gap, f"ILP-1 (layers, {s} stages, L={num_layers})")

@@ -105,7 +105,8 @@ class DataSolution:
 def layer_caps(mem_factors: Sequence[float], num_layers: int, memory: MemoryProfile) -> tuple[int, ...]:
     """Memory cap u_j on the blocks of each stage of a pipeline with S = len(mem_factors) stages.
 
-    u_j is the largest integer l with h_j * (K[S-j] * l + E_j) + X0 <= C - delta (the memory model),
+    u_j is the largest integer l with h_j * (K[S-j] * l + E_j) + X0 <= C - delta (the memory model,
+    with the parts a group does not split left unscaled: `MemoryProfile.block_mb` and `ends_mb`),
     E_j = E on the first and last stage; clipped into [0, num_layers]. K beyond the profiled depths
     is extrapolated by `MemoryProfile.per_layer_mb` (authors' fault 4). A stage whose fixed part
     (E_j, X0) alone does not fit also gets 0 here; `solve_layers` treats such a pipeline as
@@ -125,18 +126,18 @@ def _stage_caps(mem_factors: Sequence[float], num_layers: int, memory: MemoryPro
     slack = REL_TOL * max(1.0, abs(budget))
     caps = []
     for j, hj in enumerate(h):
-        k = memory.per_layer_mb(s - j)
+        k = memory.block_mb(hj, s - j)
         if not (math.isfinite(k) and k > 0):
             raise ValueError(f"per-layer memory K[{s - j}] = {k!r} for stage {j} of {s}: must be a positive number")
-        e = memory.embedding_mb if j in (0, s - 1) else 0.0
+        e = memory.ends_mb(hj) if j in (0, s - 1) else 0.0
 
         def fits(n: int) -> bool:
-            return hj * (k * n + e) <= budget + slack
+            return k * n + e <= budget + slack
 
         if not fits(0):
             caps.append(-1)
             continue
-        n = min(num_layers, max(0, math.floor((budget / hj - e) / k)))
+        n = min(num_layers, max(0, math.floor((budget - e) / k)))
         while n < num_layers and fits(n + 1):   # the division may round either way: fix it up
             n += 1
         while n > 0 and not fits(n):

@@ -10,7 +10,6 @@ Three things make it so:
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from malleus_svc.runtime.batch import IGNORE_INDEX, MicroBatch
 from malleus_svc.runtime.device_clock import DeviceClock, make_clock
 from malleus_svc.runtime.groups import Groups, PipelinePeers, Piece, ordered_group_ranks, world_rank
 from malleus_svc.runtime.model import build_stage_model
+from malleus_svc.runtime.precision import WorkingWeights, compute_dtype_for
 from malleus_svc.runtime.schedule import Post, Transfer, stage_program
 from malleus_svc.runtime.transport import P2PTransport, StageTransport
 
@@ -181,11 +181,14 @@ class Engine:
     `transport` makes the stage's point-to-point transport from (peers, device, dtype); `clock`
     times the compute ops (an unpaced PacedClock on CPU, a CudaClock on CUDA, unless given).
     `init=False` leaves the weights uninitialised, for state that `load_state` brings next.
+    `dtype` is the master weights', gradients' and Adam moments'; `compute_dtype` the working
+    weights', activations' and boundary tensors' (default: `precision.compute_dtype_for`).
     """
 
     def __init__(self, shape: ModelShape, plan: Plan, rank: int, *, seed: int = 0,
                  optim: OptimConfig = OptimConfig(), device: torch.device | None = None,
-                 clock: DeviceClock | None = None, dtype: torch.dtype = torch.float32, init: bool = True,
+                 clock: DeviceClock | None = None, dtype: torch.dtype = torch.float32,
+                 compute_dtype: torch.dtype | None = None, init: bool = True,
                  transport: Callable[[PipelinePeers, torch.device, torch.dtype], StageTransport] = P2PTransport):
         validate_plan_for_model(shape, plan)
         _check_rank(plan, rank)
@@ -202,8 +205,9 @@ class Engine:
                                        seed=seed if init else None).to(dtype=dtype)
         self.params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
         self.optimizer = optim.make(self.params.values())
+        self.working = WorkingWeights(self.params, compute_dtype or compute_dtype_for(self.device, dtype))
         self.grad_sync = GradientSync(self.groups, self.params, shape)
-        self.transport = transport(self.groups.peers, self.device, dtype)
+        self.transport = transport(self.groups.peers, self.device, self.working.dtype)
         self._update_pending = False
 
     # ------------------------------------------------------------------ one step
@@ -266,6 +270,7 @@ class Engine:
         t0 = time.perf_counter()
         with self.clock.op("update", nbytes=update_bytes(self.params.values())):
             self.optimizer.step()
+            self.working.refresh()
         self._update_pending = False
         return time.perf_counter() - t0
 
@@ -283,10 +288,11 @@ class Engine:
         update = self.optim.make(scratch)
         nbytes = update_bytes(scratch)
         for _ in range(repeats):
-            x = (torch.randint(self.shape.vocab, (tokens,), generator=g) if self.role.is_first
-                 else torch.randn(tokens, self.shape.hidden, generator=g, requires_grad=True)).to(self.device)
-            with self.clock.op("rehearse", flops=flops), self._autocast():
-                out = self.model(x, positions, cu_seqlens)
+            x = (torch.randint(self.shape.vocab, (tokens,), generator=g).to(self.device) if self.role.is_first
+                 else torch.randn(tokens, self.shape.hidden, generator=g).to(self.device, self.working.dtype)
+                 .requires_grad_(True))
+            with self.clock.op("rehearse", flops=flops):
+                out = self.working(self.model, x, positions, cu_seqlens)
             with self.clock.op("rehearse", flops=2 * flops):
                 out.float().sum().backward()
             with self.clock.op("rehearse", nbytes=nbytes):
@@ -294,11 +300,6 @@ class Engine:
         self.clock.read()
         for p in self.params.values():
             p.grad = None
-
-    def _autocast(self):
-        if self.device.type == "cuda":
-            return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
 
     def _run_program(self, micro_batches: list[MicroBatch], loss_tokens: int) -> None:
         """The stage's computations with its posts between them (schedule.stage_program): each post
@@ -327,8 +328,8 @@ class Engine:
         positions = mb.positions().to(self.device)
         x = received.requires_grad_(True) if received is not None else mb.tokens.to(self.device)
         flops = self.model.forward_flops(mb.cu_seqlens)
-        with self.clock.op("compute", flops=flops), self._autocast():
-            out = self.model(x, positions, mb.cu_seqlens)
+        with self.clock.op("compute", flops=flops):
+            out = self.working(self.model, x, positions, mb.cu_seqlens)
             if self.role.is_last:
                 # summed over tokens, divided by the GLOBAL count: sums to the global mean (fault 7)
                 logits = out.to(torch.promote_types(out.dtype, torch.float32))
@@ -423,6 +424,7 @@ class Engine:
                 }
             else:
                 self.optimizer.state.pop(p, None)
+        self.working.refresh()
 
 
 def full_shard_states(full: Mapping[str, torch.Tensor]) -> dict[str, ShardState]:

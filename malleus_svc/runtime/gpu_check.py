@@ -8,9 +8,9 @@ Checks, each against an oracle with a stated tolerance:
   attention-flash       flash-attn's varlen kernel, as `varlen_causal_attention` calls it, against
                         the same oracle: its error at most twice the bf16 SDPA fallback's, plus
                         1e-3 (flash-attn's own test rule); CUDA with flash-attn only
-  train-bf16            a few training steps of one device's Engine in the device's low
-                        precision (CUDA: fp32 weights under bf16 autocast, what workers run;
-                        CPU: bf16 weights) against fp32 single-process training (`reference_train`)
+  train-bf16            a few training steps of one device's Engine in mixed precision (fp32
+                        master weights, bf16 working weights and activations: what GPU workers
+                        run) against fp32 single-process training (`reference_train`)
   throttled-clock       device time of an emulated straggler: an Engine at rate 3 on the device's
                         own clock (CUDA: `CudaClock`, events and a sleep kernel; CPU: the paced
                         clock) measures 3x the device time of its healthy steps
@@ -142,12 +142,9 @@ def check_flash(device: torch.device) -> Result:
 
 # ---------------------------------------------------------------------------- one device
 def check_train_bf16(device: torch.device, shape: ModelShape, steps: int = 4) -> Result:
-    # CUDA: the workers' precision (fp32 weights, bf16 autocast inside the engine); CPU has no
-    # autocast in the engine, so its weights are bf16
-    dtype = torch.float32 if device.type == "cuda" else torch.bfloat16
     plan = _one_device_plan(shape, micro_batches=2, micro_batch_size=4)
     batches = global_batches(shape, steps, 2, 4)
-    engine = Engine(shape, plan, 0, seed=SEED, optim=OPTIM, device=device, dtype=dtype)
+    engine = Engine(shape, plan, 0, seed=SEED, optim=OPTIM, device=device, compute_dtype=torch.bfloat16)
     losses = [engine.train_step(batch, _loss_tokens(batch)).global_loss for batch in batches]
     ref, _, _ = reference_train(shape, SEED, OPTIM, batches, torch.float32)
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
@@ -213,7 +210,7 @@ def _pipeline_then_migrate(rank: int, world: int, shape: ModelShape, batches: li
     """Two steps on the pipeline, the migration to the TP pair, one step there; on every rank."""
     pipeline, tp_pair = two_device_plans(shape)
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    dtype = torch.float64       # exact against the reference (autocast leaves fp64 alone)
+    dtype = torch.float64       # exact against the reference (fp64 weights compute in fp64, GPU too)
     engine = Engine(shape, pipeline, rank, seed=SEED, optim=OPTIM, device=device, dtype=dtype)
     losses = [engine.train_step(b, _loss_tokens(b)).global_loss for b in batches[:2]]
     before = engine.export_state()

@@ -90,14 +90,36 @@ def init_part(shape: ModelShape, part: Part, seed: int) -> dict[str, torch.Tenso
 
 
 # ---------------------------------------------------------------------------- modules
+class _RMSNormFunction(torch.autograd.Function):
+    """x / rms(x) * weight with statistics in at least fp32, keeping for backward only the input (in
+    its own dtype) and one reciprocal rms per token, as fused kernels do: autograd over the plain
+    expression would keep two fp32 copies of the input per norm."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + NORM_EPS)
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd * weight).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        xhat = x.to(rstd.dtype) * rstd
+        g = grad.to(rstd.dtype)
+        grad_weight = (g * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        gx = g * weight
+        grad_x = rstd * (gx - xhat * (gx * xhat).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight
+
+
 class RMSNorm(nn.Module):
     def __init__(self, spec: TensorSpec):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(spec.shape))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # statistics in at least fp32
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + NORM_EPS) * self.weight).to(x.dtype)
+        return _RMSNormFunction.apply(x, self.weight)
 
 
 class Attention(nn.Module):

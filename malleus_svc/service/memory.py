@@ -2,10 +2,10 @@
 modules built on the meta device (`runtime.memory`), beside the planner's memory model.
 
 The planner's figure is its memory row for the stage at the same depth,
-h · (K[d] · l + E · [first or last stage]) + X0 (`simulate.memory.device_peak_mb`), with K and E as
-the planner got them: the scenario's `profile:` where it gives them, the analytic model otherwise.
-The `analytic` column is that row with the analytic model from the model's shape, whatever the
-scenario says. Each distinct stage shape is built once.
+h · (K[d] · l + E · [first or last stage]) + X0 with what a group does not split left unscaled
+(`simulate.memory.device_peak_mb`), with K and E as the planner got them: the scenario's `profile:`
+where it gives them, this runtime's model (`costmodel.analytic`) otherwise. The `analytic` column is
+that row with the runtime's model, whatever the scenario says. Each distinct stage shape is built once.
 """
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def _footprint(shape: ModelShape, layers: int, first: bool, last: bool, tp: int,
     return stage_footprint(shape, layers, has_embedding=first, has_head=last, tp=tp, micro_batch=micro_batch)
 
 
-_TERMS = ("params", "grads", "adam", "bf16", "activations", "boundary", "logits")
+_TERMS = ("params", "grads", "adam", "working", "activations", "boundary", "logits")
 
 
 def memory_table(rows: list[StageReport]) -> str:

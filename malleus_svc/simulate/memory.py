@@ -7,6 +7,7 @@ not flagged for memory it never uses, and a schedule bug that keeps more alive w
 
 Per device of stage j of pipeline i, in MB (the planner's formula with the reached depth d):
     h · (K[d] · l + E · [first or last stage]) + X0,   h = tp / |g|
+(the parts a group does not split unscaled: `MemoryProfile.block_mb`, `ends_mb`)
 flagged `oom` when above the device's memory C, and `over_budget` when above C - δ (the margin
 the planner keeps).
 """
@@ -37,8 +38,8 @@ def device_peak_mb(problem: PlannerProblem, tp_size: int, blocks: int, in_flight
     """Peak MB on one device of a group of `tp_size` holding `blocks` blocks with `in_flight` micro-batches alive."""
     mem = problem.memory
     h = problem.tp / tp_size
-    per_block = mem.per_layer_mb(max(1, in_flight))   # every stage runs >= 1 micro-batch
-    return h * (per_block * blocks + (mem.embedding_mb if holds_embedding else 0.0)) + mem.reserved_mb
+    per_block = mem.block_mb(h, max(1, in_flight))   # every stage runs >= 1 micro-batch
+    return per_block * blocks + (mem.ends_mb(h) if holds_embedding else 0.0) + mem.reserved_mb
 
 
 def stage_memory(plan: Plan, problem: PlannerProblem, sim: SimResult) -> list[StageMemory]:
