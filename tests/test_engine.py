@@ -16,7 +16,8 @@ from malleus_svc.config.presets import ModelShape, preset
 from malleus_svc.geometry import one_f_one_b
 from malleus_svc.plan import Pipeline, Plan, Stage
 from malleus_svc.runtime.batch import IGNORE_INDEX, MicroBatch
-from malleus_svc.runtime.engine import (STEP, Engine, OptimConfig, assemble_full, full_shard_states)
+from malleus_svc.runtime.engine import (GRAD_BUCKET_BYTES, STEP, Engine, OptimConfig, _buckets, assemble_full,
+                                        full_shard_states)
 from malleus_svc.runtime.model import Block, StageModel, full_model, init_part, take_shard
 from malleus_svc.runtime.reference import reference_train
 from malleus_svc.runtime.tensor_parallel import TensorParallel
@@ -70,16 +71,19 @@ def _pipeline_share(plan: Plan, pipeline: int, batch: list[MicroBatch]) -> list[
     return batch[start:start + plan.pipelines[pipeline].micro_batches]
 
 
-def _train_on_plan(rank: int, world: int, plan: Plan, batches: list[list[MicroBatch]], dtype: torch.dtype):
+def _train_on_plan(rank: int, world: int, plan: Plan, batches: list[list[MicroBatch]], dtype: torch.dtype,
+                   bucket_bytes: int = GRAD_BUCKET_BYTES):
     if rank not in plan.roles():
         return None  # suspended: builds nothing, joins no group
     engine = Engine(TINY, plan, rank, seed=SEED, optim=OPTIM, dtype=dtype)
-    role = engine.role
+    sync, role = engine.grad_sync, engine.role
+    sync.bucket_bytes = bucket_bytes
     stats = []
     for batch in batches:
         loss_tokens = sum(mb.num_loss_tokens for mb in batch)
         stats.append(asdict(engine.train_step(_pipeline_share(plan, role.pipeline, batch), loss_tokens)))
-    return {"role": role, "stats": stats, "state": engine.export_state()}
+    buckets = sum(len(list(_buckets([sync._view(it) for it in items], bucket_bytes))) for items in sync.buckets.values())
+    return {"role": role, "stats": stats, "state": engine.export_state(), "buckets": (buckets, len(sync.buckets))}
 
 
 def test_heterogeneous_plan_matches_single_process_training():
@@ -88,8 +92,10 @@ def test_heterogeneous_plan_matches_single_process_training():
     # ~1e-6 in the parameter; in fp64 every element must agree, so any weighting error shows.
     dtype = torch.float64
     batches = global_batches(steps=3, micro_batches=HETERO.num_micro_batches, micro_batch_size=2)
-    results = run_on_gloo(_train_on_plan, HETERO.num_devices, HETERO, batches, dtype)
+    # Gradients reduced in buckets of 512 bytes: several per group, and views alone in theirs in place.
+    results = run_on_gloo(_train_on_plan, HETERO.num_devices, HETERO, batches, dtype, 512)
     ref_losses, ref_params, ref_optim = reference_train(TINY, SEED, OPTIM, batches, dtype)
+    assert any(r["buckets"][0] > r["buckets"][1] for r in results if r)
 
     # Losses: the sum of the pipelines' shares (reported by each last stage's TP rank 0).
     last = [r for r in results if r and r["role"].is_last and r["role"].tp_rank == 0]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -103,16 +103,36 @@ def _check_rank(plan: Plan, rank: int) -> None:
                              "so it builds no Engine")
 
 
+# A reduction's flat copy is bounded by this (DDP's default bucket): the gradients are never copied whole.
+GRAD_BUCKET_BYTES = 25 << 20
+
+
+def _buckets(views: list[torch.Tensor], cap: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive runs of `views` of at most `cap` bytes each (a larger view is a run of its own)."""
+    run: list[torch.Tensor] = []
+    size = 0
+    for v in views:
+        n = v.numel() * v.element_size()
+        if run and size + n > cap:
+            yield run
+            run, size = [], 0
+        run.append(v)
+        size += n
+    if run:
+        yield run
+
+
 class GradientSync:
     """Sums each gradient piece over the pipelines holding it, and measures the global norm.
 
-    Sharded pieces: flattened into one buffer per group (same order on every member, since every
+    Sharded pieces: flattened into buckets per group (same order on every member, since every
     member walks the same pieces in plan order) and all-reduced among one holder per pipeline.
     Replicated tensors: all-reduced among the TP-rank-0 holders, then broadcast in the TP group.
     """
 
-    def __init__(self, groups: Groups, params: Mapping[str, torch.nn.Parameter], shape: ModelShape):
-        self.groups, self.rank = groups, groups.rank
+    def __init__(self, groups: Groups, params: Mapping[str, torch.nn.Parameter], shape: ModelShape,
+                 bucket_bytes: int = GRAD_BUCKET_BYTES):
+        self.groups, self.rank, self.bucket_bytes = groups, groups.rank, bucket_bytes
         r, t = groups.tp.rank, groups.tp.size
         self.buckets: dict[tuple[int, ...], list[tuple[str, int | None, int, int]]] = {}
         self.norm_items: list[tuple[str, int | None, int, int]] = []
@@ -150,14 +170,19 @@ class GradientSync:
         return g if dim is None else g.narrow(dim, lo, hi - lo)
 
     def _collective(self, items, op: Callable[[torch.Tensor], None]) -> None:
-        views = [self._view(it) for it in items]
-        flat = torch.cat([v.reshape(-1) for v in views])
-        op(flat)
-        offset = 0
-        for v in views:
-            n = v.numel()
-            v.copy_(flat[offset:offset + n].view_as(v))
-            offset += n
+        """`op` on the items' gradient views, a bucket of at most `bucket_bytes` at a time: one flat
+        copy per bucket (a view that is contiguous and alone in its bucket is reduced in place)."""
+        for views in _buckets([self._view(it) for it in items], self.bucket_bytes):
+            if len(views) == 1 and views[0].is_contiguous():
+                op(views[0])
+                continue
+            flat = torch.cat([v.reshape(-1) for v in views])
+            op(flat)
+            offset = 0
+            for v in views:
+                n = v.numel()
+                v.copy_(flat[offset:offset + n].view_as(v))
+                offset += n
 
     def reduce(self) -> None:
         for key in self.order:  # one global order on every rank: no cycle of waiting groups
