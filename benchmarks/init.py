@@ -17,14 +17,14 @@ CASES = (("llama-70b", 1, 8), ("llama-70b", 1, 1), ("gpt-1.3b", 4, 2))   # (mode
 _CHILD = """
 import json, resource, sys, time
 from malleus_svc.config.presets import PRESETS
-from malleus_svc.runtime.memory import _NoComm
+from malleus_svc.runtime.tensor_parallel import LocalShard
 from malleus_svc.runtime.model import build_stage_model, init_part
 model, blocks, tp, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 shape = PRESETS[model]
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 t = time.perf_counter()
 if mode == "shards":
-    m = build_stage_model(shape, (0, blocks), has_embedding=False, has_head=False, tp=_NoComm(tp, 0), seed=0)
+    m = build_stage_model(shape, (0, blocks), has_embedding=False, has_head=False, tp=LocalShard(tp, 0), seed=0)
     held = sum(p.numel() * 4 for p in m.parameters())
 else:
     full = [init_part(shape, b, 0) for b in range(blocks)]   # all held at once, as before sharding

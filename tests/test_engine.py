@@ -313,7 +313,7 @@ def test_each_shard_draws_only_its_own_tiles_and_equals_the_full_init(tp, monkey
     """Built on meta, a TP rank allocates and draws its shards alone, never the full tensors, and
     gets exactly its slice of what the single-process model holds."""
     import malleus_svc.runtime.model as model_mod
-    from malleus_svc.runtime.memory import _NoComm
+    from malleus_svc.runtime.tensor_parallel import LocalShard
     from malleus_svc.runtime.model import build_stage_model
 
     shape = ModelShape(layers=2, hidden=64, heads=8, ffn=96, vocab=40, seq_len=16, kv_heads=4)
@@ -326,7 +326,7 @@ def test_each_shard_draws_only_its_own_tiles_and_equals_the_full_init(tp, monkey
     for rank in range(tp):
         drawn.clear()
         model = build_stage_model(shape, (0, 2), has_embedding=True, has_head=True,
-                                  tp=_NoComm(tp, rank), seed=3)
+                                  tp=LocalShard(tp, rank), seed=3)
         own = 0
         for name, p in model.named_parameters():
             assert torch.equal(p, take_shard(name, reference[name].detach(), rank, tp)), name

@@ -34,8 +34,8 @@ def test_the_cpu_mode_runs_every_check_that_needs_no_cuda_and_they_pass():
     print(p.stdout)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     table = _table(p.stdout)
-    assert list(table) == ["attention-sdpa-bf16", "attention-flash", "train-bf16", "throttled-clock",
-                           "pipeline-2-stage", "migration"]
+    assert list(table) == ["attention-sdpa-bf16", "attention-flash", "train-bf16", "length-sweep",
+                           "throttled-clock", "pipeline-2-stage", "migration"]
     assert table["attention-flash"][:2] == ["skip", "no CUDA" if not torch.cuda.is_available() else "--device cpu"]
     for name, (status, figure, tolerance) in table.items():
         if name != "attention-flash":
@@ -82,7 +82,7 @@ def test_a_check_that_raises_is_a_failed_row_and_the_others_still_run(monkeypatc
     results = gpu_check.run_checks(torch.device("cpu"), gpu_check.preset("tiny"))
     assert [(r.check, r.status) for r in results] == [
         ("attention-sdpa-bf16", "pass"), ("attention-flash", "skip"), ("train-bf16", "pass"),
-        ("throttled-clock", "pass"), ("pipeline-2-stage, migration", "fail")]
+        ("length-sweep", "pass"), ("throttled-clock", "pass"), ("pipeline-2-stage, migration", "fail")]
     assert results[-1].figure == "raised RuntimeError: last line says what"
     table = format_table(results).splitlines()
     assert len(table) == 2 + len(results) and table[-1].split(" | ")[1].strip() == "fail"

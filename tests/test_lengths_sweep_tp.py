@@ -38,3 +38,29 @@ def test_a_tp_degree_the_model_cannot_shard_is_refused_before_any_process_starts
     with pytest.raises(LengthError) as e:
         time_micro_batches([(16,)], "tiny", tp=3, repeats=1)
     assert e.value.field == "tp" and "does not divide" in str(e.value)
+
+
+def test_a_sweep_on_the_jobs_own_device_runs_its_lengths_and_prices_the_collectives():
+    """What a job on accelerators runs on one of its devices (`DeviceWorker.length_sweep`), here on
+    the CPU stand-in: mixes scaled to the job's longest sequence, TP 2's shard computed alone (no
+    process group), its collectives priced per token by the cost model rather than timed."""
+    import torch
+
+    from malleus_svc.config import preset
+    from malleus_svc.costmodel.analytic import tp_comm_seconds_per_token
+    from malleus_svc.runtime.worker import DeviceWorker
+
+    threads = torch.get_num_threads()
+    try:
+        model, reports = DeviceWorker(0).length_sweep(preset("tiny"), [2], seq_len=48, link_gbps=2.0, repeats=1)
+    finally:
+        torch.set_num_threads(threads)   # a CPU worker keeps to one thread
+    rep = reports[2]
+    mixes = [r["lengths"] for r in rep["train"] + rep["test"]]
+    assert max(max(m) for m in mixes) == 48 and max(sum(m) for m in mixes) == 96 and min(min(m) for m in mixes) >= 1
+    assert rep["test_max_abs_error"] < 0.15
+    # TP 2's collectives: 4 all-reduces of each token's fp32 hidden state per block, at 2 GB/s
+    price = tp_comm_seconds_per_token(preset("tiny").hidden, 2, 4, 2.0)
+    comm = sum(rep["layers"] * sum(m) * price for m in mixes)
+    assert rep["comm_share"] == pytest.approx(comm / sum(r["measured_s"] for r in rep["train"] + rep["test"]))
+    assert model.at(2).b > price

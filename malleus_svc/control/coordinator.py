@@ -173,7 +173,7 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
                 if self.metrics_export is not None:
                     self._event("metrics", f"Prometheus metrics at http://{self.metrics_export.endpoint}/metrics")
                 if job.data.assignment == "length-aware":
-                    self._event("lengths", self.lengths.start_length_aware(paced=self.device_pace is not None))
+                    self._event("lengths", self.lengths.start_length_aware(group, paced=self.device_pace is not None))
                 self.history.plan_change(0, 0, "initial", "initial plan", None, plan, self.basis)
                 self._event("start", f"plan {plan.plan_id}: {len(plan.pipelines)} pipelines, suspended "
                                      f"{list(plan.suspended)}, excluded {list(plan.excluded)}")

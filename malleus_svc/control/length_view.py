@@ -74,18 +74,22 @@ class LengthView:
             self._profile_key = key
         return self._profile
 
-    def start_length_aware(self, paced: bool) -> str:
-        """Fit the per-layer time of a micro-batch from its sequence lengths on this machine, for
-        every TP degree up to the job's (a re-plan may split TP groups); on the paced device clock
-        when the workers run on it (`paced`). Returns what was fitted."""
+    def start_length_aware(self, group, paced: bool) -> str:
+        """Fit the per-layer time of a micro-batch from its sequence lengths, for every TP degree up
+        to the job's (a re-plan may split TP groups). A job on accelerators sweeps on one of its own
+        devices, at its real lengths and kernels (`WorkerGroup.length_sweep`); a CPU job sweeps here,
+        on the paced device clock when its workers run on it (`paced`). Returns what was fitted."""
         from malleus_svc.geometry import tp_divisibility_error
         from malleus_svc.runtime.length_sweep import run_sweeps
 
         from .assign import Lookahead
-        shape = self.job.shape
-        tps = [t for t in (1, 2, 4, 8) if t <= self.job.scenario.tp and tp_divisibility_error(shape, t) is None]
-        self.cost, reports = run_sweeps(shape, tps=tps, layers=min(2, shape.layers), repeats=21 if len(tps) > 1 else 9,
-                                        clock="device" if paced else "thread")
+        shape, sc = self.job.shape, self.job.scenario
+        tps = [t for t in (1, 2, 4, 8) if t <= sc.tp and tp_divisibility_error(shape, t) is None]
+        if group.use_gpu:
+            self.cost, reports = group.length_sweep(shape, tps, self.job.data.seq_len, sc.device.intra_node_gbps)
+        else:
+            self.cost, reports = run_sweeps(shape, tps=tps, layers=min(2, shape.layers),
+                                            repeats=21 if len(tps) > 1 else 9, clock="device" if paced else "thread")
         self.lookahead = Lookahead()
         return "length cost fitted, held-out error " + ", ".join(
             f"TP{t} {r.get('test_max_abs_error', float('nan')):.1%}" for t, r in sorted(reports.items()))

@@ -28,16 +28,19 @@ def _allreduce_seconds(nbytes: float, ranks: int, gbps: float) -> float:
     return 2.0 * (ranks - 1) / ranks * nbytes / (gbps * 1e9)
 
 
+def tp_comm_seconds_per_token(hidden: int, tp: int, act_bytes: float, gbps: float) -> float:
+    """A block's TP collectives per token: Megatron TP all-reduces the hidden state twice forward
+    and twice backward."""
+    return 4.0 * _allreduce_seconds(hidden * act_bytes, tp, gbps)
+
+
 def block_seconds(shape: ModelShape, tp: int, micro_batch: int, device: DeviceSpec,
                   seq_len: int | None = None) -> float:
     """Forward + backward time of one block for one micro-batch on a TP group of `tp` devices."""
     s = seq_len or shape.seq_len
     tokens = micro_batch * s
     compute = shape.block_flops(tokens, s) / (tp * device.flops_per_second)
-    # Megatron TP: 2 all-reduces of the block output forward, 2 backward, each of tokens x hidden.
-    act = tokens * shape.hidden * device.act_bytes
-    comm = 4.0 * _allreduce_seconds(act, tp, device.intra_node_gbps)
-    return compute + comm
+    return compute + tokens * tp_comm_seconds_per_token(shape.hidden, tp, device.act_bytes, device.intra_node_gbps)
 
 
 def tp_alpha(shape: ModelShape, tp: int, micro_batch: int, device: DeviceSpec) -> tuple[float, ...]:

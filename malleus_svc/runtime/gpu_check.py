@@ -11,6 +11,10 @@ Checks, each against an oracle with a stated tolerance:
   train-bf16            a few training steps of one device's Engine in mixed precision (fp32
                         master weights, bf16 working weights and activations: what GPU workers
                         run) against fp32 single-process training (`reference_train`)
+  length-sweep          the length sweep as a job on accelerators runs it, on its own device
+                        (`length_sweep.device_sweeps`: lengths up to the model's seq_len, bf16
+                        kernels, TP 1 and 2 shards, collectives priced): its held-out error on
+                        packs it was not fitted on (CPU: TP 2 only, one round, on the paced clock)
   throttled-clock       device time of an emulated straggler: an Engine at rate 3 on the device's
                         own clock (CUDA: `CudaClock`, events and a sleep kernel; CPU: the paced
                         clock) measures 3x the device time of its healthy steps
@@ -40,6 +44,7 @@ from typing import Callable
 
 import torch
 
+from malleus_svc.config.device import DeviceSpec
 from malleus_svc.config.presets import ModelShape, preset
 from malleus_svc.plan import Pipeline, Plan, Stage
 from malleus_svc.runtime import attention
@@ -47,6 +52,7 @@ from malleus_svc.runtime.batch import MicroBatch
 from malleus_svc.runtime.datasets import SyntheticVarLen, collate
 from malleus_svc.runtime.device_clock import PacedClock, make_clock, pace_for
 from malleus_svc.runtime.engine import Engine, OptimConfig, ShardState, assemble_full, full_shard_states
+from malleus_svc.runtime.length_sweep import device_sweeps
 from malleus_svc.runtime.local_world import run_local_world
 from malleus_svc.runtime.migrate import execute_migration, plan_migration
 from malleus_svc.runtime.reference import masked_attention, reference_train
@@ -60,6 +66,7 @@ SDPA_BF16_RTOL = 3e-2          # of each tensor's largest magnitude: bf16 keeps 
 FLASH_FACTOR, FLASH_SLACK = 2.0, 1e-3
 TRAIN_BF16_LOSS_RTOL = 1e-2    # per step, relative to the fp32 loss
 THROTTLE_RATE, THROTTLE_RTOL = 3.0, 0.10
+SWEEP_HELDOUT_RTOL = 0.15      # the length cost's held-out error, as the CPU sweep is held to
 EXACT_RTOL, EXACT_ATOL = 1e-5, 1e-7   # fp64 engine against the fp64 reference (the engine tests' bounds)
 
 
@@ -161,6 +168,16 @@ def check_train_bf16(device: torch.device, shape: ModelShape, steps: int = 4) ->
 # emulated rate would fall short of the one asked for. This shape keeps an H100 busy (about 2e12
 # FLOPs per micro-batch forward of ~4k tokens) in a few GB.
 GPU_BOUND_SHAPE = ModelShape(layers=4, hidden=2048, heads=16, ffn=5632, vocab=32000, seq_len=2048)
+
+
+def check_length_sweep(device: torch.device, shape: ModelShape) -> Result:
+    tps, repeats = ((1, 2), 9) if device.type == "cuda" else ((2,), 1)
+    _, reports = device_sweeps(shape, tps, seq_len=shape.seq_len, device=device,
+                               link_gbps=DeviceSpec().intra_node_gbps, repeats=repeats)
+    worst = max(r["test_max_abs_error"] for r in reports.values())
+    return Result("length-sweep", _verdict(worst <= SWEEP_HELDOUT_RTOL),
+                  f"held-out max rel err {worst:.1%} (TP {', '.join(map(str, tps))}; packs up to {shape.seq_len} tokens)",
+                  f"<= {SWEEP_HELDOUT_RTOL:g}")
 
 
 def check_throttled_clock(device: torch.device, shape: ModelShape, steps: int = 5) -> Result:
@@ -293,6 +310,7 @@ def _run(device: torch.device, shape: ModelShape) -> list[Result]:
         ("attention-sdpa-bf16", lambda: check_sdpa_bf16(device)),
         ("attention-flash", lambda: check_flash(device)),
         ("train-bf16", lambda: check_train_bf16(device, shape)),
+        ("length-sweep", lambda: check_length_sweep(device, GPU_BOUND_SHAPE if device.type == "cuda" else shape)),
         ("throttled-clock", lambda: check_throttled_clock(device, GPU_BOUND_SHAPE if device.type == "cuda" else shape)),
         ("pipeline-2-stage, migration", lambda: check_two_devices(device, shape)),
     ]

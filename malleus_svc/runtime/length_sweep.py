@@ -34,6 +34,14 @@ mixes (b_comm·Σl + c_comm: every block all-reduces each token's hidden state a
 times), added to b and c. Fitting the noisy totals with four coefficients gave held-out errors of
 17-27% at load 7-12; this split gave 9-15% with 21 repeats. `run_sweeps` fits several degrees
 and merges them (`LengthCost.merged`). A TP-2 sweep takes 20-60 s with 21 repeats here.
+
+On an accelerator (`Place`: a GPU worker's own device and clock) the sweep runs where the job
+trains, not on the head: the job's real lengths (every mix scaled so the longest sequence is the
+job's `seq_len`, `mixes_for`), the kernels it runs (bf16 blocks, flash-attn varlen), timed on the
+device's clock. Each TP degree t times the shard one rank of a group holds, alone
+(`tensor_parallel.LocalShard`: its kernels are a group member's), and the group's collectives are
+priced per token by the analytic cost model (`costmodel.analytic.tp_comm_seconds_per_token`): the
+devices of a TP group are the job's, busy training, and cannot be borrowed to time them.
 """
 from __future__ import annotations
 
@@ -88,6 +96,29 @@ def heldout_mixes(count: int = 10, seed: int = 1, max_tokens: int = MAX_TOKENS, 
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """Where a sweep runs when it runs on one of the job's own devices: the torch device, the compute
+    dtype, and the TP link's GB/s for the collectives. Its clock is the device's kind
+    (`device_clock.make_clock`): CUDA events on a GPU, the paced clock on a CPU."""
+
+    device: object
+    dtype: object
+    link_gbps: float
+
+
+def mixes_for(seq_len: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """The fitting and held-out mixes scaled to a job whose longest sequence is `seq_len` tokens."""
+    k = seq_len / MAX_LEN
+
+    def scaled(mix: Mix) -> tuple[int, ...]:
+        return tuple(max(1, min(seq_len, round(x * k))) for x in mix)
+
+    test = heldout_mixes(max_tokens=round(MAX_TOKENS * k), max_len=seq_len, median_len=60.0 * k,
+                         min_len=max(1, round(8 * k)))
+    return [scaled(m) for m in TRAIN_MIXES], test
+
+
 def _make_blocks(shape, layers: int, seed: int, tp=None):
     from .model import StageModel
     from .tensor_parallel import SINGLE
@@ -116,9 +147,10 @@ def time_micro_batches(mixes: Sequence[Mix], shape="tiny", layers: int = 2, repe
                                                  normalise_rounds, tp))]
 
 
-def _timed_parts(mixes, shape, layers, repeats, warmup, seed, threads, stat, clock, normalise_rounds, tp
-                 ) -> tuple[list[float], list[float]]:
-    """(compute, TP communication) seconds of each mix, each part normalised and summarised on its own."""
+def _timed_parts(mixes, shape, layers, repeats, warmup, seed, threads, stat, clock, normalise_rounds, tp,
+                 place: Place | None = None) -> tuple[list[float], list[float]]:
+    """(compute, TP communication) seconds of each mix, each part normalised and summarised on its own;
+    with a `place`, compute alone, on that device (the collectives are priced, not timed)."""
     from ..config.presets import ModelShape, preset
     from ..geometry import tp_divisibility_error
     shape = preset(shape) if not isinstance(shape, ModelShape) else shape
@@ -137,7 +169,11 @@ def _timed_parts(mixes, shape, layers, repeats, warmup, seed, threads, stat, clo
         if not mix or min(mix) < 1:
             raise LengthError("mix", list(mix), "a non-empty list of positive lengths")
     args = ([tuple(m) for m in mixes], shape, layers, repeats, warmup, seed, threads, clock)
-    parts = _rank_times(*args) if tp == 1 else _group_times(tp, args)
+    if place is not None:
+        from .tensor_parallel import LocalShard
+        parts = _rank_times(*args, tp=LocalShard(tp, 0), place=place)
+    else:
+        parts = _rank_times(*args) if tp == 1 else _group_times(tp, args)
     out = []
     # Compute as asked. TP collectives are wall time even on the device clock: their fastest round
     # is an outlier as often as not (a few ms either way on a 1-6 ms mix), their faster half's
@@ -149,18 +185,21 @@ def _timed_parts(mixes, shape, layers, repeats, warmup, seed, threads, stat, clo
     return out[0], out[1]
 
 
-def _rank_times(mixes, shape, layers, repeats, warmup, seed, threads, clock, tp=None):
+def _rank_times(mixes, shape, layers, repeats, warmup, seed, threads, clock, tp=None, place: Place | None = None):
     """Per mix, per round: (compute, communication) seconds of this process, or with a TP group
     (`tp`, a `TensorParallel`) the group's (module docstring). Every rank builds the same inputs
-    and round orders from `seed`, so they run the same mix at the same time."""
+    and round orders from `seed`, so they run the same mix at the same time. With a `place`, the
+    blocks and inputs live on its device in its dtype and a clock of its kind times them."""
     import torch
     import torch.distributed as dist
 
-    from .device_clock import PacedClock
+    from .device_clock import PacedClock, make_clock
 
     model, shape = _make_blocks(shape, layers, seed, tp)
     tp = model.tp
-    device = PacedClock() if clock == "device" else None
+    where, dtype = (torch.device(place.device), place.dtype) if place else (torch.device("cpu"), torch.float32)
+    model = model.to(where, dtype)
+    device = make_clock(where.type == "cuda") if place else PacedClock() if clock == "device" else None
     tp.clock = device       # the device's time leaves its TP collectives out
     # (compute, communication) clocks: compute is this thread's CPU time (gloo reduces on its own
     # threads, so collectives are not in it) and communication the wall time inside TP collectives
@@ -182,16 +221,16 @@ def _rank_times(mixes, shape, layers, repeats, warmup, seed, threads, clock, tp=
     for mix in mixes:
         cu = torch.tensor([0, *[sum(mix[:i + 1]) for i in range(len(mix))]], dtype=torch.int32)
         pos = torch.cat([torch.arange(x) for x in mix])
-        x = torch.randn(sum(mix), shape.hidden, generator=gen)
-        g = torch.randn(sum(mix), shape.hidden, generator=gen)
-        inputs.append((x, pos, cu, g))
+        x = torch.randn(sum(mix), shape.hidden, generator=gen).to(where, dtype)
+        g = torch.randn(sum(mix), shape.hidden, generator=gen).to(where, dtype)
+        inputs.append((x, pos.to(where), cu, g))
 
     def once(i: int) -> tuple[float, float]:
         x, pos, cu, g = inputs[i]
         for p in model.parameters():
             p.grad = None
         xr = x.detach().requires_grad_(True)
-        if tp.size > 1:
+        if tp.group is not None:
             dist.barrier(group=tp.group)
         c0, m0 = now()
         with device.op("compute", flops=flops[i]) if device else contextlib.nullcontext():
@@ -208,7 +247,7 @@ def _rank_times(mixes, shape, layers, repeats, warmup, seed, threads, clock, tp=
         for _ in range(warmup):
             for i in order:
                 once(i)
-        if device:    # paced from here on, at a pace every rank of the group can hold on every mix
+        if isinstance(device, PacedClock):   # paced from here on, at a pace every rank of the group can hold on every mix
             device.pace = _group_pace([_op_cost(device, lambda: once(i)) for i in order], tp)
         rng = random.Random(seed)
         comp = torch.zeros(len(mixes), repeats, dtype=torch.float64)
@@ -219,7 +258,7 @@ def _rank_times(mixes, shape, layers, repeats, warmup, seed, threads, clock, tp=
                 comp[i, r], comm[i, r] = once(i)
     finally:
         torch.set_num_threads(old_threads)
-    if tp.size > 1:
+    if tp.group is not None:
         # The group computes as slowly as its slowest member; its collectives cost what the least
         # waiting member saw (the others' extra wait is that member's lateness, or a time slice the
         # OS gave another process: counted once, in compute, or not at all).
@@ -250,11 +289,11 @@ def _group_pace(costs, tp):
     from .device_clock import HostCost, pace_for
     worst = torch.tensor([max(c.flop_cpu_seconds / c.flops for c in costs),
                           max(c.flop_wall_seconds / c.flops for c in costs)], dtype=torch.float64)
-    if tp.size > 1:
+    if tp.group is not None:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=tp.group)
     cpu, wall = worst.tolist()
     cost = HostCost(flops=1.0, flop_cpu_seconds=cpu, flop_wall_seconds=wall, nbytes=1.0, byte_cpu_seconds=1.0)
-    return pace_for([cost], os.cpu_count() or 1, tp.size)
+    return pace_for([cost], os.cpu_count() or 1, 1 if tp.group is None else tp.size)   # processes computing
 
 
 def _tp_rank_main(argv: list[str]) -> None:
@@ -349,18 +388,23 @@ def _stat_for(stat: str | None, clock: str) -> str:
 def run_sweep(shape="tiny", *, layers: int = 2, repeats: int = 21, warmup: int = 1, seed: int = 0,
               train_mixes: Sequence[Mix] | None = None, test_mixes: Sequence[Mix] | None = None,
               threads: int = 1, stat: str | None = None, clock: str = "thread",
-              normalise_rounds: bool = True, tp: int = 1) -> tuple[LengthCost, dict]:
+              normalise_rounds: bool = True, tp: int = 1, place: Place | None = None) -> tuple[LengthCost, dict]:
     """Time, fit (TP degree `tp`, per layer) and evaluate on held-out mixes (`heldout_mixes`:
     random lognormal packs, none fitted on). ~6-12 s on one core with the defaults at TP 1,
     20-60 s at TP 2 on this 2-core machine (start-up, collectives). Returns the model and a report:
     coefficients, every mix's measured and predicted seconds and relative error, and the held-out
-    error summary (`test_max_abs_error`, `test_mean_abs_error`)."""
+    error summary (`test_max_abs_error`, `test_mean_abs_error`). With a `place` (module docstring),
+    `clock` must be "device": the place's clock times compute, and the collectives are priced."""
     t0 = time.perf_counter()
+    if place is not None and clock != "device":
+        raise LengthError("clock", clock, "'device': a sweep on the job's device reads that device's clock")
     train = [tuple(m) for m in (train_mixes if train_mixes is not None else TRAIN_MIXES)]
     test = [tuple(m) for m in (test_mixes if test_mixes is not None else heldout_mixes(seed=seed + 1))]
     stat = _stat_for(stat, clock)
     comp, comm = _timed_parts(train + test, shape, layers, repeats, warmup, seed, threads, stat, clock,
-                              normalise_rounds, tp)
+                              normalise_rounds, tp, place)
+    if place is not None and tp > 1:
+        comm = [_priced_comm(shape, tp, mix, layers, place) for mix in train + test]
     measured = [a + b for a, b in zip(comp, comm)]
     m_train, m_test = measured[:len(train)], measured[len(train):]
     model, _ = LengthCost.fit(list(zip(train, comp[:len(train)])), tp=tp, layers=layers)
@@ -392,6 +436,14 @@ def run_sweep(shape="tiny", *, layers: int = 2, repeats: int = 21, warmup: int =
     return model, report
 
 
+def _priced_comm(shape, tp: int, mix: Mix, layers: int, place: Place) -> float:
+    """Seconds a TP group's collectives take for `mix` through `layers` blocks, by the analytic model."""
+    from ..config.presets import ModelShape, preset
+    from ..costmodel.analytic import tp_comm_seconds_per_token
+    shape = preset(shape) if not isinstance(shape, ModelShape) else shape
+    return layers * sum(mix) * tp_comm_seconds_per_token(shape.hidden, tp, place.dtype.itemsize, place.link_gbps)
+
+
 def _with_comm(model: LengthCost, tp: int, mixes: Sequence[Mix], comm: Sequence[float], layers: int) -> LengthCost:
     """`model` plus the TP collectives' time, b_comm·Σl + c_comm per layer (the collectives move
     every token's hidden state, a fixed number of times per block), least squares in relative
@@ -406,9 +458,23 @@ def _with_comm(model: LengthCost, tp: int, mixes: Sequence[Mix], comm: Sequence[
     return LengthCost({tp: dataclasses.replace(k, b=k.b + float(b), c=k.c + float(c))}, model.unit)
 
 
+def device_sweeps(shape, tps: Sequence[int], *, seq_len: int, device, link_gbps: float, layers: int = 2,
+                  repeats: int = 9) -> tuple[LengthCost, dict[int, dict]]:
+    """`run_sweeps` on one of the job's own devices (module docstring): its lengths up to `seq_len`,
+    its compute dtype and kernels, each TP degree's shard alone and the collectives priced at `link_gbps`."""
+    import torch
+
+    from .precision import compute_dtype_for
+    device = torch.device(device)
+    train, test = mixes_for(int(seq_len))
+    place = Place(device, compute_dtype_for(device, torch.float32), float(link_gbps))
+    return run_sweeps(shape, tps=list(tps), layers=layers, repeats=repeats, clock="device", place=place,
+                      train_mixes=train, test_mixes=test)
+
+
 def run_sweeps(shape="tiny", tps: Sequence[int] = (1, 2), **kwargs) -> tuple[LengthCost, dict[int, dict]]:
-    """`run_sweep` once per TP degree (each on its own group), merged into one `LengthCost`.
-    Returns the model and each degree's report (held-out error per degree)."""
+    """`run_sweep` once per TP degree (each on its own group, or its shard on a `place`), merged into
+    one `LengthCost`. Returns the model and each degree's report (held-out error per degree)."""
     if not tps:
         raise LengthError("tps", list(tps), "at least one TP degree")
     model, reports = None, {}

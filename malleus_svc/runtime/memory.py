@@ -20,7 +20,7 @@ min(stages - stage, micro_batches) at a stage):
 Attention is measured as flash-attn's varlen kernel, the GPU path, keeps it: q, k, v (k and v at
 their own kv heads), the output and an fp32 log-sum-exp [heads, tokens], O(tokens) and never the
 tokens x tokens scores (`FlashFootprint`). TP collectives are not run: a group's all-reduce is
-replaced by the copy the real one returns (`_NoComm`). Not counted: backward's transient gradients
+replaced by the copy the real one returns (`tensor_parallel.LocalShard`). Not counted: backward's transient gradients
 (of activations, and of each working weight until it is added into its master), the CUDA context,
 allocator fragmentation and NCCL buffers, which the scenario's reserved memory and safety margin cover.
 """
@@ -36,21 +36,10 @@ from malleus_svc.config.presets import ModelShape
 from malleus_svc.runtime.attention import varlen_causal_attention
 from malleus_svc.runtime.model import StageModel
 from malleus_svc.runtime.precision import WorkingWeights
-from malleus_svc.runtime.tensor_parallel import SINGLE, TensorParallel
+from malleus_svc.runtime.tensor_parallel import SINGLE, LocalShard
 
 META = torch.device("meta")
 COMPUTE_DTYPE = torch.bfloat16    # what the engine computes in on a GPU (`precision.compute_dtype_for`)
-
-
-class _NoComm(TensorParallel):
-    """A TP group's place without a process group: the all-reduce returns the buffer it would fill."""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.rank < self.size:
-            raise ValueError(f"TP rank {self.rank} is outside a group of size {self.size}")
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return x.contiguous().clone()
 
 
 class FlashFootprint(torch.autograd.Function):
@@ -172,7 +161,7 @@ def build_stage(shape: ModelShape, num_layers: int, *, has_embedding: bool, has_
                 device: torch.device = META) -> StageModel:
     """A stage of `num_layers` blocks, as TP rank 0 of a group of `tp` builds it, with attention
     measured as flash-attn's (`flash_footprint`). Uninitialised on real devices."""
-    group = SINGLE if tp == 1 else _NoComm(size=tp, rank=0)
+    group = SINGLE if tp == 1 else LocalShard(size=tp, rank=0)
     with device:
         model = StageModel(shape, (0, num_layers), has_embedding=has_embedding, has_head=has_head, tp=group)
     for block in model.blocks.values():

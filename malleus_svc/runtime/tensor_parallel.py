@@ -44,6 +44,19 @@ class TensorParallel:
 SINGLE = TensorParallel()
 
 
+class LocalShard(TensorParallel):
+    """One rank's shard of a TP group of `size`, held alone, without a process group: an all-reduce
+    returns the buffer it would fill. For what measures a rank's own share (memory on the meta
+    device, a shard's compute time, initialisation), never for training."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"TP rank {self.rank} is outside a group of size {self.size}")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x.contiguous().clone()
+
+
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

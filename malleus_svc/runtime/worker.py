@@ -335,6 +335,16 @@ class DeviceWorker:
                 a = torch.tanh(a @ b)
         return {"device": self.device_id, "compute_seconds": self.clock.read().get("probe", 0.0)}
 
+    def length_sweep(self, shape, tps: Sequence[int], seq_len: int, link_gbps: float, layers: int = 2,
+                     repeats: int = 9):
+        """The length sweep on this worker's own device, between steps (runtime/length_sweep.py): the
+        job's lengths up to `seq_len`, its compute dtype and kernels, a fresh clock of the device's
+        kind (healthy, whatever this worker's emulated rate), each TP degree's shard alone and its
+        collectives priced at `link_gbps`. Returns the fitted `LengthCost` and a report per degree."""
+        from .length_sweep import device_sweeps
+        return device_sweeps(shape, tps, seq_len=seq_len, device=self.torch_device, link_gbps=link_gbps,
+                             layers=layers, repeats=repeats)
+
     # ------------------------------------------------------------------ the device's pace (CPU)
     def rehearse(self, tokens: int) -> dict[str, float] | None:
         """The host's cost of this device's ops, unpaced (see Engine.rehearse); None without work."""
