@@ -288,3 +288,29 @@ def test_a_planner_failure_when_devices_are_lost_falls_back_and_the_job_goes_on(
     c = coordinator(workers=_NodeLeaves, planner=without)
     with pytest.raises(RuntimeError, match="injected planner fault"):
         run(c, 6)
+
+
+class _GpuWorkers(FakeWorkers):
+    """The fake cluster as a job on GPUs presents it: its length sweep runs on one of its devices."""
+
+    def __init__(self, job):
+        super().__init__(job)
+        self.use_gpu, self.sweeps = True, []
+
+    def length_sweep(self, shape, tps, seq_len, link_gbps):
+        from malleus_svc.lengths import Coeffs, LengthCost
+        self.sweeps.append((shape, list(tps), seq_len, link_gbps))
+        return LengthCost({t: Coeffs(1e-9, 1e-6, 1e-4, 1e-5) for t in tps}), {t: {"test_max_abs_error": 0.05} for t in tps}
+
+
+def test_a_job_on_gpus_sweeps_lengths_on_its_own_device_not_on_the_head(monkeypatch):
+    import malleus_svc.runtime.length_sweep as sweep
+    monkeypatch.setattr(sweep, "run_sweeps", lambda *a, **k: pytest.fail("the head swept a GPU job's lengths"))
+    d = yaml.safe_load((REPO / "examples/tiny_job.yaml").read_text())
+    d["metrics"], d["data"]["assignment"], d["parallel"] = {"enabled": False}, "length-aware", {"dp": 2, "tp": 2, "pp": 1}
+    job = JobConfig.from_dict(d)
+    c = JobCoordinator(job, grace=1000.0, workers=_GpuWorkers)
+    c.setup()
+    assert c.group.sweeps == [(job.shape, [1, 2], job.data.seq_len, job.scenario.device.intra_node_gbps)]
+    assert c.lengths.cost is not None and sorted(c.lengths.cost.coeffs) == [1, 2]
+    assert any(e["kind"] == "lengths" and "TP1 5.0%, TP2 5.0%" in e["text"] for e in c.status()["events"])

@@ -107,6 +107,15 @@ def _shape():
 
 
 @pytest.mark.ray
+def test_a_worker_sweeps_lengths_on_its_own_device(group):
+    """The call a job on GPUs makes to fit its length cost, here on a CPU worker: the sweep runs in
+    the worker's process, on its device, up to the job's sequence length."""
+    cost, reports = group.length_sweep(_shape(), [1], 24, 1.0, repeats=1)
+    assert sorted(cost.coeffs) == [1] and cost.at(1).a >= 0 and cost.predict([24]) > cost.predict([6])
+    assert max(max(r["lengths"]) for r in reports[1]["train"]) == 24 and reports[1]["clock"] == "device"
+
+
+@pytest.mark.ray
 def test_group_placement_and_world(group):
     infos = group.infos
     assert [i["device"] for i in infos] == list(range(NUM_DEVICES))

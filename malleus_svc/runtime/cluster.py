@@ -662,10 +662,10 @@ class WorkerGroup:
 
         return assemble_full(list(self.export_states().values()))
 
-    def length_sweep(self, shape, tps: Sequence[int], seq_len: int, link_gbps: float):
+    def length_sweep(self, shape, tps: Sequence[int], seq_len: int, link_gbps: float, repeats: int = 9):
         """The length sweep on the job's first live device (`DeviceWorker.length_sweep`), for a job on
         accelerators, whose head has none; between steps."""
-        return self._each("length_sweep", shape, list(tps), seq_len, link_gbps, devices=self.live[:1])[0]
+        return self._each("length_sweep", shape, list(tps), seq_len, link_gbps, 2, repeats, devices=self.live[:1])[0]
 
     def pace(self, tokens: int, flops_per_second: float | None = None, bytes_per_second: float | None = None):
         """Give CPU workers the speed of an emulated accelerator (GPUs keep their own; returns None).
