@@ -12,7 +12,8 @@ Two generators, one scorer:
     the pruning is theirs (straggler counts non-increasing over all pipelines); otherwise only
     pipelines with equal S_i are treated as interchangeable (a superset of their family), and
     subsets that differ only by which of several identical (rate, h) groups they take are
-    explored once. A visit budget bounds it; past it, the caller uses
+    explored once (the DFS walks mixes of classes, not index subsets). A visit budget bounds it;
+    past it, the caller uses
   * `greedy_templates`: balanced stage counts, special groups dealt out in a snake over the
     pipelines (slowest first), then a bounded local search moving one special group at a time.
   * `Scorer`: ILP-1 per pipeline (memoised on the pipeline's (y, h, extra) signature: templates
@@ -64,6 +65,7 @@ class Scorer:
         self.objective = objective or problem.objective
         self.effective_stages = effective_stages
         self._memo: dict[tuple, LayerSolution | None] = {}
+        self._scores: dict[tuple, Score | None] = {}
         self.ilp1_calls = 0
 
     def layers(self, ys: Sequence[float], hs: Sequence[int], extra: Sequence[float] | None = None,
@@ -104,7 +106,16 @@ class Scorer:
               sizes: Sequence[Sequence[int]] | None = None,
               prefer_layers: Sequence[Sequence[int] | None] | None = None,
               prefer_micro_batches: Sequence[int] | None = None) -> Score | None:
-        """Objective of an organisation given per pipeline its stages' (y, h); None = infeasible."""
+        """Objective of an organisation given per pipeline its stages' (y, h); None = infeasible.
+        Memoised when nothing is preferred: templates of different groupings repeat organisations."""
+        if prefer_layers is not None or prefer_micro_batches is not None:
+            return self._score(pipelines, extras, sizes, prefer_layers, prefer_micro_batches)
+        key = tuple(tuple(p) for p in pipelines), _frozen(extras), _frozen(sizes)
+        if key not in self._scores:
+            self._scores[key] = self._score(pipelines, extras, sizes, None, None)
+        return self._scores[key]
+
+    def _score(self, pipelines, extras, sizes, prefer_layers, prefer_micro_batches) -> Score | None:
         sols = []
         for i, pipe in enumerate(pipelines):
             ex = extras[i] if extras is not None else None
@@ -132,6 +143,10 @@ class Scorer:
                                                    tuple(g for g, l in zip(ss, ls) if l > 0))
                                      for m, t, ls, ss in zip(data.micro_batches, times, layers, sizes)])
         return Score(obj, tuple(s.z for s in sols), layers, data.micro_batches)
+
+
+def _frozen(rows: Sequence[Sequence] | None) -> tuple | None:
+    return None if rows is None else tuple(tuple(r) for r in rows)
 
 
 def p2p_extras(problem: PlannerProblem, nodes: Sequence[int | None]) -> tuple[float, ...]:
@@ -287,26 +302,43 @@ def dfs_templates(specials: Sequence[Group], stages: Sequence[int], authors: boo
             raise TooManyTemplates()
         sym = authors or (i > 0 and stages[i] == stages[i - 1])
         max_c = min(stages[i], len(left), prev_count if sym and i > 0 else len(left))
-        seen: set = set()
         for c in range(max_c, -1, -1):
             if len(left) - c > remaining_cap[i + 1]:
                 break
-            for chosen in itertools.combinations(left, c):
+            for chosen in (itertools.combinations(left, c) if authors else _class_subsets(specials, left, c)):
                 if budget is not None:
                     budget[0] -= 1
                     if budget[0] < 0:
                         raise TooManyTemplates()
                 if sym and i > 0 and c == prev_count and c >= 1 and ys[chosen[0]] > prev_first:
                     continue
-                if not authors:
-                    sig = tuple(specials[g].cls for g in chosen)
-                    if sig in seen:
-                        continue
-                    seen.add(sig)
                 rest = tuple(g for g in left if g not in chosen)
                 pipe = tuple(chosen) + (NORMAL,) * (stages[i] - c)
                 yield from rec(i + 1, rest, c, ys[chosen[0]] if c else float("inf"), acc + [pipe])
     yield from rec(0, tuple(range(n)), len(specials), float("inf"), [])
+
+
+def _class_subsets(specials: Sequence[Group], left: Sequence[int], size: int) -> Iterator[tuple[int, ...]]:
+    """The subsets of `left` of this size that differ in their classes (groups of one class are
+    interchangeable: the first ones are taken), in the order of `itertools.combinations`: listing
+    index combinations and skipping repeated classes would cost C(n, size) visits, not one per class mix."""
+    runs: list[list[int]] = []
+    for g in left:                       # sorted slowest first, so a class is one run
+        if runs and specials[runs[-1][0]].cls == specials[g].cls:
+            runs[-1].append(g)
+        else:
+            runs.append([g])
+
+    def rec(r: int, need: int) -> Iterator[tuple[int, ...]]:
+        if need == 0:
+            yield ()
+            return
+        if r == len(runs) or need > sum(len(x) for x in runs[r:]):
+            return
+        for k in range(min(need, len(runs[r])), -1, -1):
+            for tail in rec(r + 1, need - k):
+                yield tuple(runs[r][:k]) + tail
+    yield from rec(0, size)
 
 
 def greedy_templates(specials: Sequence[Group], num_normal: int, num_pipelines: int) -> list[Template]:
