@@ -4,7 +4,8 @@ A *template* fixes, per pipeline, the ordered "special" groups (every group that
 full-size healthy group) in its first stages and a number of placeholders for normal groups after
 them. Normal groups are interchangeable for the time model, so the lower level can score a
 template before any concrete normal group is chosen (`fill` does that afterwards, for migration
-and locality only).
+and locality only). On small clusters `reorder_stages` may then move stages within a pipeline
+where memory binds.
 
 Two generators, one scorer:
   * `dfs_templates`: the authors' DFS over stage-count plans S_i in [q-1, q+r+1] and subsets of
@@ -27,16 +28,18 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 from .budget import NEVER, Deadline
 from .grouping import Group
-from .lower import LayerSolution, solve_layers, solve_micro_batches
+from .lower import LayerSolution, bottleneck, memory_caps, solve_layers, solve_micro_batches
 from .problem import PlannerProblem
 from .timing import PipelineTimes, fill_drain, iteration_time
 
 NORMAL = -1   # a placeholder for a normal group in a template
-Template = tuple[tuple[int, ...], ...]   # per pipeline: special-group indices then NORMAL slots
+NORMAL_CLASS = (1.0, 1)   # what the lower level sees of a normal group: (rate, memory factor)
+MAX_STAGE_ORDERS = 2000   # memory-factor sequences `Scorer.stage_order` tries per pipeline
+Template = tuple[tuple[int, ...], ...]   # per pipeline, stage by stage: special-group indices and NORMAL slots
 
 
 class TooManyTemplates(Exception):
@@ -66,6 +69,9 @@ class Scorer:
         self.effective_stages = effective_stages
         self._memo: dict[tuple, LayerSolution | None] = {}
         self._scores: dict[tuple, Score | None] = {}
+        self._orders: dict[tuple, tuple] = {}         # best order of each multiset of classes
+        self._reordered: dict[tuple, tuple] = {}      # what `stage_order` answers for each order
+        self._cap_memo: dict[tuple, tuple[int, ...] | None] = {}
         self.ilp1_calls = 0
 
     def layers(self, ys: Sequence[float], hs: Sequence[int], extra: Sequence[float] | None = None,
@@ -94,6 +100,55 @@ class Scorer:
         if prefer is None:
             self._memo[key] = sol
         return sol
+
+    def stage_order(self, classes: tuple[tuple[float, int], ...]) -> tuple[tuple[float, int], ...]:
+        """These stage classes (rate, memory factor) in the order of least ILP-1 bottleneck: for each
+        sequence of memory factors, each factor's groups fastest first on its positions of largest
+        memory cap (exact for that sequence: an exchange argument). `classes` itself when memory
+        does not bind it or no order does better; at most MAX_STAGE_ORDERS sequences are tried."""
+        if classes not in self._reordered:
+            self._reordered[classes] = self._reorder(classes)
+        return self._reordered[classes]
+
+    def _reorder(self, classes: tuple[tuple[float, int], ...]) -> tuple[tuple[float, int], ...]:
+        L = self.problem.num_layers
+        free = bottleneck([y for y, _ in classes], [L] * len(classes), L)
+        given = self._bottleneck(classes)
+        if given is not None and given <= free * (1 + 1e-12):
+            return classes
+        key = tuple(sorted(classes))
+        if key not in self._orders:
+            self._orders[key] = self._best_order(key, free)
+        best = self._orders[key]
+        z = self._bottleneck(best)
+        return best if z is not None and (given is None or z < given * (1 - 1e-12)) else classes
+
+    def _best_order(self, classes: tuple[tuple[float, int], ...], free: float) -> tuple[tuple[float, int], ...]:
+        best, best_z = classes, math.inf
+        for hs in itertools.islice(distinct_permutations([h for _, h in classes]), MAX_STAGE_ORDERS):
+            caps = self._caps(hs)
+            if caps is None:
+                continue
+            order: list[tuple[float, int]] = list(classes)
+            for h in set(hs):
+                slots = sorted((j for j, x in enumerate(hs) if x == h), key=lambda j: (-caps[j], j))
+                for j, c in zip(slots, (c for c in classes if c[1] == h)):   # `classes` is sorted: fastest first
+                    order[j] = c
+            z = bottleneck([c[0] for c in order], caps, self.problem.num_layers)
+            if z is not None and z < best_z * (1 - 1e-12):
+                best, best_z = tuple(order), z
+                if z <= free * (1 + 1e-12):
+                    break
+        return best
+
+    def _bottleneck(self, classes: Sequence[tuple[float, int]]) -> float | None:
+        caps = self._caps(tuple(h for _, h in classes))
+        return None if caps is None else bottleneck([y for y, _ in classes], caps, self.problem.num_layers)
+
+    def _caps(self, hs: tuple[int, ...]) -> tuple[int, ...] | None:
+        if hs not in self._cap_memo:
+            self._cap_memo[hs] = memory_caps([float(h) for h in hs], self.problem.num_layers, self.problem.memory)
+        return self._cap_memo[hs]
 
     def _solve(self, ys, hs, extra, prefer) -> LayerSolution | None:
         p = self.problem
@@ -168,7 +223,7 @@ def p2p_extras(problem: PlannerProblem, nodes: Sequence[int | None]) -> tuple[fl
 
 
 def template_classes(template: Template, specials: Sequence[Group]) -> list[list[tuple[float, int]]]:
-    return [[specials[g].cls if g != NORMAL else (1.0, 1) for g in pipe] for pipe in template]
+    return [[specials[g].cls if g != NORMAL else NORMAL_CLASS for g in pipe] for pipe in template]
 
 
 def score_template(scorer: Scorer, template: Template, specials: Sequence[Group], tp: int) -> Score | None:
@@ -179,14 +234,32 @@ def score_template(scorer: Scorer, template: Template, specials: Sequence[Group]
     return scorer.score(template_classes(template, specials), extras, sizes)
 
 
+def reorder_stages(scorer: Scorer, template: Template, specials: Sequence[Group]) -> Template:
+    """The template with each pipeline's stages in the order of least bottleneck under the memory
+    caps (`Scorer.stage_order`). Templates put the special groups first, slowest first, which is
+    best while memory is loose; when it binds, split groups (more memory per block) may need the
+    deeper stages, where fewer micro-batches are in flight."""
+    out = []
+    for pipe in template:
+        classes = [specials[g].cls if g != NORMAL else NORMAL_CLASS for g in pipe]
+        order = scorer.stage_order(tuple(classes))
+        pool: dict[tuple, list[int]] = {}
+        for g, c in zip(pipe, classes):
+            pool.setdefault(c, []).append(g)
+        out.append(tuple(pool[c].pop(0) for c in order))
+    return tuple(out)
+
+
 # ----------------------------------------------------------------------------- generators
 MAX_STAGE_PLANS = 48
 
 
 def stage_plans(num_groups: int, num_pipelines: int, baseline_stages: int | None = None,
-                authors: bool = False, max_plans: int = MAX_STAGE_PLANS) -> list[tuple[int, ...]]:
+                authors: bool = False, max_plans: int = MAX_STAGE_PLANS, every: bool = False) -> list[tuple[int, ...]]:
     """Non-increasing stage counts S_1 >= ... >= S_P in [q-1, q+r+1] (at least 1) summing to the
     group count (as the authors' code does); the authors use S0 everywhere when the group count allows it.
+    `every` (small clusters): every such sequence of counts >= 1, most balanced first, so that a slow
+    group may form a pipeline of its own beside a deep one of fast groups.
 
     With many pipelines the authors' range explodes combinatorially (32 pipelines of ~4 stages
     have ~10^8 such sequences), so ours keeps S_i <= q+2 and then the `max_plans` most balanced
@@ -202,6 +275,10 @@ def stage_plans(num_groups: int, num_pipelines: int, baseline_stages: int | None
     lo, hi = max(1, q - 1), q + r + 1
     if authors:
         return _all_stage_plans(num_groups, P, lo, hi)
+    if every:
+        mean = num_groups / P
+        return sorted(_all_stage_plans(num_groups, P, 1, num_groups - P + 1),
+                      key=lambda S: (sum(abs(s - mean) for s in S), S))
     return _balanced_stage_plans(num_groups, P, max_plans)
 
 
@@ -385,10 +462,12 @@ def _moves(pipes: list[list[int]]) -> Iterator[tuple[int, int, int, int]]:
 
 
 def improve(template: Template, specials: Sequence[Group], scorer: Scorer, tp: int,
-            max_evals: int = 200, deadline: Deadline = NEVER) -> tuple[Template, Score | None]:
+            max_evals: int = 200, deadline: Deadline = NEVER,
+            arrange: Callable[[Template], Template] | None = None) -> tuple[Template, Score | None]:
     """Bounded first-improvement local search: move one special group to another pipeline
     (trading places with a placeholder), or swap two special groups of different pipelines.
-    Bounded by `max_evals` scored moves and by the search's deadline."""
+    Bounded by `max_evals` scored moves and by the search's deadline. `arrange` (e.g.
+    `reorder_stages`) orders each candidate's stages before it is scored."""
     best = score_template(scorer, template, specials, tp)
     evals = 0
     improved = True
@@ -405,7 +484,7 @@ def improve(template: Template, specials: Sequence[Group], scorer: Scorer, tp: i
             new = [list(p) for p in pipes]
             new[a][new[a].index(x)] = y
             new[b][new[b].index(y)] = x
-            cand = canon(new)
+            cand = canon(new) if arrange is None else arrange(canon(new))
             evals += 1
             s = score_template(scorer, cand, specials, tp)
             if s is not None and (best is None or s.objective < best.objective - 1e-9):
@@ -481,3 +560,26 @@ class _FreeByNode:
         self.groups[g.node].popleft()
         self.left -= 1
         return g
+
+
+def distinct_permutations(items: Sequence) -> Iterator[tuple]:
+    """Each distinct ordering of a multiset once, in lexicographic order of its sorted values."""
+    counts: dict = {}
+    for i in items:
+        counts[i] = counts.get(i, 0) + 1
+    keys = sorted(counts)
+    n = len(items)
+    out: list = []
+
+    def rec() -> Iterator[tuple]:
+        if len(out) == n:
+            yield tuple(out)
+            return
+        for k in keys:
+            if counts[k]:
+                counts[k] -= 1
+                out.append(k)
+                yield from rec()
+                out.pop()
+                counts[k] += 1
+    yield from rec()
