@@ -404,3 +404,73 @@ def test_the_search_stops_at_its_time_budget_with_the_best_plan_it_found():
 def test_a_search_within_its_budget_says_nothing_of_it():
     r = plan(example_16())
     assert not r.notes and "stopped_at_budget_s" not in r.plan.inputs
+
+
+# ----------------------------------------------------------------------------- small clusters: the wider search
+SMALL_MEMORY = MemoryProfile(tuple(100.0 * (1 + 0.15 * d) for d in (3, 2, 1, 0)), 50.0, 0.0, 0.0, 622.0)
+
+
+def test_the_template_dfs_walks_each_mix_of_classes_once_in_combination_order():
+    """`_class_subsets` is the index combinations with repeated class mixes skipped, listed without
+    visiting every combination."""
+    from malleus_svc.planner.grouping import Group
+    from malleus_svc.planner.organize import _class_subsets
+    rng = random.Random(3)
+    for _ in range(30):
+        classes = sorted((rng.choice((8.0, 4.0, 2.0)), rng.choice((1, 2))) for _ in range(rng.randint(1, 9)))[::-1]
+        specials = [Group((i,), y, h, 0) for i, (y, h) in enumerate(classes)]
+        left = sorted(rng.sample(range(len(specials)), rng.randint(1, len(specials))))
+        for size in range(len(left) + 1):
+            seen, want = set(), []
+            for chosen in itertools.combinations(left, size):
+                sig = tuple(specials[g].cls for g in chosen)
+                if sig not in seen:
+                    seen.add(sig)
+                    want.append(chosen)
+            assert list(_class_subsets(specials, left, size)) == want
+
+
+def test_stage_order_moves_a_split_group_where_memory_holds_its_blocks():
+    """Templates put special groups first, slowest first; under a tight memory cap that order cannot
+    hold the model, and the split group (twice the memory per block) belongs at the front, where its
+    few blocks fit, with the full groups deeper. With memory to spare the template's order stays."""
+    from malleus_svc.planner.lower import solve_layers
+    from malleus_svc.planner.organize import Scorer
+
+    def problem(memory: MemoryProfile) -> PlannerProblem:
+        return PlannerProblem(num_nodes=1, gpus_per_node=8, num_layers=12, dp=1, tp=4, pp=2, num_micro_batches=64,
+                              micro_batch_size=1, rates=(1.0,) * 8, tp_alpha=(1.0, 1.6, 3.5), memory=memory)
+    given = ((2.0, 1), (1.6, 2), (1.0, 1))
+
+    def z(order):
+        s = solve_layers([y for y, _ in order], [float(h) for _, h in order], 12, SMALL_MEMORY)
+        return None if s is None else s.z
+    best = Scorer(problem(SMALL_MEMORY)).stage_order(given)
+    assert sorted(best) == sorted(given) and z(given) is None and z(best) == pytest.approx(10.0)
+    loose = replace(SMALL_MEMORY, gpu_memory_mb=1e9)
+    assert Scorer(problem(loose)).stage_order(given) == given
+
+
+def test_small_clusters_get_every_grouping_of_a_node_large_ones_the_tail_family():
+    """8 devices, tp 4, a bad straggler and a mild one: the healthy devices may form TP2 groups
+    beside each straggler alone (the organisation may leave the bad one idle), which no tail split
+    of full groups gives; 24 devices keep the authors' family (a healthy node: one option)."""
+    r = [1.0] * 8
+    r[4], r[7] = 8.0, 2.0
+    pr = PlannerProblem(num_nodes=1, gpus_per_node=8, num_layers=16, dp=1, tp=4, pp=2, num_micro_batches=64,
+                        micro_batch_size=1, rates=tuple(r), tp_alpha=(1.0, 1.6, 3.5), memory=SMALL_MEMORY)
+    shapes = [sorted((g.size, g.rate) for g in o.groups) for o in node_options(pr, 0)]
+    assert [(1, 2.0 * 3.5), (1, 8.0 * 3.5), (2, 1.6), (2, 1.6), (2, 1.6)] in shapes
+    big = replace(pr, num_nodes=3, rates=tuple(r) + (1.0,) * 16, dp=3)
+    assert len(node_options(big, 1)) == 1
+
+
+def test_small_clusters_try_more_pipelines_than_twice_the_baseline():
+    """4 healthy devices, dp 1 x pp 4, fill and drain priced: four one-stage pipelines beat the
+    baseline's two-pipeline limit (96 t0 against 102)."""
+    pr = PlannerProblem(num_nodes=2, gpus_per_node=2, num_layers=12, dp=1, tp=1, pp=4, num_micro_batches=32,
+                        micro_batch_size=1, rates=(1.0,) * 4, tp_alpha=(1.0,),
+                        memory=replace(SMALL_MEMORY, gpu_memory_mb=1405.0), objective="bubble")
+    r = plan(pr)
+    check(pr, r.plan)
+    assert len(r.plan.pipelines) == 4 and r.objective == pytest.approx(96.0)

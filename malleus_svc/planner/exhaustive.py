@@ -35,10 +35,10 @@ from typing import Iterator, Sequence
 
 from ..config.errors import ConfigError
 from ..plan import Plan
-from .grouping import Group, NodeOption, available_devices, make_group, undominated
+from .grouping import Group, every_grouping
 from .lower import bottleneck, layer_caps, solve_layers, solve_micro_batches
 from .timing import PipelineTimes, fill_drain, iteration_time
-from .organize import p2p_extras
+from .organize import distinct_permutations, p2p_extras
 from .problem import PlannerProblem
 from .search import (InfeasibleError, PlannerResult, _choose, _compatible, _finish, _infeasibility_reason, _reuse,
                      _safe_rebalance, assemble, evaluate, ideal_objective, plan)
@@ -116,43 +116,8 @@ def as_plan(problem: PlannerProblem, best: Optimum) -> Plan:
 
 
 # ----------------------------------------------------------------------------- groupings of a node
-def group_sizes(problem: PlannerProblem) -> list[int]:
-    return [problem.tp >> r for r in range(problem.max_split + 1)] if problem.allow_split else [problem.tp]
-
-
 def _groupings(problem: PlannerProblem, node: int) -> list[tuple[Group, ...]]:
-    """Every partition of the node's usable devices into groups of the allowed sizes, up to devices of
-    equal rate; without TP1 groups, devices may also be left out (with them, an idle device is an
-    idle TP1 group). Dominated groupings are dropped (module docstring)."""
-    rates = problem.rates
-    devs = sorted(available_devices(problem, node), key=lambda d: (-rates[d], d))
-    sizes = group_sizes(problem)
-    found: dict[tuple, tuple[Group, ...]] = {}
-    seen: set = set()
-
-    def rec(rest: tuple[int, ...], acc: tuple[tuple[int, ...], ...]) -> None:
-        state = (tuple(rates[d] for d in rest), tuple(sorted((len(g), rates[g[0]]) for g in acc)))
-        if state in seen:     # the same leftover rates and the same groups so far: nothing new below
-            return
-        seen.add(state)
-        if not rest:
-            groups = tuple(make_group(problem, g) for g in acc)
-            found.setdefault(tuple(sorted((g.size, g.rate) for g in groups)), groups)
-            return
-        d, others = rest[0], rest[1:]
-        if 1 not in sizes:
-            rec(others, acc)
-        for s in sizes:
-            picked: set = set()
-            for mates in itertools.combinations(range(len(others)), s - 1):
-                sig = tuple(rates[others[i]] for i in mates)
-                if sig in picked:
-                    continue
-                picked.add(sig)
-                group = (d, *(others[i] for i in mates))
-                rec(tuple(x for i, x in enumerate(others) if i not in mates), acc + (group,))
-    rec(tuple(devs), ())
-    return [o.groups for o in undominated([NodeOption(node, groups, ()) for groups in found.values()])]
+    return [o.groups for o in every_grouping(problem, node)]
 
 
 # ----------------------------------------------------------------------------- pipelines
@@ -329,11 +294,11 @@ class _Partitions:
         contiguous: any other order pays for more boundaries), every node order and every order
         within a node."""
         if not self.by_node:
-            yield from _distinct_permutations(classes)
+            yield from distinct_permutations(classes)
             return
         nodes = sorted({c[1] for c in classes})
         for node_order in itertools.permutations(nodes):
-            blocks = [list(_distinct_permutations([c for c in classes if c[1] == n])) for n in node_order]
+            blocks = [list(distinct_permutations([c for c in classes if c[1] == n])) for n in node_order]
             for parts in itertools.product(*blocks):
                 yield tuple(c for part in parts for c in part)
 
@@ -353,26 +318,3 @@ class _Partitions:
             for j, i in zip(sorted(pos, key=lambda j: (-caps[j], extra[j], j)), members[c]):
                 order[j] = i
         return tuple(order)
-
-
-def _distinct_permutations(items: Sequence[int]) -> Iterator[tuple[int, ...]]:
-    """Each distinct ordering of a multiset once (slowest-first order first)."""
-    counts: dict[int, int] = {}
-    for i in items:
-        counts[i] = counts.get(i, 0) + 1
-    keys = sorted(counts)
-    n = len(items)
-    out: list[int] = []
-
-    def rec() -> Iterator[tuple[int, ...]]:
-        if len(out) == n:
-            yield tuple(out)
-            return
-        for k in keys:
-            if counts[k]:
-                counts[k] -= 1
-                out.append(k)
-                yield from rec()
-                out.pop()
-                counts[k] += 1
-    yield from rec()

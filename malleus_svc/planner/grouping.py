@@ -12,7 +12,10 @@ Generalisations over the authors' family:
   * every prefix of a geometric tail series is a candidate (the rest is suspended), so a bad
     straggler need not be given a stage of its own;
   * a node may be dropped entirely (all its devices suspended);
-  * the ordering is FIX 1: healthy devices by local id, then stragglers by rate (never mixed).
+  * the ordering is FIX 1: healthy devices by local id, then stragglers by rate (never mixed);
+  * on small clusters (at most WIDE_DEVICES devices) every grouping of a node is a candidate too
+    (`every_grouping`, shared with the exhaustive search), e.g. healthy groups split into smaller
+    stages around a straggler group, or TP degrees mixed on one node.
 
 Theorem 1 (consecutive grouping of the rate-sorted order is optimal for equal-size groups) is what
 justifies grouping stragglers together in the full positions; `theorem1_holds` checks it by brute
@@ -27,7 +30,7 @@ from typing import Iterable, Iterator, Mapping, Sequence
 
 from .problem import PlannerProblem
 
-WIDE_DEVICES = 16    # clusters this small also get the uniformly split groupings of every node
+WIDE_DEVICES = 16    # clusters this small also get every grouping of every node
 
 
 @dataclass(frozen=True, order=True)
@@ -209,7 +212,8 @@ def node_options(problem: PlannerProblem, node: int,
                  allow_drop: bool | None = None) -> list[NodeOption]:
     """The generalised candidate family of one node, de-duplicated and without dominated options.
 
-    A node without stragglers and without exclusions has exactly one option (all full groups).
+    A node without stragglers and without exclusions has exactly one option (all full groups) on
+    clusters of more than WIDE_DEVICES devices; smaller ones also get every grouping of every node.
     Option B is dominated by option A when they have the same group sizes and A's rates are
     elementwise no worse; a monotone objective can then never prefer B.
     """
@@ -221,31 +225,87 @@ def node_options(problem: PlannerProblem, node: int,
     s = sum(is_straggler(problem, d) for d in avail)
     drop = problem.allow_reshape if allow_drop is None else allow_drop
     options: dict[tuple, NodeOption] = {}
-    if problem.allow_split and problem.num_devices <= WIDE_DEVICES:
-        for opt in uniform_splits(problem, node, order, previous_roles):
-            options.setdefault(opt.key, opt)
     if s == 0 and len(avail) % k == 0:
         groups = assemble_full_groups(problem, avail, previous_groups)
         whole = NodeOption(node, tuple(make_group(problem, tp_order(g, previous_roles)) for g in groups), ())
-        return undominated([whole, *(o for key, o in options.items() if key != whole.key)])
-    n_full = math.ceil(len(avail) / k) - 1
-    tail_len = len(avail) - n_full * k
-    for o in slide_orders(order, len(avail) - s, s):
+        options[whole.key] = whole
+    else:
+        for opt in tail_options(problem, node, order, s, previous_groups, previous_roles):
+            options.setdefault(opt.key, opt)
+        if drop:
+            opt = NodeOption(node, (), tuple(avail))
+            options.setdefault(opt.key, opt)
+    if problem.allow_split and problem.num_devices <= WIDE_DEVICES:
+        # small clusters: every grouping too (e.g. healthy groups split around a straggler group);
+        # after the others, which keep old groups and win ties of shape (less migration)
+        for opt in [*uniform_splits(problem, node, order, previous_roles), *every_grouping(problem, node, previous_roles)]:
+            options.setdefault(opt.key, opt)
+    return undominated(list(options.values()))
+
+
+def tail_options(problem: PlannerProblem, node: int, order: Sequence[int], num_stragglers: int,
+                 previous_groups: Mapping[int, tuple[int, ...]] | None = None,
+                 previous_roles: Mapping[int, tuple[int, int]] | None = None) -> Iterator[NodeOption]:
+    """The authors' family, generalised: full groups of each slide order, then each tail split."""
+    k = problem.tp
+    n_full = math.ceil(len(order) / k) - 1
+    tail_len = len(order) - n_full * k
+    # small clusters: the tail may also be suspended whole (a TP1 straggler has no shorter prefix)
+    whole_tail = [()] if problem.num_devices <= WIDE_DEVICES else []
+    for o in slide_orders(order, len(order) - num_stragglers, num_stragglers):
         full = assemble_full_groups(problem, o[:n_full * k], previous_groups)
-        # small clusters: the tail may also be suspended whole (a TP1 straggler has no shorter prefix)
-        wide = [()] if problem.num_devices <= WIDE_DEVICES else []
-        for sizes in [*tail_splits(tail_len, k, prefixes=True, allow_split=problem.allow_split), *wide]:
+        for sizes in [*tail_splits(tail_len, k, prefixes=True, allow_split=problem.allow_split), *whole_tail]:
             pos, tail = n_full * k, []
             for sz in sizes:
                 tail.append(o[pos:pos + sz])
                 pos += sz
             groups = tuple(make_group(problem, tp_order(g, previous_roles)) for g in [*full, *tail])
-            opt = NodeOption(node, groups, tuple(sorted(o[pos:])))
-            options.setdefault(opt.key, opt)
-    if drop:
-        opt = NodeOption(node, (), tuple(avail))
-        options.setdefault(opt.key, opt)
-    return undominated(list(options.values()))
+            yield NodeOption(node, groups, tuple(sorted(o[pos:])))
+
+
+def group_sizes(problem: PlannerProblem) -> list[int]:
+    return [problem.tp >> r for r in range(problem.max_split + 1)] if problem.allow_split else [problem.tp]
+
+
+def every_grouping(problem: PlannerProblem, node: int,
+                   previous_roles: Mapping[int, tuple[int, int]] | None = None) -> list[NodeOption]:
+    """Every partition of the node's usable devices into groups of the allowed sizes, up to devices of
+    equal rate; without TP1 groups, devices may also be left out (with them, an idle device is an
+    idle TP1 group). Dominated groupings are dropped (`undominated`)."""
+    rates = problem.rates
+    devs = sorted(available_devices(problem, node), key=lambda d: (-rates[d], d))
+    sizes = group_sizes(problem)
+    found: dict[tuple, tuple[tuple[int, ...], ...]] = {}
+    seen: set = set()
+
+    def rec(rest: tuple[int, ...], acc: tuple[tuple[int, ...], ...]) -> None:
+        state = (tuple(rates[d] for d in rest), tuple(sorted((len(g), rates[g[0]]) for g in acc)))
+        if state in seen:     # the same leftover rates and the same groups so far: nothing new below
+            return
+        seen.add(state)
+        if not rest:
+            shape = tuple(sorted((len(g), group_rate(problem, g)) for g in acc))
+            found.setdefault(shape, acc)
+            return
+        d, others = rest[0], rest[1:]
+        if 1 not in sizes:
+            rec(others, acc)
+        for s in sizes:
+            picked: set = set()
+            for mates in itertools.combinations(range(len(others)), s - 1):
+                sig = tuple(rates[others[i]] for i in mates)
+                if sig in picked:
+                    continue
+                picked.add(sig)
+                group = (d, *(others[i] for i in mates))
+                rec(tuple(x for i, x in enumerate(others) if i not in mates), acc + (group,))
+    rec(tuple(devs), ())
+    options = []
+    for acc in found.values():
+        used = {d for g in acc for d in g}
+        groups = tuple(make_group(problem, tp_order(g, previous_roles)) for g in acc)
+        options.append(NodeOption(node, groups, tuple(d for d in available_devices(problem, node) if d not in used)))
+    return undominated(options)
 
 
 def uniform_splits(problem: PlannerProblem, node: int, order: Sequence[int],

@@ -115,6 +115,13 @@ def layer_caps(mem_factors: Sequence[float], num_layers: int, memory: MemoryProf
     return tuple(max(0, u) for u in _stage_caps(mem_factors, num_layers, memory))
 
 
+def memory_caps(mem_factors: Sequence[float], num_layers: int, memory: MemoryProfile) -> tuple[int, ...] | None:
+    """As `layer_caps`, or None when some stage's memory row fails even with 0 blocks (no such
+    pipeline fits)."""
+    caps = _stage_caps(mem_factors, num_layers, memory)
+    return None if min(caps) < 0 else tuple(caps)
+
+
 def _stage_caps(mem_factors: Sequence[float], num_layers: int, memory: MemoryProfile) -> list[int]:
     """As `layer_caps`, but -1 for a stage whose memory row fails even with 0 blocks."""
     h = _floats("mem_factors", mem_factors, positive=True)

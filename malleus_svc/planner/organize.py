@@ -4,7 +4,8 @@ A *template* fixes, per pipeline, the ordered "special" groups (every group that
 full-size healthy group) in its first stages and a number of placeholders for normal groups after
 them. Normal groups are interchangeable for the time model, so the lower level can score a
 template before any concrete normal group is chosen (`fill` does that afterwards, for migration
-and locality only).
+and locality only). On small clusters `reorder_stages` may then move stages within a pipeline
+where memory binds.
 
 Two generators, one scorer:
   * `dfs_templates`: the authors' DFS over stage-count plans S_i in [q-1, q+r+1] and subsets of
@@ -12,7 +13,8 @@ Two generators, one scorer:
     the pruning is theirs (straggler counts non-increasing over all pipelines); otherwise only
     pipelines with equal S_i are treated as interchangeable (a superset of their family), and
     subsets that differ only by which of several identical (rate, h) groups they take are
-    explored once. A visit budget bounds it; past it, the caller uses
+    explored once (the DFS walks mixes of classes, not index subsets). A visit budget bounds it;
+    past it, the caller uses
   * `greedy_templates`: balanced stage counts, special groups dealt out in a snake over the
     pipelines (slowest first), then a bounded local search moving one special group at a time.
   * `Scorer`: ILP-1 per pipeline (memoised on the pipeline's (y, h, extra) signature: templates
@@ -26,16 +28,18 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 from .budget import NEVER, Deadline
 from .grouping import Group
-from .lower import LayerSolution, solve_layers, solve_micro_batches
+from .lower import LayerSolution, bottleneck, memory_caps, solve_layers, solve_micro_batches
 from .problem import PlannerProblem
 from .timing import PipelineTimes, fill_drain, iteration_time
 
 NORMAL = -1   # a placeholder for a normal group in a template
-Template = tuple[tuple[int, ...], ...]   # per pipeline: special-group indices then NORMAL slots
+NORMAL_CLASS = (1.0, 1)   # what the lower level sees of a normal group: (rate, memory factor)
+MAX_STAGE_ORDERS = 2000   # memory-factor sequences `Scorer.stage_order` tries per pipeline
+Template = tuple[tuple[int, ...], ...]   # per pipeline, stage by stage: special-group indices and NORMAL slots
 
 
 class TooManyTemplates(Exception):
@@ -64,6 +68,10 @@ class Scorer:
         self.objective = objective or problem.objective
         self.effective_stages = effective_stages
         self._memo: dict[tuple, LayerSolution | None] = {}
+        self._scores: dict[tuple, Score | None] = {}
+        self._orders: dict[tuple, tuple] = {}         # best order of each multiset of classes
+        self._reordered: dict[tuple, tuple] = {}      # what `stage_order` answers for each order
+        self._cap_memo: dict[tuple, tuple[int, ...] | None] = {}
         self.ilp1_calls = 0
 
     def layers(self, ys: Sequence[float], hs: Sequence[int], extra: Sequence[float] | None = None,
@@ -93,6 +101,55 @@ class Scorer:
             self._memo[key] = sol
         return sol
 
+    def stage_order(self, classes: tuple[tuple[float, int], ...]) -> tuple[tuple[float, int], ...]:
+        """These stage classes (rate, memory factor) in the order of least ILP-1 bottleneck: for each
+        sequence of memory factors, each factor's groups fastest first on its positions of largest
+        memory cap (exact for that sequence: an exchange argument). `classes` itself when memory
+        does not bind it or no order does better; at most MAX_STAGE_ORDERS sequences are tried."""
+        if classes not in self._reordered:
+            self._reordered[classes] = self._reorder(classes)
+        return self._reordered[classes]
+
+    def _reorder(self, classes: tuple[tuple[float, int], ...]) -> tuple[tuple[float, int], ...]:
+        L = self.problem.num_layers
+        free = bottleneck([y for y, _ in classes], [L] * len(classes), L)
+        given = self._bottleneck(classes)
+        if given is not None and given <= free * (1 + 1e-12):
+            return classes
+        key = tuple(sorted(classes))
+        if key not in self._orders:
+            self._orders[key] = self._best_order(key, free)
+        best = self._orders[key]
+        z = self._bottleneck(best)
+        return best if z is not None and (given is None or z < given * (1 - 1e-12)) else classes
+
+    def _best_order(self, classes: tuple[tuple[float, int], ...], free: float) -> tuple[tuple[float, int], ...]:
+        best, best_z = classes, math.inf
+        for hs in itertools.islice(distinct_permutations([h for _, h in classes]), MAX_STAGE_ORDERS):
+            caps = self._caps(hs)
+            if caps is None:
+                continue
+            order: list[tuple[float, int]] = list(classes)
+            for h in set(hs):
+                slots = sorted((j for j, x in enumerate(hs) if x == h), key=lambda j: (-caps[j], j))
+                for j, c in zip(slots, (c for c in classes if c[1] == h)):   # `classes` is sorted: fastest first
+                    order[j] = c
+            z = bottleneck([c[0] for c in order], caps, self.problem.num_layers)
+            if z is not None and z < best_z * (1 - 1e-12):
+                best, best_z = tuple(order), z
+                if z <= free * (1 + 1e-12):
+                    break
+        return best
+
+    def _bottleneck(self, classes: Sequence[tuple[float, int]]) -> float | None:
+        caps = self._caps(tuple(h for _, h in classes))
+        return None if caps is None else bottleneck([y for y, _ in classes], caps, self.problem.num_layers)
+
+    def _caps(self, hs: tuple[int, ...]) -> tuple[int, ...] | None:
+        if hs not in self._cap_memo:
+            self._cap_memo[hs] = memory_caps([float(h) for h in hs], self.problem.num_layers, self.problem.memory)
+        return self._cap_memo[hs]
+
     def _solve(self, ys, hs, extra, prefer) -> LayerSolution | None:
         p = self.problem
         self.ilp1_calls += 1
@@ -104,7 +161,16 @@ class Scorer:
               sizes: Sequence[Sequence[int]] | None = None,
               prefer_layers: Sequence[Sequence[int] | None] | None = None,
               prefer_micro_batches: Sequence[int] | None = None) -> Score | None:
-        """Objective of an organisation given per pipeline its stages' (y, h); None = infeasible."""
+        """Objective of an organisation given per pipeline its stages' (y, h); None = infeasible.
+        Memoised when nothing is preferred: templates of different groupings repeat organisations."""
+        if prefer_layers is not None or prefer_micro_batches is not None:
+            return self._score(pipelines, extras, sizes, prefer_layers, prefer_micro_batches)
+        key = tuple(tuple(p) for p in pipelines), _frozen(extras), _frozen(sizes)
+        if key not in self._scores:
+            self._scores[key] = self._score(pipelines, extras, sizes, None, None)
+        return self._scores[key]
+
+    def _score(self, pipelines, extras, sizes, prefer_layers, prefer_micro_batches) -> Score | None:
         sols = []
         for i, pipe in enumerate(pipelines):
             ex = extras[i] if extras is not None else None
@@ -134,6 +200,10 @@ class Scorer:
         return Score(obj, tuple(s.z for s in sols), layers, data.micro_batches)
 
 
+def _frozen(rows: Sequence[Sequence] | None) -> tuple | None:
+    return None if rows is None else tuple(tuple(r) for r in rows)
+
+
 def p2p_extras(problem: PlannerProblem, nodes: Sequence[int | None]) -> tuple[float, ...]:
     """Per-stage p2p time per micro-batch. A boundary's cost is its forward + backward transfer;
     the sender pays each direction (blocking sends), so a stage pays half of each adjacent boundary:
@@ -153,7 +223,7 @@ def p2p_extras(problem: PlannerProblem, nodes: Sequence[int | None]) -> tuple[fl
 
 
 def template_classes(template: Template, specials: Sequence[Group]) -> list[list[tuple[float, int]]]:
-    return [[specials[g].cls if g != NORMAL else (1.0, 1) for g in pipe] for pipe in template]
+    return [[specials[g].cls if g != NORMAL else NORMAL_CLASS for g in pipe] for pipe in template]
 
 
 def score_template(scorer: Scorer, template: Template, specials: Sequence[Group], tp: int) -> Score | None:
@@ -164,14 +234,32 @@ def score_template(scorer: Scorer, template: Template, specials: Sequence[Group]
     return scorer.score(template_classes(template, specials), extras, sizes)
 
 
+def reorder_stages(scorer: Scorer, template: Template, specials: Sequence[Group]) -> Template:
+    """The template with each pipeline's stages in the order of least bottleneck under the memory
+    caps (`Scorer.stage_order`). Templates put the special groups first, slowest first, which is
+    best while memory is loose; when it binds, split groups (more memory per block) may need the
+    deeper stages, where fewer micro-batches are in flight."""
+    out = []
+    for pipe in template:
+        classes = [specials[g].cls if g != NORMAL else NORMAL_CLASS for g in pipe]
+        order = scorer.stage_order(tuple(classes))
+        pool: dict[tuple, list[int]] = {}
+        for g, c in zip(pipe, classes):
+            pool.setdefault(c, []).append(g)
+        out.append(tuple(pool[c].pop(0) for c in order))
+    return tuple(out)
+
+
 # ----------------------------------------------------------------------------- generators
 MAX_STAGE_PLANS = 48
 
 
 def stage_plans(num_groups: int, num_pipelines: int, baseline_stages: int | None = None,
-                authors: bool = False, max_plans: int = MAX_STAGE_PLANS) -> list[tuple[int, ...]]:
+                authors: bool = False, max_plans: int = MAX_STAGE_PLANS, every: bool = False) -> list[tuple[int, ...]]:
     """Non-increasing stage counts S_1 >= ... >= S_P in [q-1, q+r+1] (at least 1) summing to the
     group count (as the authors' code does); the authors use S0 everywhere when the group count allows it.
+    `every` (small clusters): every such sequence of counts >= 1, most balanced first, so that a slow
+    group may form a pipeline of its own beside a deep one of fast groups.
 
     With many pipelines the authors' range explodes combinatorially (32 pipelines of ~4 stages
     have ~10^8 such sequences), so ours keeps S_i <= q+2 and then the `max_plans` most balanced
@@ -187,6 +275,10 @@ def stage_plans(num_groups: int, num_pipelines: int, baseline_stages: int | None
     lo, hi = max(1, q - 1), q + r + 1
     if authors:
         return _all_stage_plans(num_groups, P, lo, hi)
+    if every:
+        mean = num_groups / P
+        return sorted(_all_stage_plans(num_groups, P, 1, num_groups - P + 1),
+                      key=lambda S: (sum(abs(s - mean) for s in S), S))
     return _balanced_stage_plans(num_groups, P, max_plans)
 
 
@@ -287,26 +379,43 @@ def dfs_templates(specials: Sequence[Group], stages: Sequence[int], authors: boo
             raise TooManyTemplates()
         sym = authors or (i > 0 and stages[i] == stages[i - 1])
         max_c = min(stages[i], len(left), prev_count if sym and i > 0 else len(left))
-        seen: set = set()
         for c in range(max_c, -1, -1):
             if len(left) - c > remaining_cap[i + 1]:
                 break
-            for chosen in itertools.combinations(left, c):
+            for chosen in (itertools.combinations(left, c) if authors else _class_subsets(specials, left, c)):
                 if budget is not None:
                     budget[0] -= 1
                     if budget[0] < 0:
                         raise TooManyTemplates()
                 if sym and i > 0 and c == prev_count and c >= 1 and ys[chosen[0]] > prev_first:
                     continue
-                if not authors:
-                    sig = tuple(specials[g].cls for g in chosen)
-                    if sig in seen:
-                        continue
-                    seen.add(sig)
                 rest = tuple(g for g in left if g not in chosen)
                 pipe = tuple(chosen) + (NORMAL,) * (stages[i] - c)
                 yield from rec(i + 1, rest, c, ys[chosen[0]] if c else float("inf"), acc + [pipe])
     yield from rec(0, tuple(range(n)), len(specials), float("inf"), [])
+
+
+def _class_subsets(specials: Sequence[Group], left: Sequence[int], size: int) -> Iterator[tuple[int, ...]]:
+    """The subsets of `left` of this size that differ in their classes (groups of one class are
+    interchangeable: the first ones are taken), in the order of `itertools.combinations`: listing
+    index combinations and skipping repeated classes would cost C(n, size) visits, not one per class mix."""
+    runs: list[list[int]] = []
+    for g in left:                       # sorted slowest first, so a class is one run
+        if runs and specials[runs[-1][0]].cls == specials[g].cls:
+            runs[-1].append(g)
+        else:
+            runs.append([g])
+
+    def rec(r: int, need: int) -> Iterator[tuple[int, ...]]:
+        if need == 0:
+            yield ()
+            return
+        if r == len(runs) or need > sum(len(x) for x in runs[r:]):
+            return
+        for k in range(min(need, len(runs[r])), -1, -1):
+            for tail in rec(r + 1, need - k):
+                yield tuple(runs[r][:k]) + tail
+    yield from rec(0, size)
 
 
 def greedy_templates(specials: Sequence[Group], num_normal: int, num_pipelines: int) -> list[Template]:
@@ -353,10 +462,12 @@ def _moves(pipes: list[list[int]]) -> Iterator[tuple[int, int, int, int]]:
 
 
 def improve(template: Template, specials: Sequence[Group], scorer: Scorer, tp: int,
-            max_evals: int = 200, deadline: Deadline = NEVER) -> tuple[Template, Score | None]:
+            max_evals: int = 200, deadline: Deadline = NEVER,
+            arrange: Callable[[Template], Template] | None = None) -> tuple[Template, Score | None]:
     """Bounded first-improvement local search: move one special group to another pipeline
     (trading places with a placeholder), or swap two special groups of different pipelines.
-    Bounded by `max_evals` scored moves and by the search's deadline."""
+    Bounded by `max_evals` scored moves and by the search's deadline. `arrange` (e.g.
+    `reorder_stages`) orders each candidate's stages before it is scored."""
     best = score_template(scorer, template, specials, tp)
     evals = 0
     improved = True
@@ -373,7 +484,7 @@ def improve(template: Template, specials: Sequence[Group], scorer: Scorer, tp: i
             new = [list(p) for p in pipes]
             new[a][new[a].index(x)] = y
             new[b][new[b].index(y)] = x
-            cand = canon(new)
+            cand = canon(new) if arrange is None else arrange(canon(new))
             evals += 1
             s = score_template(scorer, cand, specials, tp)
             if s is not None and (best is None or s.objective < best.objective - 1e-9):
@@ -449,3 +560,26 @@ class _FreeByNode:
         self.groups[g.node].popleft()
         self.left -= 1
         return g
+
+
+def distinct_permutations(items: Sequence) -> Iterator[tuple]:
+    """Each distinct ordering of a multiset once, in lexicographic order of its sorted values."""
+    counts: dict = {}
+    for i in items:
+        counts[i] = counts.get(i, 0) + 1
+    keys = sorted(counts)
+    n = len(items)
+    out: list = []
+
+    def rec() -> Iterator[tuple]:
+        if len(out) == n:
+            yield tuple(out)
+            return
+        for k in keys:
+            if counts[k]:
+                counts[k] -= 1
+                out.append(k)
+                yield from rec()
+                out.pop()
+                counts[k] += 1
+    yield from rec()

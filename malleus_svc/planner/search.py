@@ -6,8 +6,16 @@ groups are organised into pipelines (`organize`). Lower level: ILP-1 per pipelin
 (`lower`). Every combination is scored with the FULL lower level (the authors' code scores only the tail), not a
 per-node proxy.
 
+Small clusters (at most WIDE_DEVICES devices) get a wider family, each part of it a plan shape the
+narrow one misses: every grouping of every node (healthy groups split around a straggler group, TP
+degrees mixed), the slowest groups left idle as well as normal ones, every pipeline count up to the
+device count and every stage plan (a straggler pipeline of its own beside a deep one), and each
+pipeline's stages in their best order under the memory caps (`organize.reorder_stages`).
+
 Keeping it fast:
   * dominated node options are removed (same group sizes, elementwise no faster);
+  * a set of groups whose classes (rate, memory factor; and node under 'full') were organised
+    already is not organised again, and a pipeline count P is skipped when its bound cannot win;
   * combinations are enumerated best-first by total capacity C = Σ_g 1/y_g, which gives the
     lower bound M·L/C on every objective (z_i >= L / Σ_j 1/y_ij and w >= M / Σ_i 1/z_i); the
     enumeration stops as soon as the bound cannot beat the incumbent (within the 0.5% band kept
@@ -36,7 +44,7 @@ from .budget import NEVER, Deadline
 from .grouping import WIDE_DEVICES, Group, NodeOption, group_rate, make_group, node_options
 from .lower import layer_caps, solve_micro_batches
 from .organize import (Score, Scorer, Template, TooManyTemplates, dfs_templates, fill,
-                       greedy_templates, improve, p2p_extras, score_template, stage_plans)
+                       greedy_templates, improve, p2p_extras, reorder_stages, score_template, stage_plans)
 from ..config.scenario import OBJECTIVES
 from .problem import PlannerProblem
 from .timing import PipelineTimes, fill_drain, iteration_time
@@ -109,6 +117,7 @@ def plan(problem: PlannerProblem, previous: Plan | None = None,
     limit = max_combinations(problem, sum(len(o.groups) for o in fixed) + sum(len(v[0].groups) for v in varying))
     base_capacity = sum(o.capacity for o in fixed)
     screened: list[tuple[float, int, list[Group]]] = []
+    organised: set[tuple] = set()
     for choice in _best_first(varying):   # pass 1: every combination, greedy organisation
         capacity = base_capacity + sum(o.capacity for o in choice)
         if capacity <= 0 or lower_bound(problem, capacity) > best * (1 + band) + 1e-9:
@@ -117,8 +126,14 @@ def plan(problem: PlannerProblem, previous: Plan | None = None,
             break
         combos += 1
         for groups in _idle_variants(problem, [g for o in (*fixed, *choice) for g in o.groups]):
+            most = min(len(groups), max_pipelines(problem))
+            if lower_bound(problem, sum(1.0 / g.rate for g in groups), most) > best * (1 + band) + 1e-9:
+                continue      # idle groups lower the capacity: this variant cannot win
+            if _signature(problem, groups) in organised:
+                continue      # the same classes as groups organised already (the first, best-first, is kept)
+            organised.add(_signature(problem, groups))
             fs = _organise(problem, scorer, groups, _pipeline_counts(problem, len(groups)), templates, thorough=False,
-                           deadline=deadline)
+                           deadline=deadline, cutoff=best * (1 + band) + 1e-9)
             finalists.extend(fs)
             v = min((f.objective for f in fs), default=math.inf)
             best = min(best, v)
@@ -268,27 +283,38 @@ def ideal_objective(problem: PlannerProblem, deadline: Deadline = NEVER) -> floa
     return min((f.objective for f in fs), default=math.inf)
 
 
-def lower_bound(problem: PlannerProblem, capacity: float) -> float:
-    """No organisation of groups with this total capacity C = Σ_g 1/y_g can do better.
+def lower_bound(problem: PlannerProblem, capacity: float, pipelines: int | None = None) -> float:
+    """No organisation of groups with this total capacity C = Σ_g 1/y_g into at most `pipelines`
+    pipelines (default `max_pipelines`) can do better.
 
     'paper': M·L/C. With fill and drain ('bubble', 'full'): a pipeline takes at least
     (m_i - 1)·z_i + Σ_j y_ij·l_ij >= (m_i - 1)·L/c_i + L (every y >= 1), so summing m_i - 1 <= (w - L)·c_i/L
-    over at most `max_pipelines` pipelines gives w >= L + (M - P)·L/C."""
+    over the P pipelines gives w >= L + (M - P)·L/C; and it takes at least m_i·z_i, so M·L/C holds too."""
     L, M = problem.num_layers, problem.num_micro_batches
     if problem.objective == "paper":
         return M * L / capacity
-    return L + max(0, M - max_pipelines(problem)) * L / capacity
+    P = max_pipelines(problem) if pipelines is None else pipelines
+    return max(M * L / capacity, L + max(0, M - P) * L / capacity)
 
 
 def max_pipelines(problem: PlannerProblem) -> int:
-    """The most pipelines any organisation may have (`_pipeline_counts` never goes beyond it)."""
-    return 2 * problem.dp if problem.allow_reshape else problem.dp
+    """The most pipelines any organisation may have (`_pipeline_counts` never goes beyond it): twice
+    the baseline's; on small clusters as many as devices (with fill and drain priced, many shallow
+    pipelines can beat the baseline's few deep ones when memory allows)."""
+    if not problem.allow_reshape:
+        return problem.dp
+    return max(2 * problem.dp, problem.num_devices) if _is_small(problem) else 2 * problem.dp
+
+
+def _is_small(problem: PlannerProblem) -> bool:
+    """Small enough for the wider enumeration (every pipeline count, stage plan and grouping)."""
+    return problem.num_devices <= WIDE_DEVICES
 
 
 def max_combinations(problem: PlannerProblem, num_groups: int) -> int:
     """The beam: how many node-option combinations get the full lower level. All (up to 512) on
     small clusters; on large ones the lower level costs more, so fewer, in capacity order."""
-    return max(8, min(512, 2000 // max(1, num_groups)))
+    return 512 if _is_small(problem) else max(8, min(512, 2000 // max(1, num_groups)))
 
 
 # ----------------------------------------------------------------------------- internals
@@ -349,14 +375,27 @@ def _best_first(varying: list[list[NodeOption]]) -> Iterator[tuple[NodeOption, .
 
 
 def _idle_variants(problem: PlannerProblem, groups: list[Group]) -> Iterator[list[Group]]:
-    """The groups, and on small clusters the same with 1, 2, ... normal groups idle: with few
-    micro-batches, fewer and shallower pipelines can beat using every healthy group."""
+    """The groups, and on small clusters the same with 1, 2, ... normal groups idle, and with the
+    1, 2, ... slowest groups idle: with few micro-batches ('paper' asks m_i >= S_i) fewer and
+    shallower pipelines can beat using every group, and a slow stage can cost more than it adds."""
     yield groups
-    if problem.num_devices <= WIDE_DEVICES:
-        normals = [i for i, g in enumerate(groups) if g.is_normal]
-        for k in range(1, len(normals) + 1):
-            idle = set(normals[-k:])
-            yield [g for i, g in enumerate(groups) if i not in idle]
+    if not _is_small(problem):
+        return
+    seen = {tuple(range(len(groups)))}
+    normals = [i for i, g in enumerate(groups) if g.is_normal]
+    fastest_first = sorted(range(len(groups)), key=lambda i: (groups[i].rate, groups[i].h))
+    kept_sets = [[i for i in range(len(groups)) if i not in set(normals[-k:])] for k in range(1, len(normals) + 1)]
+    kept_sets += [sorted(fastest_first[:k]) for k in range(len(groups) - 1, 0, -1)]
+    for kept in kept_sets:
+        if kept and tuple(kept) not in seen:
+            seen.add(tuple(kept))
+            yield [groups[i] for i in kept]
+
+
+def _signature(problem: PlannerProblem, groups: Sequence[Group]) -> tuple:
+    """What the organisation sees of a set of groups: their classes, and under 'full' their nodes (p2p)."""
+    by_node = problem.objective == "full"
+    return tuple(sorted((g.rate, g.h, g.node if by_node else 0) for g in groups))
 
 
 def _pipeline_counts(problem: PlannerProblem, num_groups: int) -> list[int]:
@@ -374,9 +413,10 @@ def _pipeline_counts(problem: PlannerProblem, num_groups: int) -> list[int]:
 
 def _organise(problem: PlannerProblem, scorer: Scorer, groups: Sequence[Group], counts: Sequence[int],
               templates: list[int], authors: bool = False, thorough: bool = True,
-              deadline: Deadline = NEVER) -> list[_Finalist]:
+              deadline: Deadline = NEVER, cutoff: float = math.inf) -> list[_Finalist]:
     """The best organisations of `groups` into P pipelines, for each P in `counts`: the template
     DFS (`thorough`, falling back to greedy past its visit budget) or the greedy generator alone.
+    A P whose lower bound exceeds `cutoff` is skipped.
     Past the deadline: no DFS, no local search, and no P after the first."""
     # Slowest first. The authors sort stably by rate alone (emission order: node, full
     # groups, tail); we break ties by memory factor so that the groups needing the most memory
@@ -384,33 +424,49 @@ def _organise(problem: PlannerProblem, scorer: Scorer, groups: Sequence[Group], 
     key = (lambda g: -g.rate) if authors else (lambda g: (-g.rate, g.h, g.node, g.devices))
     specials = tuple(sorted((g for g in groups if not g.is_normal), key=key))
     normals = tuple(g for g in groups if g.is_normal)
+    # small clusters: each pipeline's stages in their best order under the memory caps
+    arrange = (lambda t: reorder_stages(scorer, t, specials)) if _is_small(problem) else None
     out: list[_Finalist] = []
+    capacity = sum(1.0 / g.rate for g in groups)
     for i, P in enumerate(counts):
         if i and deadline.passed():
             break
+        if capacity > 0 and lower_bound(problem, capacity, P) > cutoff:
+            continue
         found: list[_Finalist] = []
         budget = [DFS_BUDGET if thorough else -1]
         try:
             if not thorough or deadline.passed():
                 raise TooManyTemplates()
-            for S in stage_plans(len(groups), P, problem.pp, authors=authors):
+            for S in stage_plans(len(groups), P, problem.pp, authors=authors, every=_is_small(problem)):
                 for t in dfs_templates(specials, S, authors=authors, budget=budget):
                     if deadline.passed():
                         if found:
                             break
                         raise TooManyTemplates()
                     templates[0] += 1
+                    t = arrange(t) if arrange else t
                     s = score_template(scorer, t, specials, problem.tp)
                     if s is not None:
                         found.append(_Finalist(s.objective, len(found), t, specials, normals, s))
         except TooManyTemplates:
             for t0 in greedy_templates(specials, len(normals), P):
-                t, s = improve(t0, specials, scorer, problem.tp, max_evals=200 if thorough else 40, deadline=deadline)
+                t, s = improve(arrange(t0) if arrange else t0, specials, scorer, problem.tp,
+                               max_evals=_local_search_evals(problem, thorough), deadline=deadline, arrange=arrange)
                 templates[0] += 1
                 if s is not None:
                     found.append(_Finalist(s.objective, len(found), t, specials, normals, s))
         out.extend(sorted(found)[:FINALISTS])
     return out
+
+
+def _local_search_evals(problem: PlannerProblem, thorough: bool) -> int:
+    """Moves the local search may score per greedy template. The screening pass on small clusters
+    scores none: it screens many more groupings there, and the DFS of the thorough pass walks
+    every stage plan."""
+    if thorough:
+        return 200
+    return 0 if _is_small(problem) else 40
 
 
 def _fallback(problem: PlannerProblem, scorer: Scorer, per_node: list[list[NodeOption]],
