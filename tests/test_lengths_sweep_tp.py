@@ -52,7 +52,7 @@ def test_a_sweep_on_the_jobs_own_device_runs_its_lengths_and_prices_the_collecti
 
     threads = torch.get_num_threads()
     try:
-        model, reports = DeviceWorker(0).length_sweep(preset("tiny"), [2], seq_len=48, link_gbps=2.0, repeats=1)
+        model, reports = DeviceWorker(0).length_sweep(preset("tiny"), [2], seq_len=48, link_gbps=2.0, repeats=3)
     finally:
         torch.set_num_threads(threads)   # a CPU worker keeps to one thread
     rep = reports[2]
