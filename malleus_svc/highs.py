@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import dataclasses
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,17 @@ def available() -> bool:
 
 
 def solve(model, time_limit_s: float, mip_gap: float = 0.0, warm_start: bool = True) -> MilpOutcome:
-    """Minimise `model` (one active objective); load the best solution found, if any."""
+    """Minimise `model` (one active objective); load the best solution found, if any. HiGHS's
+    presolve errors out on some small MILPs that it solves without it (an ILP-2 of 7 pipelines
+    did): an error is retried once without presolve, in the time left."""
+    out = _solve(model, time_limit_s, mip_gap, warm_start, presolve=True)
+    if out.status == "error" and out.seconds < time_limit_s:
+        retry = _solve(model, time_limit_s - out.seconds, mip_gap, warm_start, presolve=False)
+        return dataclasses.replace(retry, seconds=out.seconds + retry.seconds)
+    return out
+
+
+def _solve(model, time_limit_s: float, mip_gap: float, warm_start: bool, presolve: bool) -> MilpOutcome:
     from pyomo.contrib.appsi.base import TerminationCondition as TC
     from pyomo.contrib.appsi.solvers import Highs
 
@@ -52,6 +63,8 @@ def solve(model, time_limit_s: float, mip_gap: float = 0.0, warm_start: bool = T
     opt.config.log_level = logging.DEBUG      # HiGHS's log is noise at INFO
     # mip_abs_gap defaults to 1e-6 in HiGHS; an exact request should be exact in both senses.
     opt.highs_options = {"mip_abs_gap": 0.0} if mip_gap == 0 else {}
+    if not presolve:
+        opt.highs_options["presolve"] = "off"
     t0 = time.perf_counter()
     try:
         res = opt.solve(model)

@@ -350,3 +350,13 @@ def test_closed_form_path_does_not_import_pyomo():
             "assert lw.solve_micro_batches([3.0, 5.0], [2, 2], 16) is not None\n"
             "assert not any(k.split('.')[0] == 'pyomo' for k in sys.modules), 'pyomo was imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_an_ilp_that_highs_presolve_fails_on_is_solved_without_it():
+    """HiGHS's presolve returns an error on this ILP-2 (found by the property test above); the
+    wrapper retries without presolve and gets the closed form's optimum."""
+    z, s, M = [29.0, 20.0, 50.54, 25.0, 21.56, 9.0, 21.7], [1, 5, 2, 5, 5, 1, 2], 54
+    offsets = [(si - 1) * zi for si, zi in zip(s, z)]
+    raw = ilp.solve_micro_batches_model(z, offsets, [1] * len(z), M, time_limit_s=10.0, mip_gap=0.0)
+    sol = solve_micro_batches(z, s, M, "bubble")
+    assert raw is not None and close(data_time(z, s, raw, "bubble"), sol.w)
