@@ -35,7 +35,7 @@ times), added to b and c. Fitting the noisy totals with four coefficients gave h
 17-27% at load 7-12; this split gave 9-15% with 21 repeats. `run_sweeps` fits several degrees
 and merges them (`LengthCost.merged`). A TP-2 sweep takes 20-60 s with 21 repeats here.
 
-On an accelerator (`Place`: a GPU worker's own device and clock) the sweep runs where the job
+On an accelerator (`Place`: one of the job's own devices, `device_sweeps`) the sweep runs where the job
 trains, not on the head: the job's real lengths (every mix scaled so the longest sequence is the
 job's `seq_len`, `mixes_for`), the kernels it runs (bf16 blocks, flash-attn varlen), timed on the
 device's clock. Each TP degree t times the shard one rank of a group holds, alone
