@@ -93,7 +93,8 @@ def memory_profile(shape: ModelShape, tp: int, pp: int, micro_batch: int, gpu_me
     depths = range(max(pp, 2), 0, -1)
     layer_mb = tuple(state_split + state_kept + d * (act_split + act_kept) for d in depths)
     kept_mb = tuple(state_kept + d * act_kept for d in depths)
-    first = shape.embedding_params() * TRAIN_STATE_BYTES_PER_PARAM + max(pp, 2) * tokens * shape.hidden * device.act_bytes
+    first = (shape.embedding_params() * TRAIN_STATE_BYTES_PER_PARAM
+             + max(pp, 2) * tokens * shape.hidden * device.act_bytes)
     last = (shape.head_params() * TRAIN_STATE_BYTES_PER_PARAM
             + tokens * (2 * shape.hidden * device.act_bytes + 4 + 4 * shape.vocab))
     ends = max(first, last) / MB

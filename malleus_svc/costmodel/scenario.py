@@ -1,6 +1,7 @@
 """A scenario's cost terms: what its `profile:` gives, and the analytic model for what it leaves out."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..config.scenario import Scenario
@@ -28,10 +29,9 @@ def scenario_costs(sc: Scenario) -> ScenarioCosts:
         memory = analytic.memory_profile(shape, sc.tp, sc.pp, sc.micro_batch, sc.gpu_memory_mb,
                                          prof.reserved_memory_mb, prof.safety_margin_mb, sc.device)
         if layer_mb is not None or emb is not None:   # measured numbers say nothing of what splits
-            memory = MemoryProfile(layer_mb=tuple(layer_mb or memory.layer_mb),
-                                   embedding_mb=memory.embedding_mb if emb is None else emb,
-                                   reserved_mb=memory.reserved_mb, safety_margin_mb=memory.safety_margin_mb,
-                                   gpu_memory_mb=memory.gpu_memory_mb)
+            memory = dataclasses.replace(memory, layer_mb=tuple(layer_mb or memory.layer_mb),
+                                         embedding_mb=memory.embedding_mb if emb is None else emb,
+                                         replicated_layer_mb=(), replicated_embedding_mb=0.0)
     else:
         memory = MemoryProfile(layer_mb=tuple(layer_mb), embedding_mb=emb, reserved_mb=prof.reserved_memory_mb,
                                safety_margin_mb=prof.safety_margin_mb, gpu_memory_mb=sc.gpu_memory_mb)

@@ -77,7 +77,8 @@ class LengthProfile:
           So when short samples make compute cheaper, communication weighs more in the objective;
         * the activation part of each per-layer memory K[d] × memory_ratio, with K[d] = state + d · act
           fitted through the profile's end points (exact for the analytic profile), and likewise its
-          replicated part; K stays as it is when it lists one depth only. The embedding/head term is left as it is (conservative).
+          replicated part; K stays as it is when it lists one depth only. The embedding/head term
+          is left as it is (conservative).
         tp_alpha is left as it is."""
         if self.is_fixed:
             return problem

@@ -238,7 +238,8 @@ def node_options(problem: PlannerProblem, node: int,
     if problem.allow_split and problem.num_devices <= WIDE_DEVICES:
         # small clusters: every grouping too (e.g. healthy groups split around a straggler group);
         # after the others, which keep old groups and win ties of shape (less migration)
-        for opt in [*uniform_splits(problem, node, order, previous_roles), *every_grouping(problem, node, previous_roles)]:
+        for opt in [*uniform_splits(problem, node, order, previous_roles),
+                    *every_grouping(problem, node, previous_roles)]:
             options.setdefault(opt.key, opt)
     return undominated(list(options.values()))
 

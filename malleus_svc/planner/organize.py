@@ -240,8 +240,7 @@ def reorder_stages(scorer: Scorer, template: Template, specials: Sequence[Group]
     best while memory is loose; when it binds, split groups (more memory per block) may need the
     deeper stages, where fewer micro-batches are in flight."""
     out = []
-    for pipe in template:
-        classes = [specials[g].cls if g != NORMAL else NORMAL_CLASS for g in pipe]
+    for pipe, classes in zip(template, template_classes(template, specials)):
         order = scorer.stage_order(tuple(classes))
         pool: dict[tuple, list[int]] = {}
         for g, c in zip(pipe, classes):

@@ -176,7 +176,8 @@ def check_length_sweep(device: torch.device, shape: ModelShape) -> Result:
                                link_gbps=DeviceSpec().intra_node_gbps, repeats=repeats)
     worst = max(r["test_max_abs_error"] for r in reports.values())
     return Result("length-sweep", _verdict(worst <= SWEEP_HELDOUT_RTOL),
-                  f"held-out max rel err {worst:.1%} (TP {', '.join(map(str, tps))}; packs up to {shape.seq_len} tokens)",
+                  f"held-out max rel err {worst:.1%} (TP {', '.join(map(str, tps))}; "
+                  f"packs up to {shape.seq_len} tokens)",
                   f"<= {SWEEP_HELDOUT_RTOL:g}")
 
 

@@ -247,7 +247,7 @@ def _rank_times(mixes, shape, layers, repeats, warmup, seed, threads, clock, tp=
         for _ in range(warmup):
             for i in order:
                 once(i)
-        if isinstance(device, PacedClock):   # paced from here on, at a pace every rank of the group can hold on every mix
+        if isinstance(device, PacedClock):   # paced from here on, at a pace every rank can hold on every mix
             device.pace = _group_pace([_op_cost(device, lambda: once(i)) for i in order], tp)
         rng = random.Random(seed)
         comp = torch.zeros(len(mixes), repeats, dtype=torch.float64)

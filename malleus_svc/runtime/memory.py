@@ -20,9 +20,10 @@ min(stages - stage, micro_batches) at a stage):
 Attention is measured as flash-attn's varlen kernel, the GPU path, keeps it: q, k, v (k and v at
 their own kv heads), the output and an fp32 log-sum-exp [heads, tokens], O(tokens) and never the
 tokens x tokens scores (`FlashFootprint`). TP collectives are not run: a group's all-reduce is
-replaced by the copy the real one returns (`tensor_parallel.LocalShard`). Not counted: backward's transient gradients
-(of activations, and of each working weight until it is added into its master), the CUDA context,
-allocator fragmentation and NCCL buffers, which the scenario's reserved memory and safety margin cover.
+replaced by the copy the real one returns (`tensor_parallel.LocalShard`). Not counted: backward's
+transient gradients (of activations, and of each working weight until it is added into its
+master), the CUDA context, allocator fragmentation and NCCL buffers, which the scenario's reserved
+memory and safety margin cover.
 """
 from __future__ import annotations
 
@@ -35,11 +36,10 @@ import torch.nn.functional as F
 from malleus_svc.config.presets import ModelShape
 from malleus_svc.runtime.attention import varlen_causal_attention
 from malleus_svc.runtime.model import StageModel
-from malleus_svc.runtime.precision import WorkingWeights
+from malleus_svc.runtime.precision import GPU_COMPUTE_DTYPE, WorkingWeights
 from malleus_svc.runtime.tensor_parallel import SINGLE, LocalShard
 
 META = torch.device("meta")
-COMPUTE_DTYPE = torch.bfloat16    # what the engine computes in on a GPU (`precision.compute_dtype_for`)
 
 
 class FlashFootprint(torch.autograd.Function):
@@ -75,7 +75,7 @@ class SavedBytes:
 
 
 def saved_for_backward(model: StageModel, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
-                       targets: torch.Tensor | None = None, compute_dtype: torch.dtype = COMPUTE_DTYPE
+                       targets: torch.Tensor | None = None, compute_dtype: torch.dtype = GPU_COMPUTE_DTYPE
                        ) -> tuple[SavedBytes, WorkingWeights]:
     """Run one forward on `compute_dtype` working weights as the engine does (and, with `targets`,
     its fp32 cross-entropy on the logits) and sort the unique storages autograd saves: parameters,
@@ -143,7 +143,8 @@ class StageFootprint:
 
 
 def stage_inputs(shape: ModelShape, micro_batch: int, seq_len: int, first: bool, device: torch.device,
-                 dtype: torch.dtype = COMPUTE_DTYPE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 dtype: torch.dtype = GPU_COMPUTE_DTYPE
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A packed micro-batch of `micro_batch` sequences of `seq_len`: the stage input (token ids on the
     first stage, hidden states in `dtype` elsewhere), positions and cu_seqlens (real CPU tensors,
     which rotary and attention read), and the targets."""
@@ -190,5 +191,5 @@ def stage_footprint(shape: ModelShape, num_layers: int, *, has_embedding: bool, 
     grads, adam = _adam_state_bytes(model)
     x, positions, cu_seqlens, targets = stage_inputs(shape, micro_batch, seq_len, has_embedding, META)
     saved, working = saved_for_backward(model, x, positions, cu_seqlens, targets if has_head else None)
-    boundary = micro_batch * seq_len * shape.hidden * COMPUTE_DTYPE.itemsize
+    boundary = micro_batch * seq_len * shape.hidden * GPU_COMPUTE_DTYPE.itemsize
     return StageFootprint(params, grads, adam, working.nbytes, saved, boundary, has_embedding, has_head)

@@ -21,11 +21,14 @@ import torch.nn as nn
 from torch.func import functional_call
 
 
+GPU_COMPUTE_DTYPE = torch.bfloat16
+
+
 def compute_dtype_for(device: torch.device, params_dtype: torch.dtype) -> torch.dtype:
     """The default: bf16 working weights for fp32 masters on a GPU; on the CPU stand-in the
     parameters' own dtype (the exact path the tests compare with one process), unless asked."""
     if device.type == "cuda" and params_dtype == torch.float32:
-        return torch.bfloat16
+        return GPU_COMPUTE_DTYPE
     return params_dtype
 
 
