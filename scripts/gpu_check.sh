@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # What only a GPU machine can confirm, in one command: flash-attn's varlen kernel against the SDPA
 # fallback, bf16 training against fp32, the length sweep on the device, a throttled device's measured
-# time, and, with 2 GPUs, a 2-stage pipeline over NCCL against the single-process reference and a
-# live migration. Each check, its oracle and its tolerance: malleus_svc/runtime/gpu_check.py.
+# time, the allocator's peak against the memory model, and, with 2 GPUs, a 2-stage pipeline over
+# NCCL against the single-process reference and a live migration. Each check, its oracle and its
+# tolerance: malleus_svc/runtime/gpu_check.py.
 #
 #   bash scripts/gpu_check.sh                # on a GPU machine (source checkout or installed package)
 #   bash scripts/gpu_check.sh --device cpu   # every check that needs no CUDA, on CPU over gloo

@@ -35,10 +35,11 @@ def test_the_cpu_mode_runs_every_check_that_needs_no_cuda_and_they_pass():
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     table = _table(p.stdout)
     assert list(table) == ["attention-sdpa-bf16", "attention-flash", "train-bf16", "length-sweep",
-                           "throttled-clock", "pipeline-2-stage", "migration"]
+                           "throttled-clock", "memory-peak", "pipeline-2-stage", "migration"]
     assert table["attention-flash"][:2] == ["skip", "no CUDA" if not torch.cuda.is_available() else "--device cpu"]
+    assert table["memory-peak"][:2] == ["skip", "needs CUDA's allocator"]
     for name, (status, figure, tolerance) in table.items():
-        if name != "attention-flash":
+        if name not in ("attention-flash", "memory-peak"):
             assert status == "pass" and figure and tolerance != "-", (name, figure)
     assert "gloo:" in table["pipeline-2-stage"][1]
     assert "bitwise" in table["migration"][1] and "NOT" not in table["migration"][1]
@@ -82,7 +83,32 @@ def test_a_check_that_raises_is_a_failed_row_and_the_others_still_run(monkeypatc
     results = gpu_check.run_checks(torch.device("cpu"), gpu_check.preset("tiny"))
     assert [(r.check, r.status) for r in results] == [
         ("attention-sdpa-bf16", "pass"), ("attention-flash", "skip"), ("train-bf16", "pass"),
-        ("length-sweep", "pass"), ("throttled-clock", "pass"), ("pipeline-2-stage, migration", "fail")]
+        ("length-sweep", "pass"), ("throttled-clock", "pass"), ("memory-peak", "skip"),
+        ("pipeline-2-stage, migration", "fail")]
     assert results[-1].figure == "raised RuntimeError: last line says what"
     table = format_table(results).splitlines()
     assert len(table) == 2 + len(results) and table[-1].split(" | ")[1].strip() == "fail"
+
+
+def test_the_memory_check_holds_a_peak_between_the_modelled_state_and_the_model_plus_margin():
+    """Every line of the memory row but the allocator's read runs here, on a peak given by hand."""
+    from malleus_svc.config.scenario import Profile
+    from malleus_svc.runtime.memory import stage_footprint
+
+    shape = gpu_check.preset("tiny")
+    model = stage_footprint(shape, shape.layers, has_embedding=True, has_head=True, tp=1, micro_batch=4).at_depth(1)
+    state = model.params + model.grads + model.adam + model.working
+    margin = int(Profile().safety_margin_mb * 2 ** 20)
+    steps = []
+
+    def given(bytes_):
+        def peak_of(step, device):
+            steps.append(step().global_loss)   # the measured step runs for real
+            return bytes_
+        return gpu_check.check_memory_peak(torch.device("cpu"), shape, peak_of=peak_of)
+
+    assert given(model.total).status == "pass" and "+0.0%" in given(model.total).figure
+    assert given(model.total + margin).status == "pass"
+    assert given(model.total + margin + 1).status == "fail"
+    assert given(state - 1).status == "fail"
+    assert len(steps) == 5 and all(0 < loss < 20 for loss in steps)

@@ -64,3 +64,17 @@ def test_a_sweep_on_the_jobs_own_device_runs_its_lengths_and_prices_the_collecti
     comm = sum(rep["layers"] * sum(m) * price for m in mixes)
     assert rep["comm_share"] == pytest.approx(comm / sum(r["measured_s"] for r in rep["train"] + rep["test"]))
     assert model.at(2).b > price
+
+
+def test_a_devices_fitting_packs_never_repeat_a_length_and_keep_their_tokens():
+    """An accelerator's attention makes one call per distinct length, so a fitting pack of equal
+    lengths would hide the per-sequence cost that real packs (and the planner) pay."""
+    from malleus_svc.runtime.length_sweep import MAX_LEN, TRAIN_MIXES, mixes_for
+
+    for seq_len in (1024, 2048, 4096):
+        train, _ = mixes_for(seq_len)
+        assert len(train) == len(TRAIN_MIXES)
+        for mix, base in zip(train, TRAIN_MIXES):
+            assert len(set(mix)) == len(mix) == len(base), mix
+            assert max(mix) <= seq_len and min(mix) >= 1
+            assert sum(mix) == pytest.approx(sum(base) * seq_len / MAX_LEN, rel=0.01), (mix, base)

@@ -8,9 +8,10 @@ Checks, each against an oracle with a stated tolerance:
   attention-flash       flash-attn's varlen kernel, as `varlen_causal_attention` calls it, against
                         the same oracle: its error at most twice the bf16 SDPA fallback's, plus
                         1e-3 (flash-attn's own test rule); CUDA with flash-attn only
-  train-bf16            a few training steps of one device's Engine in mixed precision (fp32
-                        master weights, bf16 working weights and activations: what GPU workers
-                        run) against fp32 single-process training (`reference_train`)
+  train-bf16            a few training steps on one batch of one device's Engine in mixed
+                        precision (fp32 master weights, bf16 working weights and activations:
+                        what GPU workers run) against fp32 single-process training
+                        (`reference_train`); the loss must fall
   length-sweep          the length sweep as a job on accelerators runs it, on its own device
                         (`length_sweep.device_sweeps`: lengths up to the model's seq_len, bf16
                         kernels, TP 1 and 2 shards, collectives priced): its held-out error on
@@ -18,6 +19,10 @@ Checks, each against an oracle with a stated tolerance:
   throttled-clock       device time of an emulated straggler: an Engine at rate 3 on the device's
                         own clock (CUDA: `CudaClock`, events and a sleep kernel; CPU: the paced
                         clock) measures 3x the device time of its healthy steps
+  memory-peak           the CUDA allocator's peak over a training step of one device in mixed
+                        precision against the meta-device figure (`memory.stage_footprint`):
+                        at least its state, at most the model plus the planner's safety margin;
+                        CUDA only
   pipeline-2-stage      two processes, one device each, a 2-stage 1F1B pipeline over
                         `P2PTransport` (NCCL on CUDA, gloo on CPU) in fp64 against `reference_train`
   migration             in the same world, `execute_migration` from that pipeline to a TP=2 plan:
@@ -46,6 +51,7 @@ import torch
 
 from malleus_svc.config.device import DeviceSpec
 from malleus_svc.config.presets import ModelShape, preset
+from malleus_svc.config.scenario import Profile
 from malleus_svc.plan import Pipeline, Plan, Stage
 from malleus_svc.runtime import attention
 from malleus_svc.runtime.batch import MicroBatch
@@ -53,6 +59,7 @@ from malleus_svc.runtime.datasets import SyntheticVarLen, collate
 from malleus_svc.runtime.device_clock import PacedClock, make_clock, pace_for
 from malleus_svc.runtime.engine import Engine, OptimConfig, ShardState, assemble_full, full_shard_states
 from malleus_svc.runtime.length_sweep import device_sweeps
+from malleus_svc.runtime.memory import stage_footprint
 from malleus_svc.runtime.local_world import run_local_world
 from malleus_svc.runtime.migrate import execute_migration, plan_migration
 from malleus_svc.runtime.reference import masked_attention, reference_train
@@ -150,7 +157,9 @@ def check_flash(device: torch.device) -> Result:
 # ---------------------------------------------------------------------------- one device
 def check_train_bf16(device: torch.device, shape: ModelShape, steps: int = 4) -> Result:
     plan = _one_device_plan(shape, micro_batches=2, micro_batch_size=4)
-    batches = global_batches(shape, steps, 2, 4)
+    # one batch again and again: its loss must fall whatever the model (fresh batches need not at
+    # first: the small preset's rose over 4 steps in fp32 too)
+    batches = global_batches(shape, 1, 2, 4) * steps
     engine = Engine(shape, plan, 0, seed=SEED, optim=OPTIM, device=device, compute_dtype=torch.bfloat16)
     losses = [engine.train_step(batch, _loss_tokens(batch)).global_loss for batch in batches]
     ref, _, _ = reference_train(shape, SEED, OPTIM, batches, torch.float32)
@@ -208,6 +217,53 @@ def check_throttled_clock(device: torch.device, shape: ModelShape, steps: int = 
                   f"{ratio:.2f}x ({healthy * 1e3:.1f} -> {slow * 1e3:.1f} ms per step on {type(clock).__name__}"
                   + (f", {held:.0%} of ops kept pace)" if isinstance(clock, PacedClock) else ")"),
                   f"{THROTTLE_RATE:g}x +- {THROTTLE_RTOL:.0%}")
+
+
+def _full_micro_batch(shape: ModelShape, sequences: int, gen: torch.Generator, first_id: int) -> MicroBatch:
+    """`sequences` random sequences of exactly `seq_len` tokens, the packing `memory` measures."""
+    tokens = sequences * shape.seq_len
+    ids = torch.randint(shape.vocab, (tokens,), generator=gen)
+    return MicroBatch(ids, torch.roll(ids, -1), torch.arange(0, tokens + 1, shape.seq_len, dtype=torch.int32),
+                      tuple(range(first_id, first_id + sequences)))
+
+
+def cuda_peak_bytes(step: Callable[[], object], device: torch.device) -> int:
+    """The CUDA allocator's high-water mark over `step` (what it allocated; not the cache or context)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device)
+
+
+def check_memory_peak(device: torch.device, shape: ModelShape, sequences: int = 4,
+                      peak_of: Callable[[Callable[[], object], torch.device], int] | None = None) -> Result:
+    """A one-stage Engine in mixed precision: the allocator's peak over a training step (Adam's
+    moments already made) against `memory.stage_footprint`, the meta-device figure the planner is
+    held to. The figure leaves out backward's transient gradients (on an H200: twice the fp32 logits
+    of a micro-batch, from the loss, plus about two [tokens, ffn] gradients), which the planner's
+    safety margin covers: the peak must be at least the modelled state and at most the model plus
+    that margin. `peak_of(step, device)` reads the peak (CUDA's allocator by default)."""
+    name = "memory-peak"
+    if peak_of is None:
+        if device.type != "cuda":
+            return Result(name, "skip", "needs CUDA's allocator", "-")
+        peak_of = cuda_peak_bytes
+    gen = torch.Generator().manual_seed(SEED)
+    batch = [_full_micro_batch(shape, sequences, gen, i * sequences) for i in range(2)]
+    plan = _one_device_plan(shape, micro_batches=len(batch), micro_batch_size=sequences)
+    engine = Engine(shape, plan, 0, seed=SEED, optim=OPTIM, device=device, compute_dtype=torch.bfloat16)
+    engine.train_step(batch, _loss_tokens(batch))
+    peak = peak_of(lambda: engine.train_step(batch, _loss_tokens(batch)), device)
+    model = stage_footprint(shape, shape.layers, has_embedding=True, has_head=True, tp=1,
+                            micro_batch=sequences).at_depth(1)
+    state = model.params + model.grads + model.adam + model.working
+    margin = Profile().safety_margin_mb * 2 ** 20
+    ok = state <= peak <= model.total + margin
+    return Result(name, _verdict(ok),
+                  f"peak {peak / 2 ** 30:.2f} GiB vs modelled {model.total / 2 ** 30:.2f} GiB "
+                  f"({peak / model.total - 1:+.1%}; state {state / 2 ** 30:.2f} GiB)",
+                  f"state <= peak <= model + safety margin {margin / 2 ** 30:.0f} GiB")
 
 
 # ---------------------------------------------------------------------------- two devices
@@ -313,6 +369,7 @@ def _run(device: torch.device, shape: ModelShape) -> list[Result]:
         ("train-bf16", lambda: check_train_bf16(device, shape)),
         ("length-sweep", lambda: check_length_sweep(device, GPU_BOUND_SHAPE if device.type == "cuda" else shape)),
         ("throttled-clock", lambda: check_throttled_clock(device, GPU_BOUND_SHAPE if device.type == "cuda" else shape)),
+        ("memory-peak", lambda: check_memory_peak(device, GPU_BOUND_SHAPE)),
         ("pipeline-2-stage, migration", lambda: check_two_devices(device, shape)),
     ]
     for name, check in checks:
