@@ -59,8 +59,8 @@ from malleus_svc.runtime.datasets import SyntheticVarLen, collate
 from malleus_svc.runtime.device_clock import PacedClock, make_clock, pace_for
 from malleus_svc.runtime.engine import Engine, OptimConfig, ShardState, assemble_full, full_shard_states
 from malleus_svc.runtime.length_sweep import device_sweeps
-from malleus_svc.runtime.memory import stage_footprint
 from malleus_svc.runtime.local_world import run_local_world
+from malleus_svc.runtime.memory import stage_footprint
 from malleus_svc.runtime.migrate import execute_migration, plan_migration
 from malleus_svc.runtime.reference import masked_attention, reference_train
 
