@@ -189,7 +189,10 @@ def test_a_healthy_member_of_a_tp_group_does_not_take_on_its_slow_peers_time(kin
     before, after = statistics.median(healthy[1:7]), statistics.median(healthy[8:])
     print(f"{kind}: healthy member {before * 1e3:.1f} -> {after * 1e3:.1f} ms; slowed member "
           f"{statistics.median(slowed[1:7]) * 1e3:.1f} -> {statistics.median(slowed[8:]) * 1e3:.1f} ms")
-    assert statistics.median(slowed[8:]) / statistics.median(slowed[1:7]) > 2.4
+    # The slowed member is clearly slower than its healthy peer over the same steps (same host load;
+    # the rate itself, 3x, is checked by the sleep test above and on a GPU by gpu_check).
+    # Its own compute is timed on a CPU two processes share, so it drifts by a quarter either way.
+    assert statistics.median(s / h for s, h in zip(slowed[8:], healthy[8:])) > 2.0
     assert after / before < 1.25, (before, after)
 
 
