@@ -98,10 +98,12 @@ def grow(cluster, run: dict) -> dict:
     ray.get(h.emulate.remote(here))
     cluster.add_node(num_cpus=2)
     out["added_at_step"] = ray.get(h.status.remote())["step"]
-    # done when the coordinator has booked the rejoin (the group's own `gone` empties earlier)
+    # done when the coordinator has booked the rejoin of the last gone device (the group's own `gone`
+    # empties earlier). The devices come back together, or one by one on a busy host: a fresh worker
+    # that does not start within replace_timeout_s is taken back at a later iteration boundary.
     while True:
         hist = ray.get(h.get_history.remote())
-        if any("rejoined" in e["reason"] for e in hist):
+        if any("rejoined" in e["reason"] and e.get("gone") == [] for e in hist):
             break
         assert ray.get(h.status.remote())["state"] not in ("done", "failed")
         time.sleep(0.1)

@@ -78,14 +78,27 @@ def test_a_new_node_is_taken_back_into_the_plan(outcome):
     roles = {d for p in final["plan"]["pipelines"] for st in p["stages"] for d in st["devices"]}
     assert set(lost) <= roles, final["plan"]
     kinds = [(h["outcome"], h["reason"]) for h in outcome["history"]]
-    assert [k[0] for k in kinds] == ["initial", "membership", "membership"], kinds
-    assert "gone" in kinds[1][1] and "rejoined" in kinds[2][1], kinds
+    assert [k[0] for k in kinds[:2]] == ["initial", "membership"] and "gone" in kinds[1][1], kinds
+    assert _rejoins(outcome["history"][2:]), kinds
     # the rejoined devices run in fresh processes; the survivors in the same ones as at the start
     assert all(final["workers"]["pids"][str(d)] != outcome["before"]["workers"]["pids"][str(d)] for d in lost)
 
 
+def _rejoins(entries: list[dict]) -> bool:
+    """Membership changes that bring the lost devices back, together or one by one (a fresh worker
+    that does not start within replace_timeout_s on a busy host comes back at a later boundary),
+    the last leaving none gone."""
+    return bool(entries) and all(e["outcome"] == "membership" and "rejoined" in e["reason"] for e in entries) \
+        and entries[-1]["gone"] == []
+
+
+def _plan_segments(lines: list[dict]) -> int:
+    return 1 + sum(a["plan_id"] != b["plan_id"] for a, b in zip(lines, lines[1:]))
+
+
 def test_the_losses_continue_the_uninterrupted_curve(outcome):
-    assert len({x["plan_id"] for x in outcome["lines"]}) == 3     # before, without the node, with it again
+    # before, without the node, with it again (one plan per rejoin): each plan change the history books
+    assert _plan_segments(outcome["lines"]) == len(outcome["history"]) >= 3
     check_losses(outcome["lines"], outcome["reference"])
 
 
@@ -105,6 +118,6 @@ def test_a_job_starts_on_the_nodes_there_are_and_grows_when_one_joins(outcome):
     assert grown["rc"] == 0 and grown["rejoined"]["gone"] == []
     roles = {d for p in grown["rejoined"]["plan"]["pipelines"] for st in p["stages"] for d in st["devices"]}
     assert roles == {0, 1, 2, 3}, grown["rejoined"]["plan"]
-    assert [h["outcome"] for h in grown["history"]] == ["initial", "membership"], grown["history"]
-    assert grown["history"][0]["excluded"] == [2, 3] and "rejoined" in grown["history"][1]["reason"]
+    assert grown["history"][0]["outcome"] == "initial" and _rejoins(grown["history"][1:]), grown["history"]
+    assert grown["history"][0]["excluded"] == [2, 3]
     check_losses(grown["lines"], outcome["reference"])
