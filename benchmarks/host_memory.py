@@ -138,5 +138,5 @@ def main(argv: list[str]) -> int:
                       f"parameters alone (Adam's moments come with the first step). A checkpoint's files are "
                       f"written and read by the workers (the driver writes the manifest); the restore's "
                       f"driver figure includes verifying every file's sha256.\n\n{table}",
-                      Path(args.write), "bench:host-memory" + options.replace(" --hidden ", "-").replace(" --layers ", "x"))
+                      Path(args.write), f"bench:host-memory-{args.hidden}x{layers}" if options else "bench:host-memory")
     return 0
