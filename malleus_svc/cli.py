@@ -52,6 +52,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"{problem.num_micro_batches} micro-batches of {problem.micro_batch_size}")
     print(plan_table(plan, problem))
     print(summary_line(plan, result.ideal_objective, result.solve_seconds, result.candidates))
+    for note in result.notes:       # where the search stopped short, and why
+        print(f"note: {note}")
     if previous is not None:
         print(diff_summary(Plan.diff(previous, plan, problem.state_sizes)))
     if args.output:

@@ -163,6 +163,9 @@ def large_layout(draw):
 @example({"name": "largest", "cluster": {"nodes": 8192, "gpus_per_node": 8, "gpu_memory_mb": 81920},
           "model": "gpt-1.3b", "parallel": {"dp": 16384, "tp": 1, "pp": 4}, "batch": {"global": 65536, "micro": 1},
           "rates": {5: 3.0, 29: 2.0, 100: 5.0}, "planner": {"time_budget_s": 1}})
+@example({"name": "dead-beside-thousands", "cluster": {"nodes": 1024, "gpus_per_node": 8, "gpu_memory_mb": 81920},
+          "model": "gpt-1.3b", "parallel": {"dp": 4096, "tp": 1, "pp": 2}, "batch": {"global": 32768, "micro": 1},
+          "rates": {7851: 1.5, 1835: 1e6, 258: 1e6, 80: 8.0}, "planner": {"time_budget_s": 1}})
 def test_any_valid_layout_up_to_the_device_limit_plans_within_its_time_budget(doc):
     """The planner end to end at up to 65,536 devices: a plan or a documented error, in about its
     1 s budget (plus the concretisation of its finalists), never a hang or another exception."""

@@ -171,3 +171,25 @@ def test_the_default_search_against_exhaustive_on_random_small_scenarios(objecti
         if default > found.objective * 1.01:
             gaps.append(f"{default / found.objective - 1:+.2%}: {describe(problem)}")
     assert not gaps, f"{len(gaps)} of {RANDOM_CASES} scenarios above the optimum:\n" + "\n".join(gaps)
+
+
+def test_the_default_search_reaches_a_shape_its_family_does_not_build(monkeypatch):
+    """Two stragglers of one node (5x and 3x) as one TP group holding 2 of 24 blocks beside healthy
+    groups: the candidate family suspends them instead (35 t0); the exhaustive check that ends the
+    default search on small clusters finds the optimum (33 t0)."""
+    import malleus_svc.planner.exhaustive as exhaustive
+
+    rates = {0: 1.5, 2: 3.0, 3: 1.5, 7: 1.1, 10: 5.0, 11: 1.5, 14: 3.0}
+    problem = PlannerProblem(num_nodes=2, gpus_per_node=8, num_layers=24, dp=4, tp=2, pp=2, num_micro_batches=8,
+                             micro_batch_size=1, rates=tuple(rates.get(d, 1.0) for d in range(16)), tp_alpha=(1.0, 2.0),
+                             memory=MemoryProfile(tuple(100.0 * (1 + 0.15 * d) for d in (3, 2, 1, 0)), 50.0, 0.0, 0.0,
+                                                  3580.0), objective="paper")
+    best = optimum(problem)
+    result = plan(problem)
+    assert result.objective == pytest.approx(best.objective) and not memory_violations(problem, result.plan)
+    blocks = {tuple(sorted(s.devices)): s.num_layers for p in result.plan.pipelines for s in p.stages}
+    assert 0 < blocks.get((10, 14), 0) <= 4, blocks
+    assert not result.notes
+    monkeypatch.setattr(exhaustive, "WIDEN_VISITS", 0)      # the family alone, and the plan says so
+    alone = plan(problem)
+    assert alone.objective > best.objective * 1.05 and "stopped after 0 nodes" in " ".join(alone.notes)

@@ -360,3 +360,44 @@ def test_an_ilp_that_highs_presolve_fails_on_is_solved_without_it():
     raw = ilp.solve_micro_batches_model(z, offsets, [1] * len(z), M, time_limit_s=10.0, mip_gap=0.0)
     sol = solve_micro_batches(z, s, M, "bubble")
     assert raw is not None and close(data_time(z, s, raw, "bubble"), sol.w)
+
+
+def _tie_break_one_slot_at_a_time(a, b, lo, caps, total, prefer):
+    """The tie-break as the module states it, one slot at a time: from the caps (or the preferred
+    counts) remove from the slowest stage, earlier stages first among equals, or add where the stage
+    stays fastest, earlier stages first."""
+    x = list(caps) if prefer is None else [min(max(p, l), c) for p, l, c in zip(prefer, lo, caps)]
+    while sum(x) > total:
+        j = min((j for j in range(len(a)) if x[j] > lo[j]), key=lambda j: (-(a[j] * x[j] + b[j]), j))
+        x[j] -= 1
+    while sum(x) < total:
+        j = min((j for j in range(len(a)) if x[j] < caps[j]), key=lambda j: (a[j] * (x[j] + 1) + b[j], j))
+        x[j] += 1
+    return x
+
+
+@PROPS
+@given(st.data())
+def test_the_tie_break_takes_slots_in_bulk_as_it_would_one_at_a_time(data):
+    """The closed form settles every slot below a relaxed level at once (ILP-2 over thousands of
+    pipelines can have millions to give back); the layout is the one the slot-by-slot rule gives."""
+    from malleus_svc.planner.lower import _caps_at, _choose, _optimum
+
+    s = data.draw(st.integers(1, 8))
+    a = data.draw(st.lists(st.sampled_from([0.7, 1.0, 1.5, 2.0, 3.0, 1e6]), min_size=s, max_size=s))
+    b = data.draw(st.lists(st.sampled_from([0.0, 1.0, 2.5]), min_size=s, max_size=s))
+    lo = data.draw(st.lists(st.integers(0, 3), min_size=s, max_size=s))
+    hi = [lo_j + data.draw(st.integers(0, 40)) for lo_j in lo]
+    total = data.draw(st.integers(sum(lo), sum(hi)))
+    prefer = data.draw(st.none() | st.lists(st.integers(0, 45), min_size=s, max_size=s))
+    caps = _caps_at(_optimum(a, b, lo, hi, total), a, b, lo, hi)
+    assert _choose(a, b, lo, caps, total, prefer) == _tie_break_one_slot_at_a_time(a, b, lo, caps, total, prefer)
+
+
+def test_micro_batches_beside_a_pipeline_that_sets_the_optimum_alone():
+    """One pipeline of a dead device (z = 1e6, at least its 2 stages' micro-batches) beside 4,095
+    healthy ones: each healthy one could take all M, and the layout still balances them."""
+    z = [1e6] + [2.0] * 4095
+    sol = solve_micro_batches(z, [2] * 4096, 32768)
+    assert sol.micro_batches[0] == 2 and sum(sol.micro_batches) == 32768
+    assert max(sol.micro_batches[1:]) - min(sol.micro_batches[1:]) <= 1

@@ -401,6 +401,19 @@ def test_the_search_stops_at_its_time_budget_with_the_best_plan_it_found():
     assert r.objective >= r.ideal_objective
 
 
+def test_malleus_plan_prints_where_the_search_stopped_short(tmp_path, capsys):
+    import json
+
+    from malleus_svc import cli
+    scenario = tmp_path / "budget.json"
+    scenario.write_text(json.dumps({
+        "name": "budget", "cluster": {"nodes": 512, "gpus_per_node": 8, "gpu_memory_mb": 81920}, "model": "gpt-1.3b",
+        "parallel": {"dp": 1024, "tp": 1, "pp": 4}, "batch": {"global": 4096, "micro": 1},
+        "rates": {5: 3.0, 29: 2.0, 100: 5.0}, "planner": {"time_budget_s": 1}}))
+    assert cli.main(["plan", str(scenario)]) == 0
+    assert "note: the search stopped at its time budget (1 s, planner.time_budget_s)" in capsys.readouterr().out
+
+
 def test_a_search_within_its_budget_says_nothing_of_it():
     r = plan(example_16())
     assert not r.notes and "stopped_at_budget_s" not in r.plan.inputs

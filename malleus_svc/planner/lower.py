@@ -41,8 +41,8 @@ slots have value <= v (and v >= max_j a_j * lo_j + b_j). So the optimum is
 which is the paper's binary-search formula (smallest candidate v = a_j * n + b_j with
 sum_j min(hi_j, floor((v - b_j) / a_j)) >= total). We find that order statistic directly: a
 continuous relaxation places a level just below it in O(S log S), then a heap pops the remaining
-<= S slots. Cost: O(S log S) per call, independent of L and M (plus one heap step per unit
-moved by the `prefer` tie-break); no solver is imported.
+<= S slots. Cost: O(S log S) per call, independent of L and M, the tie-break below included (it
+is carried out the same way, `_smallest_slots`); no solver is imported.
 
 Tie-break (optimal x is rarely unique; the rule is a pure function of the inputs and of v*, so
 'closed_form', 'highs' and 'both' return the same vectors)
@@ -57,6 +57,8 @@ lo <= x <= c and sum x = total is optimal, and these are all the optimal solutio
     then moving the rest is L1-closest to p among optimal solutions; the remaining units are
     removed as in the default, or added to the stage whose time after adding is smallest
     (equal times: lowest index). A p that is itself optimal is returned unchanged.
+  The rules are stated one unit at a time; they are carried out in bulk (the surplus can be ~10^8
+  slots: ILP-2 on thousands of pipelines beside one whose lower bound sets v*), with the same result.
 
 Floating point: rates are floats, so v = a * n + b products of equal rationals can differ in the
 last bit. A slot counts as "<= v" when a * n + b <= v + 1e-9 * max(1, |v|) (relative tolerance
@@ -335,55 +337,67 @@ def _optimum(a: Sequence[float], b: Sequence[float], lo: Sequence[int], hi: Sequ
         return None
     s = len(a)
     base = max(a[j] * lo[j] + b[j] for j in range(s))
-    need = total - sum(lo)
-    if need == 0:
+    if total == sum(lo):
         return base
-    # Take every slot below the relaxed level (never more than `need` of them) ...
-    level = _relaxed_level(a, b, lo, hi, total)
-    x = [max(lo[j], min(hi[j], math.floor((level - b[j]) / a[j]))) for j in range(s)]
-    surplus = sum(x) - total
-    if surplus > 0:  # rounding put us a hair above: give back the largest slots
-        heap = [(-(a[j] * x[j] + b[j]), j) for j in range(s) if x[j] > lo[j]]
-        heapq.heapify(heap)
-        for _ in range(surplus):
-            _, j = heapq.heappop(heap)
-            x[j] -= 1
-            if x[j] > lo[j]:
-                heapq.heappush(heap, (-(a[j] * x[j] + b[j]), j))
-    # ... then the remaining smallest slots one by one; v* is the largest slot taken.
-    heap = [(a[j] * (x[j] + 1) + b[j], j) for j in range(s) if x[j] < hi[j]]
-    heapq.heapify(heap)
-    for _ in range(total - sum(x)):
-        _, j = heapq.heappop(heap)
-        x[j] += 1
-        if x[j] < hi[j]:
-            heapq.heappush(heap, (a[j] * (x[j] + 1) + b[j], j))
+    x = _smallest_slots(a, b, lo, hi, total - sum(lo), tie=1)   # v* is the largest slot taken
     return max(base, max(a[j] * x[j] + b[j] for j in range(s) if x[j] > lo[j]))
 
 
 def _choose(a: Sequence[float], b: Sequence[float], lo: Sequence[int], caps: Sequence[int], total: int,
             prefer: Sequence[int] | None) -> list[int]:
-    """The tie-break among optimal solutions {lo <= x <= caps, sum x = total} (module docstring)."""
+    """The tie-break among optimal solutions {lo <= x <= caps, sum x = total} (module docstring): from
+    the caps (or the preferred counts) remove from the slowest stage first, or add where the stage
+    stays fastest; among equal slots the later stage keeps its slot and the earlier one gets one."""
     s = len(a)
     x = list(caps) if prefer is None else [min(max(prefer[j], lo[j]), caps[j]) for j in range(s)]
     diff = sum(x) - total
-    if diff > 0:   # remove from the slowest stage first
-        heap = [(-(a[j] * x[j] + b[j]), j) for j in range(s) if x[j] > lo[j]]
-        heapq.heapify(heap)
-        for _ in range(diff):
-            _, j = heapq.heappop(heap)
-            x[j] -= 1
-            if x[j] > lo[j]:
-                heapq.heappush(heap, (-(a[j] * x[j] + b[j]), j))
-    elif diff < 0:  # add where the stage stays fastest
-        heap = [(a[j] * (x[j] + 1) + b[j], j) for j in range(s) if x[j] < caps[j]]
-        heapq.heapify(heap)
-        for _ in range(-diff):
-            _, j = heapq.heappop(heap)
-            x[j] += 1
-            if x[j] < caps[j]:
-                heapq.heappush(heap, (a[j] * (x[j] + 1) + b[j], j))
+    if diff > 0:   # keep the smallest slots above lo, equal ones by the later stage first
+        return _smallest_slots(a, b, lo, x, total - sum(lo), tie=-1)
+    if diff < 0:
+        return _smallest_slots(a, b, x, caps, -diff, tie=1)
     return x
+
+
+def _smallest_slots(a: Sequence[float], b: Sequence[float], start: Sequence[int], stop: Sequence[int],
+                    count: int, tie: int) -> list[int]:
+    """x with start <= x <= stop that takes the `count` smallest slots n in (start_j, stop_j], a slot
+    valued a_j·n + b_j, equal values ranked by tie·j. Every slot up to the relaxed level at once, then
+    at most one slot per stage one by one: the counts can be millions (ILP-2 on thousands of
+    pipelines beside one whose lower bound sets v)."""
+    s = len(a)
+    count = min(count, sum(stop) - sum(start))
+    u = _relaxed_level(a, b, start, stop, sum(start) + count)
+    x = [_slots_upto(u, a[j], b[j], start[j], stop[j]) for j in range(s)]
+    extra = sum(x) - sum(start) - count
+    if extra > 0:     # a hair above: give back the largest-ranked slots taken
+        heap = [(-(a[j] * x[j] + b[j]), -tie * j) for j in range(s) if x[j] > start[j]]
+        heapq.heapify(heap)
+        for _ in range(extra):
+            _, k = heapq.heappop(heap)
+            j = -tie * k
+            x[j] -= 1
+            if x[j] > start[j]:
+                heapq.heappush(heap, (-(a[j] * x[j] + b[j]), k))
+    elif extra < 0:   # below: take the smallest-ranked slots left
+        heap = [(a[j] * (x[j] + 1) + b[j], tie * j) for j in range(s) if x[j] < stop[j]]
+        heapq.heapify(heap)
+        for _ in range(-extra):
+            _, k = heapq.heappop(heap)
+            j = tie * k
+            x[j] += 1
+            if x[j] < stop[j]:
+                heapq.heappush(heap, (a[j] * (x[j] + 1) + b[j], k))
+    return x
+
+
+def _slots_upto(u: float, a: float, b: float, start: int, stop: int) -> int:
+    """Largest n in [start, stop] with a*n + b <= u, compared exactly as the slots are."""
+    n = min(stop, max(start, math.floor((u - b) / a))) if math.isfinite(u) else start
+    while n < stop and a * (n + 1) + b <= u:
+        n += 1
+    while n > start and a * n + b > u:
+        n -= 1
+    return n
 
 
 # ---------------------------------------------------------------------------- checks

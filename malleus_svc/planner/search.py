@@ -10,7 +10,9 @@ Small clusters (at most WIDE_DEVICES devices) get a wider family, each part of i
 narrow one misses: every grouping of every node (healthy groups split around a straggler group, TP
 degrees mixed), the slowest groups left idle as well as normal ones, every pipeline count up to the
 device count and every stage plan (a straggler pipeline of its own beside a deep one), and each
-pipeline's stages in their best order under the memory caps (`organize.reorder_stages`).
+pipeline's stages in their best order under the memory caps (`organize.reorder_stages`). Last, the
+exhaustive search, bounded by the best plan found, checks the whole plan space for a better one
+within a fixed number of nodes (`exhaustive.widen`, under the objectives it is exact for).
 
 Keeping it fast:
   * dominated node options are removed (same group sizes, elementwise no faster);
@@ -153,6 +155,12 @@ def plan(problem: PlannerProblem, previous: Plan | None = None,
         raise InfeasibleError(_why_none(deadline, problem, [g for o in per_node for g in o[0].groups]))
     plans = [_concretise(problem, scorer, f, ctx) for f in finalists]
     plans = [p for p in plans if p is not None]
+    notes = _budget_notes(deadline, combos)
+    if plans and not deadline.passed():
+        from .exhaustive import widen   # small clusters only; it builds on this module's helpers
+        better, note = widen(problem, min(evaluate(problem, p) for p in plans))
+        plans += [better] if better is not None else []
+        notes += [note] if note else []
     if prev is not None:
         plans += [p for p in (_reuse(problem, prev), _safe_rebalance(problem, prev)) if p is not None]
     chosen, moved = _choose(problem, plans, prev, score)
@@ -161,7 +169,7 @@ def plan(problem: PlannerProblem, previous: Plan | None = None,
     chosen = _finish(problem, chosen, ideal, elapsed, {"pipelines": len(chosen.pipelines), "candidates": combos,
                                                        **_budget_note(deadline)})
     return PlannerResult(chosen, chosen.objective_value, ideal, combos, elapsed, templates[0],
-                         scorer.ilp1_calls, moved, _budget_notes(deadline, combos), plans)
+                         scorer.ilp1_calls, moved, notes, plans)
 
 
 def evaluate(problem: PlannerProblem, plan: Plan) -> float:
