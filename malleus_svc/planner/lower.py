@@ -392,7 +392,9 @@ def _smallest_slots(a: Sequence[float], b: Sequence[float], start: Sequence[int]
 
 def _slots_upto(u: float, a: float, b: float, start: int, stop: int) -> int:
     """Largest n in [start, stop] with a*n + b <= u, compared exactly as the slots are."""
-    n = min(stop, max(start, math.floor((u - b) / a))) if math.isfinite(u) else start
+    if not math.isfinite(u):
+        return stop if u > 0 else start
+    n = min(stop, max(start, math.floor((u - b) / a)))
     while n < stop and a * (n + 1) + b <= u:
         n += 1
     while n > start and a * n + b > u:
