@@ -48,8 +48,8 @@ MAX_DEVICES = 16
 # not those of least fill and drain, so the default search can find better 'full' plans.
 EXACT_OBJECTIVES = ("paper", "bubble")
 BOUND_SLACK = 1e-6      # the seed's objective, widened so that a plan as good as the seed is still found
-WIDEN_VISITS = 200_000  # nodes the default search's exhaustive check may visit: at most ~2.6 s here, at 16 devices
-                        # (`malleus bench planner --seeds 0 --small 300`: then every plan within 1% of the optimum)
+WIDEN_VISITS = 200_000  # nodes the default search's exhaustive check may visit (`malleus bench planner --small N`:
+                        # every plan within 1% of the optimum, and the planning time, BENCHMARKS.md)
 
 
 @dataclass(frozen=True)
@@ -96,9 +96,7 @@ def widen(problem: PlannerProblem, bound: float) -> tuple[Plan | None, str]:
     `bound` (the best the candidate family gave), if the branch and bound finds one within
     WIDEN_VISITS nodes; and a note when it stopped there. It reaches the shapes the family does not
     build (e.g. a node's two worst stragglers as one TP group holding a few blocks). Not under 'full',
-    where this search is not exact and its nodes cost several times more (150 random small
-    scenarios: mean planning time 0.16 s -> 0.87 s, worst 2.4 s -> 10.9 s, for 3 plans better by
-    over 1%)."""
+    where this search is not exact and its nodes cost several times more (BENCHMARKS.md, planner)."""
     if problem.objective not in EXACT_OBJECTIVES or not problem.allow_reshape or problem.num_devices > MAX_DEVICES:
         return None, ""     # the space it enumerates changes the pipeline count and drops nodes
     search = _search(problem, bound, WIDEN_VISITS)

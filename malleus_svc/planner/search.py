@@ -55,8 +55,8 @@ NEAR_OPTIMAL = 0.005        # plans within 0.5% of the best compete on migration
 DFS_BUDGET = 4000           # DFS visits per (combination, P) before switching to the greedy generator
 THOROUGH = 2                # best combinations (after the greedy pass) that also get the template DFS
 THOROUGH_SMALL = 8          # the same on small clusters, where the greedy pass ranks the best one lower more
-                            # often (`malleus bench planner --small 300`: 2 -> 8 took the scenarios more than
-                            # 1% above exhaustive from 8 to 5 of 600)
+                            # often (`malleus bench planner --small 300` before the exhaustive check: 2 -> 8
+                            # took the scenarios more than 1% above exhaustive from 8 to 5 of 600)
 FINALISTS = 6               # organisations kept for concretisation
 WIDE_GROUPS = 16            # combinations of at most this many groups try every pipeline count
 
