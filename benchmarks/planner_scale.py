@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from malleus_svc.config.limits import MAX_SECONDS
+from malleus_svc.config.scenario import DEFAULT_OBJECTIVE, OBJECTIVES
 from malleus_svc.config.options import number_option
 from malleus_svc.config import Scenario
 from malleus_svc.planner import InfeasibleError, plan
@@ -26,21 +27,21 @@ LAYOUTS = (
 RATES = {5: 3.0, 29: 2.0, 100: 5.0, 3000: 1.5}
 
 
-def scenario(nodes: int, model: str, dp: int, tp: int, pp: int, budget: float) -> Scenario:
+def scenario(nodes: int, model: str, dp: int, tp: int, pp: int, budget: float, objective: str) -> Scenario:
     return Scenario.from_dict({
         "name": f"scale-{dp}x{tp}x{pp}", "cluster": {"nodes": nodes, "gpus_per_node": 8, "gpu_memory_mb": 81920},
         "model": model, "parallel": {"dp": dp, "tp": tp, "pp": pp},
         "batch": {"global": max(4 * dp, 2 * dp * pp), "micro": 1}, "rates": RATES,
-        "planner": {"time_budget_s": budget}})
+        "planner": {"time_budget_s": budget, "objective": objective}})
 
 
 def peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run(layout, budget: float) -> dict:
+def run(layout, budget: float, objective: str) -> dict:
     nodes, model, dp, tp, pp = layout
-    sc = scenario(nodes, model, dp, tp, pp, budget)
+    sc = scenario(nodes, model, dp, tp, pp, budget, objective)
     row = {"devices": nodes * 8, "model": model, "layout": f"{dp}x{tp}x{pp}"}
     t = time.perf_counter()
     try:
@@ -71,17 +72,24 @@ def table(rows: list[dict], budget: float) -> str:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="malleus bench planner-scale", description=__doc__.split("\n")[0])
     number_option(ap, "--budget", 0.001, MAX_SECONDS, default=60.0, help="planner.time_budget_s (the default: 60)")
+    ap.add_argument("--objective", choices=OBJECTIVES, default=DEFAULT_OBJECTIVE,
+                    help=f"the planner's objective (default: {DEFAULT_OBJECTIVE})")
+    ap.add_argument("--layouts", type=int, default=len(LAYOUTS), choices=range(1, len(LAYOUTS) + 1), metavar="N",
+                    help=f"the first N layouts of the table (default: all {len(LAYOUTS)})")
     ap.add_argument("--write", metavar="MD", help="update this markdown file's planner-scale section")
     args = ap.parse_args(argv)
     rows = []
-    for i, layout in enumerate(LAYOUTS, 1):
-        print(f"[{i}/{len(LAYOUTS)}] {layout[0] * 8} devices, {layout[1]}, dp×tp×pp {layout[2]}×{layout[3]}×{layout[4]}",
+    layouts = LAYOUTS[:args.layouts]
+    for i, layout in enumerate(layouts, 1):
+        print(f"[{i}/{len(layouts)}] {layout[0] * 8} devices, {layout[1]}, dp×tp×pp {layout[2]}×{layout[3]}×{layout[4]}",
               flush=True)
-        rows.append({**run(layout, args.budget), "peak_mb": peak_mb()})
+        rows.append({**run(layout, args.budget, args.objective), "peak_mb": peak_mb()})
     md = table(rows, args.budget)
     print(md)
     if args.write:
         stamp = time.strftime("%Y-%m-%d")
-        write_section(f"Command: `malleus bench planner-scale --write BENCHMARKS.md` — {stamp}, 2-core CPU machine, "
+        given = f" --objective {args.objective}" + (f" --layouts {args.layouts}" if args.layouts < len(LAYOUTS) else "") \
+            + (f" --budget {args.budget:g}" if args.budget != 60.0 else "")
+        write_section(f"Command: `malleus bench planner-scale{given} --write BENCHMARKS.md` — {stamp}, 2-core CPU machine, "
                       f"one process (peak MB: the process so far).\n\n{md}", Path(args.write), "bench:planner-scale")
     return 0

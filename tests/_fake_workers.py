@@ -6,12 +6,14 @@ is `UNIT` seconds per t0 unit, times its slowdown factor."""
 from __future__ import annotations
 
 from malleus_svc.control.workload import t0_flops
+from malleus_svc.costmodel.profile import LinkTimes
 from malleus_svc.costmodel.scenario import scenario_costs
 from malleus_svc.plan import Plan
 from malleus_svc.runtime.cluster import MigrationReport, StepRecord
 
 UNIT = 0.01       # seconds per t0 unit on a healthy device
 PROBE = 0.05      # a healthy device's probe seconds
+LINKS = LinkTimes(p2p_intra_node_s=0.0002, p2p_inter_node_s=0.001, grad_sync_per_block_s=0.0005, reducers=2)
 
 
 class FakeWorkers:
@@ -47,6 +49,9 @@ class FakeWorkers:
 
     def pace(self, tokens, flops_per_second=None, bytes_per_second=None):
         return None      # device time is modelled directly
+
+    def time_links(self, shape, boundary_tokens: int) -> LinkTimes:
+        return LINKS
 
     def step(self, sample_ids, assignment=None) -> StepRecord:
         unit = t0_flops(self.job.scenario, self.plan)

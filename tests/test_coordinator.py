@@ -83,6 +83,18 @@ def migrations(history):
     return [h for h in history if h["outcome"] == "applied"]
 
 
+def wait_priced(ray, h) -> dict:
+    """Past calibration and the round it asks for, which prices the links the workers timed."""
+    wait_step(ray, h, 3 + 3 + 1)
+    return wait_for(ray, h, lambda s: s["planning"] is None and not s["pending_requests"] and s["history"] >= 2, 60,
+                    "the round that prices the links")
+
+
+def priced_links(entry) -> bool:
+    """The round asked at calibration, which prices the links the workers timed."""
+    return entry["reason"].startswith("links:")
+
+
 @pytest.fixture
 def loop(ray_cluster):
     import ray
@@ -90,6 +102,7 @@ def loop(ray_cluster):
     from malleus_svc.control.coordinator import launch
     h, owner = launch(job_config("t-loop"), steps=1000, jitter=0.2, jitter_seed=1)
     ray.get(h.start.remote(owner=owner), timeout=300)
+    wait_priced(ray, h)
     yield h
     ray.get(h.shutdown.remote(owner=owner), timeout=120)
     ray.kill(h)
@@ -103,7 +116,9 @@ def test_noise_alone_causes_no_replan(loop):
     st = wait_step(ray, loop, 3 + 3 + 16)   # skip 3, calibrate over 3, then 16 decided iterations
     assert st["calibrated"]
     hist = ray.get(loop.get_history.remote())
-    assert [h["outcome"] for h in hist] == ["initial"], [(h["outcome"], h["reason"]) for h in hist]
+    assert [priced_links(h) for h in hist] == [False, True], [(h["outcome"], h["reason"]) for h in hist]
+    links = st["links"]    # timed by the workers over gloo: a real round trip, a real all-reduce among 8
+    assert links["reducers"] == 8 and 0 < links["p2p_intra_node_s"] < 0.1 and 0 < links["grad_sync_per_block_s"] < 0.1
     rates = ray.get(loop.rates.remote())["effective"]
     assert len(rates) == 8 and max(rates.values()) < 1.3, rates
 
@@ -123,7 +138,7 @@ def test_straggler_detected_and_planned_around_within_three_iterations(loop):
     latency = first_new - shift   # iterations that still ran under the old plan after the shift
     print(f"detection latency: {latency} iterations (shift at step {shift}, new plan from step {first_new})")
     assert latency <= 3, (shift, first_new)
-    entry = migrations(ray.get(loop.get_history.remote()))[0]
+    entry = [h for h in migrations(ray.get(loop.get_history.remote())) if not priced_links(h)][0]
     assert "device 3" in entry["reason"] and entry["decision"]["option"] in ("replan", "rebalance")
     assert entry["migration"]["seconds"] > 0 and entry["old_plan_id"] == old_plan
     assert entry["decision"]["predicted_gain_seconds"] > 0
@@ -139,9 +154,9 @@ def test_straggler_detected_and_planned_around_within_three_iterations(loop):
 @pytest.mark.ray
 def test_healed_device_is_taken_back(loop):
     import ray
-    wait_step(ray, loop, 3 + 3)                                 # calibrated
+    priced = ray.get(loop.status.remote())["migrations"]       # calibrated, links priced (the fixture)
     ray.get(loop.emulate.remote({3: 3.0}, jitter=0.0))          # this test's own straggler
-    wait_for(ray, loop, lambda s: s["migrations"] >= 1, 60, "the straggler's re-plan")
+    wait_for(ray, loop, lambda s: s["migrations"] > priced, 60, "the straggler's re-plan")
     st = wait_step(ray, loop, ray.get(loop.status.remote())["step"] + 4)  # rate window settles at 3x
     n = st["migrations"]
     ray.get(loop.emulate.remote({3: 1.0}))
@@ -169,7 +184,7 @@ def ctl(ray_cluster):
     # band 100: measured rates never trigger here, so every round comes from the test's own requests
     h, owner = launch(job_config("t-ctl"), steps=1000, plan_delay_s=2.0, migrate_delay_s=2.0, band=100.0)
     ray.get(h.start.remote(owner=owner), timeout=300)
-    wait_step(ray, h, 7)
+    wait_priced(ray, h)
     yield h
     ray.get(h.shutdown.remote(owner=owner), timeout=120)
     ray.kill(h)
@@ -189,16 +204,16 @@ def test_requests_during_planning_and_migration_are_coalesced_and_applied_once(c
     st = ray.get(ctl.status.remote())
     assert [r["id"] for r in st["pending_requests"]] == during_plan + [during_mig]
     # round 1 applies once; the three pending requests form exactly one more round
-    wait_for(ray, ctl, lambda s: s["planning"] is None and not s["pending_requests"] and s["history"] >= 3, 60,
+    wait_for(ray, ctl, lambda s: s["planning"] is None and not s["pending_requests"] and s["history"] >= 4, 60,
              "both rounds")
     hist = ray.get(ctl.get_history.remote())
-    rounds = [h for h in hist if h["outcome"] != "initial"]
+    rounds = [h for h in hist if h["outcome"] != "initial" and not priced_links(h)]
     served = [r["id"] for h in rounds for r in h["requests"]]
     assert sorted(served) == sorted([first, *during_plan, during_mig]), rounds
     assert len(served) == len(set(served))           # none served twice
     assert [r["id"] for r in rounds[0]["requests"]] == [first] and rounds[0]["outcome"] == "applied"
     assert [r["id"] for r in rounds[1]["requests"]] == during_plan + [during_mig]
-    assert len(migrations(hist)) == 1, [(h["outcome"], h["reason"]) for h in hist]  # nothing new to apply
+    assert len(migrations(rounds)) == 1, [(h["outcome"], h["reason"]) for h in hist]  # nothing new to apply
     ray.get(ctl.clear_rates.remote())
 
 

@@ -10,21 +10,30 @@ from pathlib import Path
 import pytest
 import yaml
 
-from _fake_workers import FakeWorkers
+from _fake_workers import LINKS, UNIT, FakeWorkers, plan_work
 from malleus_svc.config.job import JobConfig
 from malleus_svc.control.coordinator import JobCoordinator, MalleusError
 from malleus_svc.control.hooks import Delays
 from malleus_svc.control.state import RoundState
+from malleus_svc.costmodel.profile import CommCosts
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def coordinator(**kwargs) -> JobCoordinator:
+CALIBRATED = 6    # the tiny job's skip (3) and warm-up (3) iterations: then rates are measured
+
+
+def coordinator(priced: bool = True, **kwargs) -> JobCoordinator:
+    """The tiny job's coordinator on the fake cluster; `priced`: past calibration and the one
+    re-plan that prices the links (kept: the fake's links are cheap)."""
     d = yaml.safe_load((REPO / "examples/tiny_job.yaml").read_text())
     d["metrics"], d["train"]["steps"] = {"enabled": False}, 200
     kwargs.setdefault("workers", FakeWorkers)
     c = JobCoordinator(JobConfig.from_dict(d), grace=1000.0, **kwargs)
     c.setup()
+    if priced:
+        run(c, CALIBRATED)
+        settle(c)
     return c
 
 
@@ -47,16 +56,44 @@ def outcomes(c):
     return [(h["outcome"], h["reason"]) for h in c.get_history()]
 
 
+def after_pricing(c):
+    """The rounds after the initial plan and the links' round."""
+    history = c.get_history()
+    assert [h["outcome"] for h in history[:2]] == ["initial", "kept"] and history[1]["reason"].startswith("links:")
+    return history[2:]
+
+
+def test_the_links_are_priced_from_calibration_on_in_units_of_the_measured_t0():
+    c = coordinator(priced=False)
+    assert c.links == LINKS and c._problem({}, ()).comm == CommCosts()    # nothing measured yet: not priced
+    run(c, CALIBRATED)
+    settle(c)
+    assert c.measurement.calibrated
+    tp = c.job.scenario.tp
+    assert c._problem({}, ()).comm == LINKS.comm_costs(UNIT / tp)       # the fake's device time per t0
+    assert after_pricing(c) == [] and "gradient all-reduce 0.5 ms per block" in c.get_history()[1]["reason"]
+
+
+def test_a_job_planned_under_paper_asks_no_links_round():
+    d = yaml.safe_load((REPO / "examples/tiny_job.yaml").read_text())
+    d["metrics"], d["planner"] = {"enabled": False}, {"objective": "paper"}
+    c = JobCoordinator(JobConfig.from_dict(d), grace=1000.0, workers=FakeWorkers)
+    c.setup()
+    run(c, CALIBRATED + 2)
+    assert c.measurement.calibrated and outcomes(c) == [("initial", "initial plan")]
+
+
 def test_a_straggler_is_planned_around_and_a_heal_takes_it_back():
     c = coordinator()
-    run(c, 8)
-    assert c.measurement.calibrated and outcomes(c) == [("initial", "initial plan")]
+    run(c, 2)
+    assert c.measurement.calibrated and after_pricing(c) == []
     c.emulate({3: 3.0})
     run(c, 6)      # the window median turns after 3 of 5 slow iterations, then one to plan and apply
     applied = [h for h in c.get_history() if h["outcome"] == "applied"]
     assert len(applied) == 1 and "device 3" in applied[0]["reason"], outcomes(c)
     assert applied[0]["decision"]["predicted_gain_seconds"] > 0
-    assert 3 not in c.plan.active_devices and c.group.plan is c.plan     # the cluster runs the plan in force
+    work = plan_work(c.plan)       # the straggler gets less work than any healthy device, or none
+    assert work.get(3, 0) < min(w for d, w in work.items() if d != 3) and c.group.plan is c.plan   # the plan in force
     c.emulate({3: 1.0})
     run(c, 8)
     settle(c)
@@ -71,7 +108,7 @@ def test_a_forced_replan_moves_when_keeping_is_predicted_cheaper():
     run(c, 8)
     c.set_rates({3: 3.0})
     settle(c)
-    assert [o for o, _ in outcomes(c)] == ["initial", "kept"] and 3 in c.plan.active_devices
+    assert [h["outcome"] for h in after_pricing(c)] == ["kept"] and 3 in c.plan.active_devices
     c.replan("maintenance", force=True)
     settle(c)
     last = c.get_history()[-1]
@@ -88,12 +125,11 @@ def test_requests_during_a_round_are_coalesced_into_one_more_round():
     later = [c.replan(f"during planning {i}")["request"] for i in range(2)]
     assert [r["id"] for r in c.status()["pending_requests"]] == later
     settle(c)
-    rounds = [h for h in c.get_history() if h["outcome"] != "initial"]
-    assert [[r["id"] for r in h["requests"]] for h in rounds] == [[first], later], outcomes(c)
+    assert [[r["id"] for r in h["requests"]] for h in after_pricing(c)] == [[first], later], outcomes(c)
 
 
 def test_static_never_replans():
-    c = coordinator(static=True)
+    c = coordinator(static=True, priced=False)
     run(c, 8)
     c.emulate({3: 3.0})
     assert c.set_rates({2: 3.0})["request"] is None
@@ -145,7 +181,8 @@ def test_a_planner_failure_when_devices_rejoin_keeps_the_job_and_its_plan():
         if fail["on"]:
             raise RuntimeError("injected planner fault")
         return real.replan(problem, previous)
-    c = coordinator(workers=_NodeComesBack, planner=Planner(real.evaluate, real.rebalance, replan), rejoin_check_s=0.0)
+    c = coordinator(workers=_NodeComesBack, planner=Planner(real.evaluate, real.rebalance, replan), rejoin_check_s=0.0,
+                    priced=False)
     before = c.plan
     assert {2, 3} <= set(before.excluded)
     fail["on"] = True
@@ -276,7 +313,8 @@ def test_a_planner_failure_when_devices_are_lost_falls_back_and_the_job_goes_on(
         if problem.excluded:
             raise RuntimeError("injected planner fault")
         return real.replan(problem, previous)
-    c = coordinator(workers=_NodeLeaves, planner=Planner(real.evaluate, real.rebalance, replan, real.fallback))
+    c = coordinator(workers=_NodeLeaves, planner=Planner(real.evaluate, real.rebalance, replan, real.fallback),
+                    priced=False)
     before = c.plan
     run(c, 6)
     assert c.status()["error"] is None and c.step == 5            # the failed step was redone
@@ -285,7 +323,7 @@ def test_a_planner_failure_when_devices_are_lost_falls_back_and_the_job_goes_on(
     assert "injected planner fault" in events and "fallback planner" in events, events
     assert outcomes(c)[-1][0] == "membership"
     without = Planner(real.evaluate, real.rebalance, replan)      # no fallback: the fault is the job's error
-    c = coordinator(workers=_NodeLeaves, planner=without)
+    c = coordinator(workers=_NodeLeaves, planner=without, priced=False)
     with pytest.raises(RuntimeError, match="injected planner fault"):
         run(c, 6)
 

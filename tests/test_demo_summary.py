@@ -59,3 +59,21 @@ def test_the_summary_is_the_metrics_lines_added_up():
     steady_bound = TOKENS * len(steady) / sum(8 / sum(1 / x for x in true_factors(emulate, k)) for k in steady)
     assert s["malleable_steady_over_bound"] == pytest.approx((TOKENS / 1.2) / steady_bound)
     assert s["healthy_malleable_over_static"] == pytest.approx(1.0)
+
+
+def test_a_shift_the_planner_answers_by_keeping_its_plan_counts_as_steady_from_that_round():
+    emulate = schedule_for(STEPS, 3.0)
+    shifts = sorted({e["at_step"] for e in emulate} | {e["until_step"] for e in emulate if e["until_step"]})
+    heal = shifts[-1]
+    # new plans 3 iterations after the two slowdowns; the heal's round (at heal + 3) keeps the plan
+    new_plan = [s + 3 for s in shifts[:2]]
+    mal = _run(lambda s: 1.2, lambda s: str(sum(1 for n in new_plan if n <= s)), migrations=[(n, 0.5) for n in new_plan])
+    mal["history"].append({"step": heal + 3, "outcome": "kept", "reason": "rates", "decision": {"option": "keep"}})
+    args = argparse.Namespace(steps=STEPS, nodes=1, global_batch=16)
+    s = summarize({"malleable": mal}, emulate, args, wall=1.0)
+    last = s["replan_latency"][-1]
+    assert last["new_plan_step"] is None and last["kept_step"] == heal + 3
+    assert s["steady_steps"] == sum(min([x for x in shifts if x > n] or [STEPS]) - n for n in new_plan) + STEPS - heal - 3
+    # a kept round outside the shift's phase is not this shift's answer
+    mal["history"][-1]["step"] = heal - 1
+    assert summarize({"malleable": mal}, emulate, args, wall=1.0)["replan_latency"][-1]["kept_step"] is None

@@ -44,11 +44,10 @@ _SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelShape))
 NAME_PATTERN = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_NAME}}}")   # safe in actor names, paths, logs
 OBJECTIVES = ("paper", "bubble", "full")          # the planner's objectives (planner.problem)
 # 'full' ranks plans as the event simulator times them (1F1B fill and drain, p2p, gradient reduction;
-# BENCHMARKS.md, objectives), but prices communication with a GPU's analytic model, which does not
-# describe the emulated CPU accelerators: planned under it, the small CPU jobs give up their data
-# parallelism and run slower. 'paper' (the Malleus paper's m_i·z_i) stays the default until a job's
-# communication terms come from the devices it really runs on.
-DEFAULT_OBJECTIVE = "paper"
+# BENCHMARKS.md, objectives). A scenario prices its communication with the analytic model of its
+# `device:`; a running job with the links its workers timed (runtime/link_probe.py). 'paper' is the
+# Malleus paper's m_i·z_i.
+DEFAULT_OBJECTIVE = "full"
 SOLVERS = ("closed_form", "highs", "both")        # how the planner's lower level is solved (planner.lower)
 SEARCHES = ("default", "exhaustive")              # the planner's upper level (planner.search, planner.exhaustive)
 

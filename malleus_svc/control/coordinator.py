@@ -30,6 +30,7 @@ import traceback
 from typing import Any, Mapping
 
 from malleus_svc.config.job import JobConfig
+from malleus_svc.costmodel.profile import CommCosts
 from malleus_svc.plan import Plan
 from malleus_svc.planner.build import build_problem
 from malleus_svc.runtime.cluster import WorkerGroupError
@@ -93,6 +94,7 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
         self.state, self.error = JobState.CREATED, None
         self.group = self.sampler = self.metrics_export = None
         self.device_pace = None        # the emulated accelerator's speed, when CPU workers are paced
+        self.links = None              # the job's links as its workers timed them (costmodel.profile.LinkTimes)
         self._initial_plan, self.plan = plan, None
         self.basis: dict[int, float] = {}          # rates the plan in force was made from
         self.excluded: set[int] = set(job.scenario.excluded)   # wanted (the plan follows at the boundary)
@@ -153,6 +155,7 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
                                   emulated.bytes_per_second)
                 probe_baselines(group, group.live, rounds=1)   # warm-up round, discarded
                 baselines = probe_baselines(group, group.live, rounds=5)
+                links = group.time_links(job.shape, plan.micro_batch_size * job.data.seq_len)
             except BaseException:
                 group.shutdown()
                 raise
@@ -164,11 +167,13 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
                     self._resume_from(ckpt, start_step)
                 self.basis = {dv: float(r) for dv, r in job.scenario.rates.items()}
                 self.measurement.set_probe_baselines(baselines)
+                self.links = links
                 self.state = JobState.READY
                 if pace is not None:
                     self.device_pace = pace
                     self._event("pace", f"CPU workers emulate accelerators of {pace.flops_per_second / 1e9:.3g} "
                                         f"GFLOP/s and {pace.bytes_per_second / 1e9:.3g} GB/s")
+                self._event("links", links.describe())
                 self.metrics_export = serve_job_metrics(self.job, plan, self.history.plan_version)
                 if self.metrics_export is not None:
                     self._event("metrics", f"Prometheus metrics at http://{self.metrics_export.endpoint}/metrics")
@@ -326,6 +331,9 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
         if m.calibrate_if_due(self.step, self.history.records):
             self._event("calibrated", f"healthy unit {m.estimator.healthy_unit_seconds:.3g} s/t0, "
                                       f"{m.healthy_tokens_per_second or 0:,.0f} tok/s")
+            if self.links is not None and self._problem({}, self.plan.excluded).objective == "full":
+                # the plan in force was made before the links were priced (`_problem`)
+                self._submit(RequestKind.LINKS, f"communication priced from the links measured: {self.links.describe()}")
 
     def _measure(self, plan: Plan, rec, probe_res: list[dict], batch_lengths) -> None:
         with self._lock:
@@ -369,10 +377,15 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
             return self.measurement.effective()
 
     def _problem(self, rates: Mapping[int, float], excluded) -> Any:
+        """The planner's input under these rates. Communication is priced from the job's own links
+        in units of its measured t0; until both are known (the first plan, made before the workers
+        run, and the iterations before calibration), not at all."""
         rates = self.policy.snap({d: r for d, r in rates.items() if d not in excluded})
         with self._lock:
             profile = self.lengths.profile()
-        return build_problem(self.job.scenario, rates=rates, excluded=frozenset(excluded), lengths=profile)
+            t0 = self.measurement.t0_seconds(self.job.scenario.tp)
+        comm = self.links.comm_costs(t0) if self.links is not None and t0 else CommCosts()
+        return build_problem(self.job.scenario, rates=rates, excluded=frozenset(excluded), lengths=profile, comm=comm)
 
     def _event(self, kind: str, text: str) -> None:
         self.history.event(self.step, kind, text)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -71,11 +72,6 @@ def job_dict(name: str, nodes: int, global_batch: int, steps: int, emulate: list
             "model": MODEL, "parallel": {"dp": 4, "tp": 1, "pp": 2}, "batch": {"global": global_batch, "micro": 1},
             "data": {"source": "python-stdlib", "seq_len": MODEL["seq_len"], "mode": "pack", "max_files": 400},
             "train": {"steps": steps, "seed": 0, "lr": 1.0e-3},
-            # The 'full' objective's p2p and gradient terms come from the analytic model of a GPU
-            # (the scenario has no `device:` for the emulated accelerator), where this tiny model's
-            # gradient all-reduce costs ~170 t0 per block and drowns its compute; the paper's
-            # objective prices compute alone, which is what these paced CPU workers spend.
-            "planner": {"objective": "paper"},
             "emulate": {"device": device, "stragglers": emulate}}
 
 
@@ -186,18 +182,22 @@ def bound(healthy: float | None, emulate: list[dict], steps) -> float | None:
 
 
 def steady_steps(latency: list[dict], emulate: list[dict], steps: int) -> list[int]:
-    """The steps from each new plan taking effect after a shift (its migration done) to the next shift."""
+    """The steps from each decision after a shift to the next shift: from the new plan taking effect
+    (its migration done), or from the round that kept the plan in force."""
     shifts = sorted({e["at_step"] for e in emulate} | {e["until_step"] for e in emulate if e["until_step"]})
     out = []
     for lat in latency:
-        if lat["new_plan_step"] is not None:
+        start = lat["new_plan_step"] if lat["new_plan_step"] is not None else lat.get("kept_step")
+        if start is not None:
             end = next((s for s in shifts if s > lat["shift_step"]), steps)
-            out += range(lat["new_plan_step"], end)
+            out += range(start, end)
     return out
 
 
 def latencies(run: dict, emulate: list[dict]) -> list[dict]:
-    """Per emulated shift: iterations and seconds from the shift until a new plan is in force."""
+    """Per emulated shift: iterations and seconds from the shift until a new plan is in force; when
+    none comes before the next shift, the step of a round that kept the plan in force (the planner
+    found none faster), if any."""
     recs = {r["step"]: r for r in run["records"]}
     shifts = sorted({e["at_step"] for e in emulate} | {e["until_step"] for e in emulate if e["until_step"]})
     out = []
@@ -209,8 +209,12 @@ def latencies(run: dict, emulate: list[dict]) -> list[dict]:
         ev = {"shift_step": s, "what": ", ".join(
             f"device {e['device']} {'x' + format(e['factor'], 'g') if e['at_step'] == s else 'healed'}"
             for e in emulate if s in (e["at_step"], e["until_step"]))}
+        end = next((x for x in shifts if x > s), math.inf)
+        if after is not None and after["step"] >= end:
+            after = None
         if after is None:
-            ev.update(new_plan_step=None, iterations=None, seconds=None)
+            kept = next((h["step"] for h in run["history"] if h["outcome"] == "kept" and s < h["step"] < end), None)
+            ev.update(new_plan_step=None, iterations=None, seconds=None, kept_step=kept)
         else:
             t_shift = recs[s]["time"] - recs[s]["iteration_seconds"]
             t_new = after["time"] - after["iteration_seconds"]
@@ -344,6 +348,10 @@ def print_summary(s: dict) -> None:
     if s.get("healthy_malleable_over_static"):
         print(f"while no device straggled      malleable at {s['healthy_malleable_over_static']:.3f}x static")
     for lat in s["replan_latency"]:
+        if lat["new_plan_step"] is None and lat.get("kept_step") is not None:
+            print(f"shift at step {lat['shift_step']} ({lat['what']}): plan in force kept at step {lat['kept_step']} "
+                  "(the planner found none faster)")
+            continue
         print(f"shift at step {lat['shift_step']} ({lat['what']}): new plan in force after "
               f"{f(lat['iterations'], 'd')} iterations, {f(lat['seconds'], '.2f')} s")
     for r in s["replans"]:

@@ -188,6 +188,14 @@ class Measurement:
         self.healthy_tokens_per_second = sum(r["tokens"] for r in recent) / secs if secs > 0 else None
         return True
 
+    def t0_seconds(self, tp: int) -> float | None:
+        """t0 on the workers' clock: one block's forward and backward for one micro-batch on a
+        healthy group of `tp` devices, as the healthy unit time (a whole block's FLOPs on one
+        device) split over the group; the group's TP collectives, which the clock leaves out, are
+        not in it. None before anything was measured."""
+        unit = self.estimator.healthy_unit_seconds
+        return unit / tp if unit else None
+
     def set_probe_baselines(self, baselines: dict[int, float]) -> None:
         for d, s in baselines.items():
             self.estimator.set_probe_baseline(d, s)

@@ -24,10 +24,12 @@ from typing import Any, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
 
+from .state import RequestKind
+
 log = logging.getLogger(__name__)
 
-# Request kinds of the coordinator (coordinator.Request.kind) and outcomes of a round.
-REPLAN_REASONS = ("rates", "external-rates", "membership", "request", "lengths")
+# Why a round was asked for (the coordinator's request kinds), and how it ended.
+REPLAN_REASONS = tuple(k.value for k in RequestKind)
 REPLAN_OUTCOMES = ("applied", "kept", "failed", "superseded")
 LENGTH_QUANTILES = (0.5, 0.9, 0.99, 1.0)
 _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)

@@ -34,3 +34,4 @@ class RequestKind(str, Enum):
     MEMBERSHIP = "membership"            # devices excluded, included, gone or back
     REQUEST = "request"                  # a user's replan()
     LENGTHS = "lengths"                  # the sampled sequence lengths drifted
+    LINKS = "links"                      # the job's links are measured: communication priced from them

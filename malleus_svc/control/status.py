@@ -1,6 +1,7 @@
 """The coordinator's answers to status(), summary() and how plans read in one line."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -61,6 +62,7 @@ def status(c) -> dict:
         "workers": workers_status(c.group),
         "device_pace": device_pace(c.device_pace),
         "pace_held": last.get("pace_held") if last else None,
+        "links": dataclasses.asdict(c.links) if c.links is not None else None,
     }
 
 

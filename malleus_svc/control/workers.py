@@ -37,6 +37,7 @@ class WorkerGroupLike(Protocol):
     def set_slowdowns(self, factors: dict[int, float]) -> None: ...
     def pace(self, tokens: int, flops_per_second: float | None = None,
              bytes_per_second: float | None = None) -> Any: ...                 # a device_clock.Pace, or None
+    def time_links(self, shape, boundary_tokens: int) -> Any: ...                 # a costmodel.profile.LinkTimes
     def length_sweep(self, shape, tps: Sequence[int], seq_len: int,
                      link_gbps: float) -> Any: ...                              # (LengthCost, reports), GPU jobs
     def recover(self, plan_for: Callable[[frozenset], Plan] | None = None) -> Any: ...   # a RecoveryReport

@@ -61,3 +61,27 @@ class CommCosts:
     p2p_intra_node: float = 0.0   # one stage boundary, one micro-batch, forward + backward, same node
     p2p_inter_node: float = 0.0   # the same across nodes
     grad_sync_per_block: float = 0.0  # all-reduce of one full block's gradients at the slowest link, once per iteration
+
+
+@dataclass(frozen=True)
+class LinkTimes:
+    """A job's links as its workers timed them (runtime/link_probe.py), in seconds: one boundary
+    tensor's round trip (forward and back) within a node and across nodes, and one block's fp32
+    gradient all-reduced among `reducers` devices."""
+
+    p2p_intra_node_s: float
+    p2p_inter_node_s: float
+    grad_sync_per_block_s: float
+    reducers: int
+
+    def comm_costs(self, t0_seconds: float) -> CommCosts:
+        """The same terms in t0 units, for the planner."""
+        return CommCosts(p2p_intra_node=self.p2p_intra_node_s / t0_seconds,
+                         p2p_inter_node=self.p2p_inter_node_s / t0_seconds,
+                         grad_sync_per_block=self.grad_sync_per_block_s / t0_seconds)
+
+    def describe(self) -> str:
+        ms = 1e3
+        return (f"hand-off round trip {self.p2p_intra_node_s * ms:.3g} ms within a node, "
+                f"{self.p2p_inter_node_s * ms:.3g} ms across nodes; gradient all-reduce "
+                f"{self.grad_sync_per_block_s * ms:.3g} ms per block among {self.reducers} devices")

@@ -72,7 +72,14 @@ class Scorer:
         self._orders: dict[tuple, tuple] = {}         # best order of each multiset of classes
         self._reordered: dict[tuple, tuple] = {}      # what `stage_order` answers for each order
         self._cap_memo: dict[tuple, tuple[int, ...] | None] = {}
+        self._p2p: dict[tuple, tuple[float, ...]] = {}   # a pipeline's stage nodes -> its p2p extras
         self.ilp1_calls = 0
+
+    def p2p(self, nodes: tuple[int | None, ...]) -> tuple[float, ...]:
+        """`p2p_extras` of a pipeline whose stages sit on these nodes (templates repeat them)."""
+        if nodes not in self._p2p:
+            self._p2p[nodes] = p2p_extras(self.problem, nodes)
+        return self._p2p[nodes]
 
     def layers(self, ys: Sequence[float], hs: Sequence[int], extra: Sequence[float] | None = None,
                prefer: Sequence[int] | None = None) -> LayerSolution | None:
@@ -228,7 +235,7 @@ def template_classes(template: Template, specials: Sequence[Group]) -> list[list
 
 def score_template(scorer: Scorer, template: Template, specials: Sequence[Group], tp: int) -> Score | None:
     full = scorer.objective == "full"
-    extras = [p2p_extras(scorer.problem, [specials[g].node if g != NORMAL else None for g in pipe])
+    extras = [scorer.p2p(tuple(specials[g].node if g != NORMAL else None for g in pipe))
               for pipe in template] if full else None
     sizes = [[specials[g].size if g != NORMAL else tp for g in pipe] for pipe in template] if full else None
     return scorer.score(template_classes(template, specials), extras, sizes)

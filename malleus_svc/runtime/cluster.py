@@ -667,6 +667,39 @@ class WorkerGroup:
         accelerators, whose head has none; between steps."""
         return self._each("length_sweep", shape, list(tps), seq_len, link_gbps, 2, repeats, devices=self.live[:1])[0]
 
+    def time_links(self, shape, boundary_tokens: int, repeats: int = 9):
+        """The job's links timed by its workers under the plan applied (runtime/link_probe.py), as
+        `costmodel.profile.LinkTimes`: a round trip of one boundary tensor (`boundary_tokens` ×
+        hidden) between two devices of one node and between the first devices of two nodes (with
+        one node, both are the one), and the all-reduce of one block's gradients among the holders
+        of the first block (one per pipeline; with one pipeline, the first device of each node, or
+        two devices). Between steps."""
+        from malleus_svc.costmodel.profile import LinkTimes
+
+        from .engine import GRAD_BUCKET_BYTES
+
+        if self.plan is None:
+            raise WorkerGroupError("no plan applied: nothing to time the links under")
+        by_node: dict[int, list[int]] = {}
+        for d in self.live:
+            by_node.setdefault(d // self.gpus_per_node, []).append(d)
+        firsts = [ds[0] for ds in by_node.values()]
+        intra = next(((ds[0], ds[1]) for ds in by_node.values() if len(ds) > 1), None)
+        inter = (firsts[0], firsts[1]) if len(firsts) > 1 else None
+        pairs = [p for p in (intra, inter) if p is not None]
+        holders = [p.stages[0].devices[0] for p in self.plan.pipelines]
+        reducers = holders if len(holders) > 1 else firsts if len(firsts) > 1 else list(intra or ())
+        block = shape.block_params()
+        elements = min(self.plan.num_layers * block, GRAD_BUCKET_BYTES // 4)   # one bucket, as GradientSync sends
+        answers = self._each("time_links", pairs, reducers, boundary_tokens * shape.hidden, elements, repeats)
+        led = {i: t for a in answers for i, t in a["pairs"].items()}
+        reduce_s = max((a["all_reduce"] for a in answers if a["all_reduce"] is not None), default=0.0)
+        p2p = [led.get(i, 0.0) for i in range(len(pairs))]
+        intra_s = p2p[0] if intra is not None else 0.0
+        inter_s = p2p[-1] if inter is not None else intra_s
+        return LinkTimes(p2p_intra_node_s=intra_s if intra is not None else inter_s, p2p_inter_node_s=inter_s,
+                         grad_sync_per_block_s=reduce_s * block / elements, reducers=len(reducers))
+
     def pace(self, tokens: int, flops_per_second: float | None = None, bytes_per_second: float | None = None):
         """Give CPU workers the speed of an emulated accelerator (GPUs keep their own; returns None).
 

@@ -234,6 +234,11 @@ def cached_groups() -> list[tuple[int, ...]]:
     return sorted(k[1] for k in _GROUP_CACHE if k[0] == world)
 
 
+def member_group(devices) -> "dist.ProcessGroup":
+    """The cached group of these devices; only its members call this, all in the same order."""
+    return _get_or_create(tuple(sorted(int(d) for d in devices)))
+
+
 def _get_or_create(devices: tuple[int, ...]) -> "dist.ProcessGroup":
     key = (id(dist.group.WORLD), devices)
     if key not in _GROUP_CACHE:

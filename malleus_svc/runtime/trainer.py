@@ -3,6 +3,7 @@ job, and the optimizer settings. The training loop itself is the coordinator's (
 from __future__ import annotations
 
 from malleus_svc.config.job import JobConfig
+from malleus_svc.costmodel.profile import CommCosts
 from malleus_svc.plan import Plan, PlanError
 from malleus_svc.planner.build import build_problem
 
@@ -34,7 +35,9 @@ def check_plan_for_job(plan: Plan, job: JobConfig, where: str = "plan") -> Plan:
 
 
 def make_plan(job: JobConfig) -> Plan:
-    """The planner's plan for the scenario (its rates and exclusions)."""
+    """The planner's plan for the scenario (its rates and exclusions), made before the job's links
+    are measured: it prices no communication (the coordinator prices it once measured)."""
     from malleus_svc.planner import plan as solve
 
-    return check_plan_for_job(solve(build_problem(job.scenario)).plan, job, "the planner's plan")
+    problem = build_problem(job.scenario, comm=CommCosts())
+    return check_plan_for_job(solve(problem).plan, job, "the planner's plan")

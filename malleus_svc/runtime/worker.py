@@ -335,6 +335,18 @@ class DeviceWorker:
                 a = torch.tanh(a @ b)
         return {"device": self.device_id, "compute_seconds": self.clock.read().get("probe", 0.0)}
 
+    def time_links(self, pairs: Sequence[tuple[int, int]], reducers: Sequence[int], boundary_elements: int,
+                   reduce_elements: int, repeats: int = 9) -> dict:
+        """This device's part of the job's link probe (runtime/link_probe.py); boundary tensors in
+        the dtype the stage transport sends (the engine's working dtype)."""
+        import torch
+
+        from .link_probe import time_links
+        from .precision import compute_dtype_for
+        return time_links(self.device_id, [tuple(p) for p in pairs], list(reducers), int(boundary_elements),
+                          int(reduce_elements), compute_dtype_for(self.torch_device, torch.float32),
+                          self.torch_device, int(repeats))
+
     def length_sweep(self, shape, tps: Sequence[int], seq_len: int, link_gbps: float, layers: int = 2,
                      repeats: int = 9):
         """The length sweep on this worker's own device, between steps (runtime/length_sweep.py): the

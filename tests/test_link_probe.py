@@ -1,0 +1,46 @@
+"""The link probe (runtime/link_probe.py): what a job times before it prices communication."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from _mp import run_on_gloo
+from malleus_svc.costmodel.profile import LinkTimes
+from malleus_svc.runtime.link_probe import time_links
+from malleus_svc.runtime.nccl_rules import RulesHub, rules_exchange, run_threads
+
+
+def test_the_probe_keeps_nccl_rules_in_order_unbuffered_one_batch_per_message():
+    # three ranks, two pairs timed one after the other: rank 0 leads both, rank 2 waits its turn
+    hub = RulesHub(3, timeout=10.0)
+    pairs = [(0, 1), (0, 2)]
+    fns = {r: functools.partial(time_links, r, pairs, [], 256, 0, torch.float32, torch.device("cpu"), repeats=3,
+                                exchange=rules_exchange(hub, r)) for r in range(3)}
+    out = run_threads(fns, hub)
+    assert set(out[0]["pairs"]) == {0, 1} and out[1]["pairs"] == {} and out[2]["pairs"] == {}
+    assert all(t > 0 for t in out[0]["pairs"].values())
+    assert all(o["all_reduce"] is None for o in out.values())   # fewer than two reducers: nothing reduced
+
+
+def _probe(rank: int, world: int, elements: int) -> dict:
+    return time_links(rank, [(0, 1), (1, 2)], [0, 2], 4096, elements, torch.float32, torch.device("cpu"), repeats=5)
+
+
+def test_links_are_timed_on_a_gloo_world_and_a_bigger_all_reduce_takes_longer():
+    # the reducers form a member-only group: rank 1 is not in it and creates nothing
+    small = run_on_gloo(_probe, 3, 1 << 10)
+    big = run_on_gloo(_probe, 3, 1 << 21)        # 8 MiB of fp32 against 4 KiB
+    for out in (small, big):
+        assert set(out[0]["pairs"]) == {0} and set(out[1]["pairs"]) == {1} and out[2]["pairs"] == {}
+        assert out[1]["all_reduce"] is None and out[0]["all_reduce"] > 0 and out[2]["all_reduce"] > 0
+    assert min(big[0]["all_reduce"], big[2]["all_reduce"]) > max(small[0]["all_reduce"], small[2]["all_reduce"])
+
+
+def test_link_seconds_become_t0_units():
+    links = LinkTimes(p2p_intra_node_s=0.002, p2p_inter_node_s=0.01, grad_sync_per_block_s=0.004, reducers=4)
+    comm = links.comm_costs(t0_seconds=0.02)
+    assert comm.p2p_intra_node == pytest.approx(0.1) and comm.p2p_inter_node == pytest.approx(0.5)
+    assert comm.grad_sync_per_block == pytest.approx(0.2)
+    assert "among 4 devices" in links.describe()
