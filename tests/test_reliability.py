@@ -27,8 +27,9 @@ def job(name: str, ckpt_dir=None, every: int = 0, parallel=None) -> JobConfig:
     return JobConfig.from_dict(d)
 
 
-def run(cfg: JobConfig, out, fault=None, **kwargs) -> tuple[int, list[dict]]:
-    """Train through the coordinator on a thread; `fault(handle)` runs beside it."""
+def run(cfg: JobConfig, out, fault=None, plan=None, **kwargs) -> tuple[int, list[dict]]:
+    """Train through the coordinator on a thread, from `plan` (default: the planner's); `fault(handle)`
+    runs beside it."""
     import ray
 
     from malleus_svc.control.coordinator import NAMESPACE, actor_name
@@ -36,7 +37,7 @@ def run(cfg: JobConfig, out, fault=None, **kwargs) -> tuple[int, list[dict]]:
 
     rc: list[int] = []
     t = threading.Thread(target=lambda: rc.append(run_through_coordinator(
-        cfg, None, STEPS, metrics_out=str(out), say=lambda m: None, **kwargs)))
+        cfg, plan, STEPS, metrics_out=str(out), say=lambda m: None, **kwargs)))
     t.start()
     if fault is not None:
         deadline = time.monotonic() + 120
@@ -183,8 +184,12 @@ def test_worker_without_replica_is_restored_from_the_checkpoint(reference, tmp_p
             time.sleep(0.1)
         status.update(st)
 
+    from malleus_svc.planner import baseline_plan
+    from malleus_svc.planner.build import build_problem
+
     cfg = job("rel-nocopy", tmp_path / "ckpt", every=2, parallel={"dp": 1, "tp": 1, "pp": 4})
-    rc, lines = run(cfg, tmp_path / "m.jsonl", fault=fault, static=True, collective_timeout_s=20)
+    one_pipeline = baseline_plan(build_problem(cfg.scenario))
+    rc, lines = run(cfg, tmp_path / "m.jsonl", fault=fault, plan=one_pipeline, static=True, collective_timeout_s=20)
     assert rc == 0
     failure = status["failures"][0]
     print(f"\nRELIABILITY worker without replica: {failure}")

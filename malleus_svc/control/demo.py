@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Small enough that a step of 8 paced workers on 2 cores takes about a second.
 MODEL = {"layers": 8, "hidden": 128, "heads": 4, "ffn": 384, "vocab": 256, "seq_len": 32}
+SHOWN_EVENTS = ("links", "calibrated", "planned", "applied", "kept", "failed", "error")   # in the live view
 HEALTHY_STEPS = 9     # warm-up (3), calibration (3) and 3 measured healthy steps before the first shift
 MIN_PHASE = 4
 
@@ -140,7 +141,7 @@ def run_one(title: str, job, steps: int, static: bool, view: View) -> dict:
         while True:
             st = ray.get(h.status.remote())
             for ev in st["events"]:
-                if ev["time"] > ev_seen and ev["kind"] in ("calibrated", "planned", "applied", "kept", "failed", "error"):
+                if ev["time"] > ev_seen and ev["kind"] in SHOWN_EVENTS:
                     view.event(f"[{title}] step {ev['step']}: {ev['kind']}: {ev['text'].splitlines()[0]}")
             if st["events"]:
                 ev_seen = max(ev_seen, max(e["time"] for e in st["events"]))
