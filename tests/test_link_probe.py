@@ -44,3 +44,10 @@ def test_link_seconds_become_t0_units():
     assert comm.p2p_intra_node == pytest.approx(0.1) and comm.p2p_inter_node == pytest.approx(0.5)
     assert comm.grad_sync_per_block == pytest.approx(0.2)
     assert "among 4 devices" in links.describe()
+
+
+def test_on_one_node_the_round_trip_within_it_prices_every_boundary():
+    links = LinkTimes(p2p_intra_node_s=0.002, p2p_inter_node_s=None, grad_sync_per_block_s=0.004, reducers=8)
+    comm = links.comm_costs(t0_seconds=0.02)
+    assert comm.p2p_inter_node == comm.p2p_intra_node == pytest.approx(0.1)
+    assert "across nodes" not in links.describe() and "within a node" in links.describe()

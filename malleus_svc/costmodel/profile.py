@@ -66,22 +66,22 @@ class CommCosts:
 @dataclass(frozen=True)
 class LinkTimes:
     """A job's links as its workers timed them (runtime/link_probe.py), in seconds: one boundary
-    tensor's round trip (forward and back) within a node and across nodes, and one block's fp32
-    gradient all-reduced among `reducers` devices."""
+    tensor's round trip (forward and back) within a node and across nodes (None on one node: no
+    such link), and one block's fp32 gradient all-reduced among `reducers` devices."""
 
     p2p_intra_node_s: float
-    p2p_inter_node_s: float
+    p2p_inter_node_s: float | None
     grad_sync_per_block_s: float
     reducers: int
 
     def comm_costs(self, t0_seconds: float) -> CommCosts:
         """The same terms in t0 units, for the planner."""
-        return CommCosts(p2p_intra_node=self.p2p_intra_node_s / t0_seconds,
-                         p2p_inter_node=self.p2p_inter_node_s / t0_seconds,
+        inter = self.p2p_intra_node_s if self.p2p_inter_node_s is None else self.p2p_inter_node_s
+        return CommCosts(p2p_intra_node=self.p2p_intra_node_s / t0_seconds, p2p_inter_node=inter / t0_seconds,
                          grad_sync_per_block=self.grad_sync_per_block_s / t0_seconds)
 
     def describe(self) -> str:
         ms = 1e3
-        return (f"hand-off round trip {self.p2p_intra_node_s * ms:.3g} ms within a node, "
-                f"{self.p2p_inter_node_s * ms:.3g} ms across nodes; gradient all-reduce "
-                f"{self.grad_sync_per_block_s * ms:.3g} ms per block among {self.reducers} devices")
+        inter = "" if self.p2p_inter_node_s is None else f", {self.p2p_inter_node_s * ms:.3g} ms across nodes"
+        return (f"hand-off round trip {self.p2p_intra_node_s * ms:.3g} ms within a node{inter}; gradient "
+                f"all-reduce {self.grad_sync_per_block_s * ms:.3g} ms per block among {self.reducers} devices")

@@ -673,7 +673,8 @@ class WorkerGroup:
         hidden) between two devices of one node and between the first devices of two nodes (with
         one node, both are the one), and the all-reduce of one block's gradients among the holders
         of the first block (one per pipeline; with one pipeline, the first device of each node, or
-        two devices). Between steps."""
+        two devices). With no two devices on one node, the round trip across nodes stands for both.
+        Between steps."""
         from malleus_svc.costmodel.profile import LinkTimes
 
         from .engine import GRAD_BUCKET_BYTES
@@ -695,9 +696,9 @@ class WorkerGroup:
         led = {i: t for a in answers for i, t in a["pairs"].items()}
         reduce_s = max((a["all_reduce"] for a in answers if a["all_reduce"] is not None), default=0.0)
         p2p = [led.get(i, 0.0) for i in range(len(pairs))]
-        intra_s = p2p[0] if intra is not None else 0.0
-        inter_s = p2p[-1] if inter is not None else intra_s
-        return LinkTimes(p2p_intra_node_s=intra_s if intra is not None else inter_s, p2p_inter_node_s=inter_s,
+        inter_s = p2p[-1] if inter is not None else None
+        intra_s = p2p[0] if intra is not None else inter_s or 0.0
+        return LinkTimes(p2p_intra_node_s=intra_s, p2p_inter_node_s=inter_s,
                          grad_sync_per_block_s=reduce_s * block / elements, reducers=len(reducers))
 
     def pace(self, tokens: int, flops_per_second: float | None = None, bytes_per_second: float | None = None):
