@@ -488,3 +488,20 @@ def test_small_clusters_try_more_pipelines_than_twice_the_baseline():
     r = plan(pr)
     check(pr, r.plan)
     assert len(r.plan.pipelines) == 4 and r.objective == pytest.approx(96.0)
+
+
+def test_under_full_group_sets_alike_up_to_renumbering_nodes_are_organised_once():
+    """p2p prices a boundary by whether its two stages share a node, never by which node: two sets
+    of groups that differ only in node numbers organise alike; moving a group to another node does not."""
+    from malleus_svc.planner.grouping import Group
+    from malleus_svc.planner.search import _signature
+    full = example_64(objective="full")
+
+    def groups(nodes):
+        return [Group((n * 8 + i,), rate, 8, n) for i, (n, rate) in enumerate(nodes)]
+    a = groups([(0, 3.0), (0, 1.0), (1, 2.0)])
+    b = groups([(5, 3.0), (5, 1.0), (2, 2.0)])        # node 0 -> 5, node 1 -> 2
+    c = groups([(0, 3.0), (1, 1.0), (1, 2.0)])        # the healthy group moved to the other node
+    assert _signature(full, a) == _signature(full, b) != _signature(full, c)
+    paper = example_64()
+    assert _signature(paper, a) == _signature(paper, c)      # 'paper' prices no p2p: nodes do not matter

@@ -405,9 +405,15 @@ def _idle_variants(problem: PlannerProblem, groups: list[Group]) -> Iterator[lis
 
 
 def _signature(problem: PlannerProblem, groups: Sequence[Group]) -> tuple:
-    """What the organisation sees of a set of groups: their classes, and under 'full' their nodes (p2p)."""
-    by_node = problem.objective == "full"
-    return tuple(sorted((g.rate, g.h, g.node if by_node else 0) for g in groups))
+    """What the organisation sees of a set of groups: their classes, and under 'full' which of them
+    share a node (p2p prices a boundary by whether its two stages do, never by which node it is):
+    the multiset of each node's classes, so sets alike up to renumbering nodes are organised once."""
+    if problem.objective != "full":
+        return tuple(sorted((g.rate, g.h) for g in groups))
+    nodes: dict[int, list[tuple[float, int]]] = {}
+    for g in groups:
+        nodes.setdefault(g.node, []).append((g.rate, g.h))
+    return tuple(sorted(tuple(sorted(c)) for c in nodes.values()))
 
 
 def _pipeline_counts(problem: PlannerProblem, num_groups: int) -> list[int]:

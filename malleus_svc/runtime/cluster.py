@@ -670,10 +670,10 @@ class WorkerGroup:
     def time_links(self, shape, boundary_tokens: int, repeats: int = 9):
         """The job's links timed by its workers under the plan applied (runtime/link_probe.py), as
         `costmodel.profile.LinkTimes`: a round trip of one boundary tensor (`boundary_tokens` ×
-        hidden) between two devices of one node and between the first devices of two nodes (with
-        one node, both are the one), and the all-reduce of one block's gradients among the holders
-        of the first block (one per pipeline; with one pipeline, the first device of each node, or
-        two devices). With no two devices on one node, the round trip across nodes stands for both.
+        hidden) between two devices of one node and between the first devices of two nodes (none
+        on one node; with no two devices on one node, the round trip across nodes stands for
+        both), and the all-reduce of one block's gradients among the holders of the first block
+        (one per pipeline; with one pipeline, the first device of each node, or two devices).
         Between steps."""
         from malleus_svc.costmodel.profile import LinkTimes
 
