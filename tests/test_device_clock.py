@@ -126,8 +126,10 @@ def test_a_device_at_rate_two_takes_twice_the_wall_time_with_eight_workers_shari
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_paced_device, args=(pace, 40, tmp), nprocs=workers, join=True)
         res = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(workers)]
-    slow = statistics.median(res[0]["walls"])
-    healthy = statistics.median(w for r in res[1:] for w in r["walls"])
+    # lower quartiles: other work on the host only ever adds time, in bursts that can cover half of
+    # one worker's 40 ops (a CI run beside other tests: the median of the slow device came out 2.13x)
+    slow = statistics.quantiles(res[0]["walls"], n=4)[0]
+    healthy = statistics.quantiles([w for r in res[1:] for w in r["walls"]], n=4)[0]
     held = sum(r["on_pace"] for r in res) / sum(r["ops"] for r in res)
     print(f"rate 2: {slow * 1e3:.2f} ms per op, rate 1: {healthy * 1e3:.2f} ms; pace held in {held:.1%} of ops")
     assert slow / healthy == pytest.approx(2.0, rel=0.05)
