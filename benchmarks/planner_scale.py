@@ -74,22 +74,18 @@ def main(argv: list[str]) -> int:
     number_option(ap, "--budget", 0.001, MAX_SECONDS, default=60.0, help="planner.time_budget_s (the default: 60)")
     ap.add_argument("--objective", choices=OBJECTIVES, default=DEFAULT_OBJECTIVE,
                     help=f"the planner's objective (default: {DEFAULT_OBJECTIVE})")
-    ap.add_argument("--layouts", type=int, default=len(LAYOUTS), choices=range(1, len(LAYOUTS) + 1), metavar="N",
-                    help=f"the first N layouts of the table (default: all {len(LAYOUTS)})")
     ap.add_argument("--write", metavar="MD", help="update this markdown file's planner-scale section")
     args = ap.parse_args(argv)
     rows = []
-    layouts = LAYOUTS[:args.layouts]
-    for i, layout in enumerate(layouts, 1):
-        print(f"[{i}/{len(layouts)}] {layout[0] * 8} devices, {layout[1]}, dp×tp×pp {layout[2]}×{layout[3]}×{layout[4]}",
+    for i, layout in enumerate(LAYOUTS, 1):
+        print(f"[{i}/{len(LAYOUTS)}] {layout[0] * 8} devices, {layout[1]}, dp×tp×pp {layout[2]}×{layout[3]}×{layout[4]}",
               flush=True)
         rows.append({**run(layout, args.budget, args.objective), "peak_mb": peak_mb()})
     md = table(rows, args.budget)
     print(md)
     if args.write:
         stamp = time.strftime("%Y-%m-%d")
-        given = f" --objective {args.objective}" + (f" --layouts {args.layouts}" if args.layouts < len(LAYOUTS) else "") \
-            + (f" --budget {args.budget:g}" if args.budget != 60.0 else "")
+        given = f" --objective {args.objective}" + (f" --budget {args.budget:g}" if args.budget != 60.0 else "")
         write_section(f"Command: `malleus bench planner-scale{given} --write BENCHMARKS.md` — {stamp}, 2-core CPU machine, "
                       f"one process (peak MB: the process so far).\n\n{md}", Path(args.write), "bench:planner-scale")
     return 0
