@@ -187,15 +187,21 @@ def _tp_pair(rank: int, world: int, kind: str):
 @pytest.mark.parametrize("kind", ["paced", "cuda"])
 def test_a_healthy_member_of_a_tp_group_does_not_take_on_its_slow_peers_time(kind):
     healthy, slowed = run_on_gloo(_tp_pair, 2, kind)
-    # Medians of six steps a side (step 0 warms up, step 7 is the switch).
-    before, after = statistics.median(healthy[1:7]), statistics.median(healthy[8:])
+    # Six steps a side (step 0 warms up, step 7 is the switch), each side read at its lower
+    # quartile: other work on the host only ever adds time, in bursts.
+    def low(xs):
+        return statistics.quantiles(xs, n=4)[0]
+    before, after = low(healthy[1:7]), low(healthy[8:])
+    slow_before, slow_after = low(slowed[1:7]), low(slowed[8:])
     print(f"{kind}: healthy member {before * 1e3:.1f} -> {after * 1e3:.1f} ms; slowed member "
-          f"{statistics.median(slowed[1:7]) * 1e3:.1f} -> {statistics.median(slowed[8:]) * 1e3:.1f} ms")
+          f"{slow_before * 1e3:.1f} -> {slow_after * 1e3:.1f} ms")
     # The slowed member is clearly slower than its healthy peer over the same steps (same host load;
     # the rate itself, 3x, is checked by the sleep test above and on a GPU by gpu_check).
-    # Its own compute is timed on a CPU two processes share, so it drifts by a quarter either way.
     assert statistics.median(s / h for s, h in zip(slowed[8:], healthy[8:])) > 2.0
-    assert after / before < 1.25, (before, after)
+    # Had the healthy member's clock taken in its wait for the peer, it would have grown by as much
+    # as the peer's (2x its compute). Its own compute is timed on a CPU two processes share and
+    # drifts with the host's load (+37% once in a CI run), so the bound is a quarter of the peer's growth.
+    assert after - before < 0.25 * (slow_after - slow_before), (before, after, slow_before, slow_after)
 
 
 def _pp_losses(rank: int, world: int):
