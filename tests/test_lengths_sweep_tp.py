@@ -8,20 +8,20 @@ from __future__ import annotations
 import pytest
 
 from malleus_svc.lengths import LengthError
-from malleus_svc.runtime.length_sweep import run_sweeps, time_micro_batches
+from malleus_svc.runtime.length_sweep import default_repeats, run_sweeps, time_micro_batches
 
 pytestmark = pytest.mark.slow
 
 
 def test_per_tp_sweep_predicts_heldout_micro_batches():
-    # 21 rounds per mix, as the coordinator takes: at 5 and 11, the fastest of a small TP-2 mix's rounds
-    # still carried a few ms of collective jitter in some runs (held-out errors of 33-42% on 12-40 tokens)
-    model, reports = run_sweeps("tiny", tps=(1, 2), layers=2, repeats=21, seed=0, clock="device")
+    # the rounds per mix the coordinator takes (length_sweep.default_repeats)
+    model, reports = run_sweeps("tiny", tps=(1, 2), layers=2, seed=0, clock="device")
     assert sorted(model.coeffs) == [1, 2] and sorted(reports) == [1, 2]
     for tp, rep in reports.items():
         detail = "; ".join(f"{r['lengths']}: measured {r['measured_s'] * 1e3:.2f} ms, predicted "
                            f"{r['predicted_s'] * 1e3:.2f} ms ({r['rel_error']:+.1%})" for r in rep["test"])
         assert rep["tp"] == tp and rep["coeffs_per_layer"] == model.at(tp).to_dict()
+        assert rep["repeats"] == default_repeats("device", tp)
         worst, mean = (0.15, 0.15) if tp == 1 else (0.30, 0.15)
         assert rep["test_max_abs_error"] < worst and rep["test_mean_abs_error"] < mean, (
             f"TP{tp}: held-out max error {rep['test_max_abs_error']:.1%} (mean {rep['test_mean_abs_error']:.1%}), "

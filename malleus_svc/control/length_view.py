@@ -89,7 +89,7 @@ class LengthView:
             self.cost, reports = group.length_sweep(shape, tps, self.job.data.seq_len, sc.device.intra_node_gbps)
         else:
             self.cost, reports = run_sweeps(shape, tps=tps, layers=min(2, shape.layers),
-                                            repeats=21 if len(tps) > 1 else 9, clock="device" if paced else "thread")
+                                            clock="device" if paced else "thread")
         self.lookahead = Lookahead()
         return "length cost fitted, held-out error " + ", ".join(
             f"TP{t} {r.get('test_max_abs_error', float('nan')):.1%}" for t, r in sorted(reports.items()))

@@ -33,7 +33,9 @@ so compute gets the full a, b, d, c fit and communication a separate two-coeffic
 mixes (b_comm·Σl + c_comm: every block all-reduces each token's hidden state a fixed number of
 times), added to b and c. Fitting the noisy totals with four coefficients gave held-out errors of
 17-27% at load 7-12; this split gave 9-15% with 21 repeats. `run_sweeps` fits several degrees
-and merges them (`LengthCost.merged`). A TP-2 sweep takes 20-60 s with 21 repeats here.
+and merges them (`LengthCost.merged`). How many rounds a sweep needs depends on what it reads in
+wall time (`default_repeats`): on the paced device clock an op never beats its pace, so compute
+alone is exact after a few rounds and only a group's collectives need more.
 
 On an accelerator (`Place`: one of the job's own devices, `device_sweeps`) the sweep runs where the job
 trains, not on the head: the job's real lengths (every mix scaled so the longest sequence is the
@@ -76,6 +78,17 @@ TRAIN_MIXES: tuple[tuple[int, ...], ...] = (
 )
 MAX_LEN = 256      # longest sequence swept (see run_sweep)
 MAX_TOKENS = 512   # largest micro-batch swept
+
+
+def default_repeats(clock: str, tp: int) -> int:
+    """Rounds per mix when a sweep is not told. On the device clock the fastest of 3 rounds is an
+    op's paced time (a TP-1 sweep's held-out error was 0.0% at 3 rounds as at 21); a group's
+    collectives are wall time, and 11 rounds held TP 2's held-out error to 7-14% at worst (6% at
+    21, for twice the time). The thread and wall clocks time everything on a shared CPU: 9 rounds
+    at TP 1, 21 with a group."""
+    if clock == "device":
+        return 3 if tp == 1 else 11
+    return 9 if tp == 1 else 21
 
 
 def heldout_mixes(count: int = 10, seed: int = 1, max_tokens: int = MAX_TOKENS, max_len: int = MAX_LEN,
@@ -396,19 +409,22 @@ def _stat_for(stat: str | None, clock: str) -> str:
     return stat or ("min" if clock == "device" else "lower_half")
 
 
-def run_sweep(shape="tiny", *, layers: int = 2, repeats: int = 21, warmup: int = 1, seed: int = 0,
+def run_sweep(shape="tiny", *, layers: int = 2, repeats: int | None = None, warmup: int = 1, seed: int = 0,
               train_mixes: Sequence[Mix] | None = None, test_mixes: Sequence[Mix] | None = None,
               threads: int = 1, stat: str | None = None, clock: str = "thread",
               normalise_rounds: bool = True, tp: int = 1, place: Place | None = None) -> tuple[LengthCost, dict]:
     """Time, fit (TP degree `tp`, per layer) and evaluate on held-out mixes (`heldout_mixes`:
-    random lognormal packs, none fitted on). ~6-12 s on one core with the defaults at TP 1,
-    20-60 s at TP 2 on this 2-core machine (start-up, collectives). Returns the model and a report:
+    random lognormal packs, none fitted on). On this 2-core machine, with the default rounds on
+    the device clock: 6-9 s at TP 1, 45-56 s at TP 2 (start-up, collectives). Returns the model and a report:
     coefficients, every mix's measured and predicted seconds and relative error, and the held-out
     error summary (`test_max_abs_error`, `test_mean_abs_error`). With a `place` (module docstring),
-    `clock` must be "device": the place's clock times compute, and the collectives are priced."""
+    `clock` must be "device": the place's clock times compute, and the collectives are priced.
+    `repeats` (rounds per mix) defaults to `default_repeats`."""
     t0 = time.perf_counter()
     if place is not None and clock != "device":
         raise LengthError("clock", clock, "'device': a sweep on the job's device reads that device's clock")
+    if repeats is None:
+        repeats = default_repeats(clock, 1 if place is not None else tp)   # a place times no collective
     train = [tuple(m) for m in (train_mixes if train_mixes is not None else TRAIN_MIXES)]
     test = [tuple(m) for m in (test_mixes if test_mixes is not None else heldout_mixes(seed=seed + 1))]
     stat = _stat_for(stat, clock)
