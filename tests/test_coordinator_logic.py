@@ -65,7 +65,7 @@ def after_pricing(c):
 
 def test_the_links_are_priced_from_calibration_on_in_units_of_the_measured_t0():
     c = coordinator(priced=False)
-    assert c.links == LINKS and c._problem({}, ()).comm == CommCosts()    # nothing measured yet: not priced
+    assert c.measurement.links == LINKS and c._problem({}, ()).comm == CommCosts()    # nothing measured yet: not priced
     run(c, CALIBRATED)
     settle(c)
     assert c.measurement.calibrated
@@ -276,7 +276,7 @@ def test_only_the_owner_key_starts_or_shuts_down_the_coordinator():
                  lambda: c.shutdown(owner=["k" * 32])):
         with pytest.raises(MalleusError, match="only the driver that launched job 'tiny' may .*malleus stop tiny"):
             call()
-    assert c.state.value == "ready" and c._thread is None and c.group is not None
+    assert c.state.value == "ready" and not c.training.started and c.group is not None
     c.shutdown(owner="k" * 32)
     assert c.state.value == "stopped"
 

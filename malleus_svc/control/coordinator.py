@@ -51,6 +51,7 @@ from .rounds import Rounds
 from .state import JobState, RequestKind, RoundState
 from .metrics import serve_job_metrics
 from .status import describe_plan
+from .training_thread import TrainingThread
 from .workers import probe_baselines, ray_workers
 
 __all__ = ["JobCoordinator", "MalleusError", "NAMESPACE", "actor_name", "describe_plan", "launch"]
@@ -93,15 +94,12 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
                        "resumed_from": None}   # the checkpoint this run started from, once resumed
         self.state, self.error = JobState.CREATED, None
         self.group = self.sampler = self.metrics_export = None
-        self.device_pace = None        # the emulated accelerator's speed, when CPU workers are paced
-        self.links = None              # the job's links as its workers timed them (costmodel.profile.LinkTimes)
         self._initial_plan, self.plan = plan, None
         self.basis: dict[int, float] = {}          # rates the plan in force was made from
         self.excluded: set[int] = set(job.scenario.excluded)   # wanted (the plan follows at the boundary)
         self.step = 0
-        self._lock, self._setup_lock = threading.RLock(), threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._done, self._stop = threading.Event(), threading.Event()
+        self._lock = threading.RLock()
+        self.training = TrainingThread()
         if self.origin["restarted"]:   # Ray restarted this coordinator: resume from the last checkpoint
             threading.Thread(target=self._resume_after_restart, name="malleus-resume", daemon=True).start()
 
@@ -111,14 +109,14 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
         except Exception as e:
             with self._lock:
                 self.state, self.error = JobState.FAILED, f"restart failed: {type(e).__name__}: {e}"
-            self._done.set()
+            self.training.done.set()
 
     # ================================================================== lifecycle
     def setup(self) -> dict:
         """Start workers, load data, apply the first plan, take probe baselines. Idempotent, also
         when called concurrently (a coordinator that Ray restarted resumes by itself, and its driver
         may call `start` meanwhile)."""
-        with self._setup_lock:
+        with self.training.setup_lock:
             with self._lock:
                 if self.group is not None:
                     return self.status()
@@ -167,10 +165,10 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
                     self._resume_from(ckpt, start_step)
                 self.basis = {dv: float(r) for dv, r in job.scenario.rates.items()}
                 self.measurement.set_probe_baselines(baselines)
-                self.links = links
+                self.measurement.links = links
                 self.state = JobState.READY
                 if pace is not None:
-                    self.device_pace = pace
+                    self.measurement.device_pace = pace
                     self._event("pace", f"CPU workers emulate accelerators of {pace.flops_per_second / 1e9:.3g} "
                                         f"GFLOP/s and {pace.bytes_per_second / 1e9:.3g} GB/s")
                 self._event("links", links.describe())
@@ -178,7 +176,7 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
                 if self.metrics_export is not None:
                     self._event("metrics", f"Prometheus metrics at http://{self.metrics_export.endpoint}/metrics")
                 if job.data.assignment == "length-aware":
-                    self._event("lengths", self.lengths.start_length_aware(group, paced=self.device_pace is not None))
+                    self._event("lengths", self.lengths.start_length_aware(group, paced=pace is not None))
                 self.history.plan_change(0, 0, "initial", "initial plan", None, plan, self.basis)
                 self._event("start", f"plan {plan.plan_id}: {len(plan.pipelines)} pipelines, suspended "
                                      f"{list(plan.suspended)}, excluded {list(plan.excluded)}")
@@ -221,19 +219,18 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
             steps = check.check_steps(steps)
         self.setup()
         with self._lock:
-            if self._thread is not None:
+            if self.training.started:
                 if self.origin["restarted"]:   # resuming by itself already: the driver's start joins it
                     return self.status()
                 raise MalleusError(f"job {self.job.name!r} is already {self.state.value}")
             self.steps_total = steps or self.steps_total
             self.state = JobState.TRAINING
-            self._thread = threading.Thread(target=self._train_loop, name="malleus-train", daemon=True)
-            self._thread.start()
+            self.training.start(self._train_loop)
         return self.status()
 
     def wait(self, timeout: float | None = None) -> dict:
         """Block until training ends (or `timeout`); the summary."""
-        self._done.wait(timeout)
+        self.training.done.wait(timeout)
         return self.summary()
 
     def stop(self) -> dict:
@@ -242,16 +239,16 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
         with self._lock:
             if self.state.ended:
                 raise MalleusError(f"job {self.job.name!r} is already {self.state.value}")
-            self._stop.set()
+            self.training.stop_requested.set()
             self._event("stop", f"stop requested at step {self.step}")
             return {"state": self.state.value, "step": self.step}
 
     def shutdown(self, owner: str | None = None) -> None:
         """Stop training and release the workers and the metrics endpoint (the launching driver's call)."""
         self._check_owner(owner, "shut down")
-        self._stop.set()
-        if self._thread is not None:
-            self._done.wait(120)
+        self.training.stop_requested.set()
+        if self.training.started:
+            self.training.done.wait(120)
         if self.group is not None:
             self.group.shutdown()
         if self.metrics_export is not None:
@@ -263,7 +260,7 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
     # ================================================================== the training loop
     def _train_loop(self) -> None:
         try:
-            while not self._stop.is_set() and self.step < self.steps_total:
+            while not self.training.stop_requested.is_set() and self.step < self.steps_total:
                 self._iteration()
             err = self.checkpoints.finish(self.group, self.sampler, self.step, self._checkpoint_extra())
             if err:
@@ -276,8 +273,6 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
             with self._lock:
                 self.state, self.error = JobState.FAILED, f"{type(e).__name__}: {e}"
                 self._event("error", self.error + "\n" + traceback.format_exc(limit=5))
-        finally:
-            self._done.set()
 
     def _iteration(self) -> None:
         self._maybe_rejoin()
@@ -331,9 +326,10 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
         if m.calibrate_if_due(self.step, self.history.records):
             self._event("calibrated", f"healthy unit {m.estimator.healthy_unit_seconds:.3g} s/t0, "
                                       f"{m.healthy_tokens_per_second or 0:,.0f} tok/s")
-            if self.links is not None and self._problem({}, self.plan.excluded).objective == "full":
+            links = m.links
+            if links is not None and self._problem({}, self.plan.excluded).objective == "full":
                 # the plan in force was made before the links were priced (`_problem`)
-                self._submit(RequestKind.LINKS, f"communication priced from the links measured: {self.links.describe()}")
+                self._submit(RequestKind.LINKS, f"communication priced from the links measured: {links.describe()}")
 
     def _measure(self, plan: Plan, rec, probe_res: list[dict], batch_lengths) -> None:
         with self._lock:
@@ -383,8 +379,8 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
         rates = self.policy.snap({d: r for d, r in rates.items() if d not in excluded})
         with self._lock:
             profile = self.lengths.profile()
-            t0 = self.measurement.t0_seconds(self.job.scenario.tp)
-        comm = self.links.comm_costs(t0) if self.links is not None and t0 else CommCosts()
+            t0, links = self.measurement.t0_seconds(self.job.scenario.tp), self.measurement.links
+        comm = links.comm_costs(t0) if links is not None and t0 else CommCosts()
         return build_problem(self.job.scenario, rates=rates, excluded=frozenset(excluded), lengths=profile, comm=comm)
 
     def _event(self, kind: str, text: str) -> None:

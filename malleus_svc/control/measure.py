@@ -130,7 +130,8 @@ class Measurement:
     engines warm up too), calibrates the healthy unit time over the next `warmup`, keeps the
     seconds per planner objective unit (to turn a plan's objective into seconds), and lets
     external rates (set_rates) take precedence over measured ones, device by device. Emulation
-    factors are never read: rates come from timings only.
+    factors are never read: rates come from timings only. What setup measured of the devices
+    themselves lives here too: the pace of CPU stand-ins and the links the workers timed.
     """
 
     def __init__(self, window: int = 5, skip: int = 3, warmup: int = 3, skip_after_migration: int = 2):
@@ -141,6 +142,8 @@ class Measurement:
         self.healthy_tokens_per_second: float | None = None   # throughput over the calibration iterations
         self.external: dict[int, float] = {}
         self.unit_seconds: deque[float] = deque(maxlen=5)
+        self.device_pace = None   # the emulated accelerator's speed (device_clock.Pace), when CPU workers are paced
+        self.links = None         # the job's links as its workers timed them (costmodel.profile.LinkTimes)
         self._start_step, self._measure_from = 0, skip
 
     def begin_at(self, step: int) -> None:

@@ -60,9 +60,9 @@ def status(c) -> dict:
         "events": list(hist.events)[-10:],
         "metrics_endpoint": c.metrics_export.endpoint if c.metrics_export else None,
         "workers": workers_status(c.group),
-        "device_pace": device_pace(c.device_pace),
+        "device_pace": device_pace(c.measurement.device_pace),
         "pace_held": last.get("pace_held") if last else None,
-        "links": dataclasses.asdict(c.links) if c.links is not None else None,
+        "links": dataclasses.asdict(c.measurement.links) if c.measurement.links is not None else None,
     }
 
 
@@ -81,4 +81,4 @@ def summary(c) -> dict:
             "mean_iteration_seconds": secs / steps if steps else None,
             "migrations": c.history.migrations_total,
             "healthy_tokens_per_second": c.measurement.healthy_tokens_per_second,
-            "device_pace": device_pace(c.device_pace), "pace_held": recs[-1].get("pace_held") if recs else None}
+            "device_pace": device_pace(c.measurement.device_pace), "pace_held": recs[-1].get("pace_held") if recs else None}

@@ -159,8 +159,6 @@ class WorkerGroup:
         self.rendezvous: str | None = None   # tcp://ip:port of the torch.distributed store
         self.plan: Plan | None = None
         self.dataset = None      # the driver's copy: lengths for token counts, never shipped
-        self.data_mode: str | None = None
-        self.seq_len: int | None = None
         self._step = 0
         self._started = False
         self._data_args: tuple | None = None   # (spec, mode, seq_len): a replacement worker needs them too
@@ -300,7 +298,6 @@ class WorkerGroup:
 
         self.dataset = build_dataset(spec)
         spec = worker_spec(spec, self.dataset)
-        self.data_mode, self.seq_len = mode, int(seq_len)
         self._data_args = (spec, mode, int(seq_len))
         sizes = self._each("set_data", spec, mode, seq_len)
         if any(n != len(self.dataset) for n in sizes):
@@ -435,13 +432,14 @@ class WorkerGroup:
     # ------------------------------------------------------------------ steps
     def count_tokens(self, ids: Sequence[int]) -> tuple[int, int]:
         """(input tokens, loss tokens) of these samples under the collate mode, from lengths alone."""
+        _, mode, seq_len = self._data_args
         lengths = getattr(self.dataset, "lengths", None)
         if lengths is None:  # a dataset without a length table: collate to count
             from .datasets import collate
-            mb = collate(self.dataset, list(ids), self.data_mode, self.seq_len)
+            mb = collate(self.dataset, list(ids), mode, seq_len)
             return mb.num_tokens, mb.num_loss_tokens
         loss = int(sum(int(lengths[i]) - 1 for i in ids))
-        tokens = len(ids) * self.seq_len if self.data_mode == "pad" else loss
+        tokens = len(ids) * seq_len if mode == "pad" else loss
         return tokens, loss
 
     def step(self, sample_ids: Sequence[int], assignment=None) -> StepRecord:
