@@ -15,7 +15,7 @@ Checks, each against an oracle with a stated tolerance:
   length-sweep          the length sweep as a job on accelerators runs it, on its own device
                         (`length_sweep.device_sweeps`: lengths up to the model's seq_len, bf16
                         kernels, TP 1 and 2 shards, collectives priced): its held-out error on
-                        packs it was not fitted on (CPU: TP 2 only, 3 rounds, on the paced clock)
+                        packs it was not fitted on (CPU: TP 2 only, 5 rounds, on the paced clock)
   throttled-clock       device time of an emulated straggler: an Engine at rate 3 on the device's
                         own clock (CUDA: `CudaClock`, events and a sleep kernel; CPU: the paced
                         clock) measures 3x the device time of its healthy steps
@@ -180,7 +180,7 @@ GPU_BOUND_SHAPE = ModelShape(layers=4, hidden=2048, heads=16, ffn=5632, vocab=32
 
 
 def check_length_sweep(device: torch.device, shape: ModelShape) -> Result:
-    tps, repeats = ((1, 2), 9) if device.type == "cuda" else ((2,), 3)
+    tps, repeats = ((1, 2), 9) if device.type == "cuda" else ((2,), 5)
     _, reports = device_sweeps(shape, tps, seq_len=shape.seq_len, device=device,
                                link_gbps=DeviceSpec().intra_node_gbps, repeats=repeats)
     worst = max(r["test_max_abs_error"] for r in reports.values())
