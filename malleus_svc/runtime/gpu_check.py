@@ -58,7 +58,7 @@ from malleus_svc.runtime.batch import MicroBatch
 from malleus_svc.runtime.datasets import SyntheticVarLen, collate
 from malleus_svc.runtime.device_clock import PacedClock, make_clock, pace_for
 from malleus_svc.runtime.engine import Engine, OptimConfig, ShardState, assemble_full, full_shard_states
-from malleus_svc.runtime.length_sweep import device_sweeps
+from malleus_svc.runtime.length_sweep import default_repeats, device_sweeps
 from malleus_svc.runtime.local_world import run_local_world
 from malleus_svc.runtime.memory import stage_footprint
 from malleus_svc.runtime.migrate import execute_migration, plan_migration
@@ -180,7 +180,8 @@ GPU_BOUND_SHAPE = ModelShape(layers=4, hidden=2048, heads=16, ffn=5632, vocab=32
 
 
 def check_length_sweep(device: torch.device, shape: ModelShape) -> Result:
-    tps, repeats = ((1, 2), 9) if device.type == "cuda" else ((2,), 5)
+    # CPU: one shard on the paced clock, collectives priced: the device clock's rounds
+    tps, repeats = ((1, 2), 9) if device.type == "cuda" else ((2,), default_repeats("device", 1))
     _, reports = device_sweeps(shape, tps, seq_len=shape.seq_len, device=device,
                                link_gbps=DeviceSpec().intra_node_gbps, repeats=repeats)
     worst = max(r["test_max_abs_error"] for r in reports.values())

@@ -81,16 +81,13 @@ MAX_TOKENS = 512   # largest micro-batch swept
 
 
 def default_repeats(clock: str, tp: int) -> int:
-    """Rounds per mix when a sweep is not told. On the device clock the fastest round is an op's
-    paced time unless the host's load rose after the pace was sized and held every round past it
-    (a TP-1 sweep's held-out error was 0.0% at 3 rounds as at 21; a 3-round sweep failed once on a
-    host running 30% slower than usual): 5 rounds. A group's collectives are wall time: 21 rounds
-    (11 held TP 2's held-out error to 7-14% in three runs, but a test at 11 failed once beside
-    other work). The thread and wall clocks time everything on a shared CPU: 9 rounds at TP 1, 21
-    with a group."""
-    if clock == "device":
-        return 5 if tp == 1 else 21
-    return 9 if tp == 1 else 21
+    """Rounds per mix when a sweep is not told. A group's collectives are wall time on a shared
+    CPU: 21 rounds. On the device clock an op never beats its pace, so the fastest of a few rounds
+    is its paced time unless the host's load rose past the pace in all of them: 5. The thread and
+    wall clocks time compute on a shared CPU too: 9."""
+    if tp > 1:
+        return 21
+    return 5 if clock == "device" else 9
 
 
 def heldout_mixes(count: int = 10, seed: int = 1, max_tokens: int = MAX_TOKENS, max_len: int = MAX_LEN,
@@ -417,8 +414,8 @@ def run_sweep(shape="tiny", *, layers: int = 2, repeats: int | None = None, warm
               normalise_rounds: bool = True, tp: int = 1, place: Place | None = None) -> tuple[LengthCost, dict]:
     """Time, fit (TP degree `tp`, per layer) and evaluate on held-out mixes (`heldout_mixes`:
     random lognormal packs, none fitted on). On this 2-core machine, with the default rounds on
-    the device clock: 8-12 s at TP 1, 60-80 s at TP 2 (start-up, collectives). Returns the model and a report:
-    coefficients, every mix's measured and predicted seconds and relative error, and the held-out
+    the device clock, seconds at TP 1 and a minute or more at TP 2 (start-up, collectives). Returns
+    the model and a report: coefficients, every mix's measured and predicted seconds and relative error, and the held-out
     error summary (`test_max_abs_error`, `test_mean_abs_error`). With a `place` (module docstring),
     `clock` must be "device": the place's clock times compute, and the collectives are priced.
     `repeats` (rounds per mix) defaults to `default_repeats`."""
