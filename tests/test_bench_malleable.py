@@ -23,7 +23,9 @@ from malleus_svc.runtime.engine import OptimConfig, update_bytes
 from malleus_svc.runtime.model import full_model
 
 SHAPE = ModelShape(layers=2, hidden=64, heads=2, ffn=128, vocab=64, seq_len=32)
-STEPS, MICRO, FORWARD_SECONDS, UPDATE_SECONDS = 3, 2, 0.04, 0.01
+# device seconds per op: several times what the host spends on them after a paced wait (up to 11 ms
+# for the update on a cold core, 2 ms warm), so the host keeps pace
+STEPS, MICRO, FORWARD_SECONDS, UPDATE_SECONDS = 3, 2, 0.04, 0.04
 
 
 def _micro_batches(seed: int) -> list[MicroBatch]:

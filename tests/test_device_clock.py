@@ -81,6 +81,18 @@ def test_the_cuda_clock_reads_once_per_step_and_leaves_collectives_out():
     assert 0.055 <= clock.read()["compute"] < 0.08
 
 
+def test_an_op_that_does_not_hold_the_wall_keeps_its_device_time():
+    pace = Pace(flops_per_second=1e3, bytes_per_second=1e9)     # 50 flops: 50 ms of device time
+    for hold in (True, False):
+        clock = PacedClock(pace=pace, hold=hold)
+        t0 = time.perf_counter()
+        with clock.op("compute", flops=50):
+            pass
+        wall = time.perf_counter() - t0
+        assert clock.read() == {"compute": pytest.approx(0.05)} and clock.pace_count.on_pace == 1
+        assert wall >= 0.05 if hold else wall < 0.01, (hold, wall)
+
+
 # ---------------------------------------------------------------------------- pacing many workers
 def _matmul_op(n: int = 160, repeats: int = 16):
     """An op long enough (tens of ms once paced) that a busy host's wake-up latency (a few ms at

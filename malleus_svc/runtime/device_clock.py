@@ -115,10 +115,16 @@ class PacedClock:
 
     Without a pace (`pace=None`) ops are not held back and device time is their wall time less
     collectives: that is how the host's own cost is measured before a pace is chosen.
+
+    `hold=False` keeps the device time but not the wall: an op on pace returns as soon as it has
+    computed. For a reader whose wall time no peer waits on (a length sweep): a core left idle
+    until the deadline runs the next op cold, and the smallest ops then cost the host 2-6 times
+    their CPU time and overrun.
     """
 
     pace: Pace | None = None
     rate: float = 1.0
+    hold: bool = True
     pace_count: PaceCount = field(default_factory=PaceCount)
     host: HostCost = field(default_factory=HostCost)
     _device: dict[str, float] = field(default_factory=dict)
@@ -141,7 +147,8 @@ class PacedClock:
             self.pace_count.ops += 1
             if own <= target:
                 self.pace_count.on_pace += 1
-                _sleep_until(start + collectives + target)
+                if self.hold:
+                    _sleep_until(start + collectives + target)
                 seconds = target
             else:
                 seconds = own

@@ -157,14 +157,15 @@ def time_micro_batches(mixes: Sequence[Mix], shape="tiny", layers: int = 2, repe
                        normalise_rounds: bool = True, tp: int = 1) -> list[float]:
     """Seconds of forward + backward of each packed mix through `layers` runtime blocks: the
     `stat` ("median", "min" or "lower_half": the median of the faster half) of `repeats` rounds,
-    each round first divided by how slow the machine was during it (`_normalise_rounds`); by
-    default `_stat_for(clock)`.
+    each round first divided by how slow the machine was during it (`_normalise_rounds`; not
+    device time, which load does not stretch); by default `_stat_for(clock)`.
 
     `clock="thread"` reads this thread's CPU time: with one torch thread the forward and the CPU
     backward both run on it, and time the OS gave to other processes is not counted (on a shared
     2-core machine that is most of the noise). `clock="wall"` reads the wall clock. `clock="device"`
     reads the paced device clock the CPU workers train on (device_clock.py), paced for the host
-    after the warm-up: the cost of the emulated accelerator, whatever else the machine does. `tp` > 1
+    after the warm-up, its ops not holding the wall (`PacedClock.hold`): the cost of the emulated
+    accelerator, whatever else the machine does. `tp` > 1
     times the blocks sharded over a TP group of that many processes (module docstring)."""
     return [a + b for a, b in zip(*_timed_parts(mixes, shape, layers, repeats, warmup, seed, threads, stat, clock,
                                                  normalise_rounds, tp))]
@@ -200,9 +201,10 @@ def _timed_parts(mixes, shape, layers, repeats, warmup, seed, threads, stat, clo
     out = []
     # Compute as asked. TP collectives are wall time even on the device clock: their fastest round
     # is an outlier as often as not (a few ms either way on a 1-6 ms mix), their faster half's
-    # median is not.
-    for times, summary in zip(parts, (stat, "lower_half")):
-        if normalise_rounds and any(x > 0 for t in times for x in t):
+    # median is not. Device time needs no normalising: an op on pace takes its pace whatever the
+    # load, and dividing a round in which others overran would take it below that.
+    for times, summary, wall in zip(parts, (stat, "lower_half"), (clock != "device", True)):
+        if normalise_rounds and wall and any(x > 0 for t in times for x in t):
             times = _normalise_rounds(times)
         out.append([_STATS[summary](t) for t in times])
     return out[0], out[1]
@@ -222,7 +224,8 @@ def _rank_times(mixes, shape, layers, repeats, warmup, seed, threads, clock, tp=
     tp = model.tp
     where, dtype = (torch.device(place.device), place.dtype) if place else (torch.device("cpu"), torch.float32)
     model = model.to(where, dtype)
-    device = make_clock(where.type == "cuda") if place else PacedClock() if clock == "device" else None
+    # the sweep's wall time is nobody's wait: a paced op does not hold it (PacedClock.hold)
+    device = make_clock(where.type == "cuda") if place else PacedClock(hold=False) if clock == "device" else None
     tp.clock = device       # the device's time leaves its TP collectives out
     # (compute, communication) clocks: compute is this thread's CPU time (gloo reduces on its own
     # threads, so collectives are not in it) and communication the wall time inside TP collectives
