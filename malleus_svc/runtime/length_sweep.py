@@ -224,8 +224,9 @@ def _rank_times(mixes, shape, layers, repeats, warmup, seed, threads, clock, tp=
     tp = model.tp
     where, dtype = (torch.device(place.device), place.dtype) if place else (torch.device("cpu"), torch.float32)
     model = model.to(where, dtype)
-    # the sweep's wall time is nobody's wait: a paced op does not hold it (PacedClock.hold)
-    device = make_clock(where.type == "cuda") if place else PacedClock(hold=False) if clock == "device" else None
+    device = make_clock(where.type == "cuda") if place else PacedClock() if clock == "device" else None
+    if isinstance(device, PacedClock):
+        device.hold = False     # the sweep's wall time is nobody's wait (PacedClock.hold)
     tp.clock = device       # the device's time leaves its TP collectives out
     # (compute, communication) clocks: compute is this thread's CPU time (gloo reduces on its own
     # threads, so collectives are not in it) and communication the wall time inside TP collectives
