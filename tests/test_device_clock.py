@@ -90,7 +90,7 @@ def test_an_op_that_does_not_hold_the_wall_keeps_its_device_time():
             pass
         wall = time.perf_counter() - t0
         assert clock.read() == {"compute": pytest.approx(0.05)} and clock.pace_count.on_pace == 1
-        assert wall >= 0.05 if hold else wall < 0.01, (hold, wall)
+        assert wall >= 0.05 if hold else wall < 0.025, (hold, wall)     # not held: well before the deadline
 
 
 # ---------------------------------------------------------------------------- pacing many workers

@@ -165,8 +165,8 @@ def time_micro_batches(mixes: Sequence[Mix], shape="tiny", layers: int = 2, repe
     2-core machine that is most of the noise). `clock="wall"` reads the wall clock. `clock="device"`
     reads the paced device clock the CPU workers train on (device_clock.py), paced for the host
     after the warm-up, its ops not holding the wall (`PacedClock.hold`): the cost of the emulated
-    accelerator, whatever else the machine does. `tp` > 1
-    times the blocks sharded over a TP group of that many processes (module docstring)."""
+    accelerator, whatever else the machine does. `tp` > 1 times the blocks sharded over a TP group
+    of that many processes (module docstring)."""
     return [a + b for a, b in zip(*_timed_parts(mixes, shape, layers, repeats, warmup, seed, threads, stat, clock,
                                                  normalise_rounds, tp))]
 
