@@ -418,9 +418,9 @@ def run_sweep(shape="tiny", *, layers: int = 2, repeats: int | None = None, warm
               normalise_rounds: bool = True, tp: int = 1, place: Place | None = None) -> tuple[LengthCost, dict]:
     """Time, fit (TP degree `tp`, per layer) and evaluate on held-out mixes (`heldout_mixes`:
     random lognormal packs, none fitted on). On this 2-core machine, with the default rounds on
-    the device clock, seconds at TP 1 and a minute or more at TP 2 (start-up, collectives). Returns
-    the model and a report: coefficients, every mix's measured and predicted seconds and relative error, and the held-out
-    error summary (`test_max_abs_error`, `test_mean_abs_error`). With a `place` (module docstring),
+    the device clock, seconds at TP 1 and tens of seconds at TP 2 (start-up, collectives). Returns
+    the model and a report: coefficients, every mix's measured and predicted seconds and relative
+    error, and the held-out error summary (`test_max_abs_error`, `test_mean_abs_error`). With a `place` (module docstring),
     `clock` must be "device": the place's clock times compute, and the collectives are priced.
     `repeats` (rounds per mix) defaults to `default_repeats`."""
     t0 = time.perf_counter()
