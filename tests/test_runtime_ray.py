@@ -257,9 +257,12 @@ def test_a_straggler_is_a_rate_on_the_paced_device_clock(group):
         wall3, dev3, slow = run(3.0)
         print(f"healthy wall {wall1:.3f}s device {dev1:.3f}s; x3 wall {wall3:.3f}s device {dev3:.3f}s; "
               f"pace held {slow['pace_on']}/{slow['pace_ops']}")
+        for rec in (healthy, slow):      # on pace, or the host, not the clock, set the times
+            assert rec["pace_on"] >= 0.95 * rec["pace_ops"], rec
         assert dev3 / dev1 == pytest.approx(3.0, rel=0.05)      # device time: exactly the rate
-        assert 2.5 < wall3 / wall1 < 3.5, (wall1, wall3)        # and the wall time follows it
-        assert slow["pace_on"] >= 0.95 * slow["pace_ops"]
+        # and the wall time follows it: the step's unpaced host work (Ray, zeroing, clipping) is the
+        # same at both rates, so the wall time grows by what the device time grew.
+        assert wall3 - wall1 == pytest.approx(dev3 - dev1, rel=0.25), (wall1, wall3, dev1, dev3)
 
         # The control is reachable while a step runs (the worker's control thread): start a step at a
         # huge rate, set it back mid-step; the answer is immediate and the ops after it run healthy.

@@ -32,6 +32,7 @@ from typing import Sequence
 
 from malleus_svc.config.limits import MAX_GLOBAL_BATCH
 from malleus_svc.config.options import number_option
+from malleus_svc.runtime.device_clock import host_cores
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -250,7 +251,7 @@ def run_demo(argv: Sequence[str] | None = None) -> int:
         start_local_ray(8, log_to_driver=False, runtime_env={"env_vars": env})
     try:
         view.event(f"schedule: {json.dumps(emulate)}; {args.steps} steps per run, {8 // args.nodes} workers per "
-                   f"node x {args.nodes} node(s) on {os.cpu_count()} host cores")
+                   f"node x {args.nodes} node(s) on {host_cores()} host cores")
         runs, device = {}, "auto"
         if not args.no_static:
             job = JobConfig.from_dict(job_dict("demo-static", args.nodes, args.global_batch, args.steps, emulate))
@@ -281,7 +282,7 @@ def summarize(runs: dict, emulate: list[dict], args, wall: float) -> dict:
     steady = steady_steps(latency, emulate, args.steps)
     held = [r["records"][-1].get("pace_held") for r in runs.values() if r["records"]]
     out = {
-        "workers": 8, "nodes": args.nodes, "workers_per_node": 8 // args.nodes, "host_cores": os.cpu_count(),
+        "workers": 8, "nodes": args.nodes, "workers_per_node": 8 // args.nodes, "host_cores": host_cores(),
         "model": MODEL, "data": "python-stdlib", "steps": args.steps, "global_batch": args.global_batch,
         "schedule": emulate, "measured_from_step": first, "wall_seconds": round(wall, 1),
         "device_pace": mal["status"]["device_pace"],

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 
 from malleus_svc.plan import Plan
+from malleus_svc.runtime.device_clock import host_cores
 
 
 def plan_summary(plan: Plan) -> dict:
@@ -31,7 +31,7 @@ def workers_status(group) -> dict | None:
     if group is None:
         return None
     return {"devices": group.num_devices, "cpus_per_worker": group.cpus_per_worker, "use_gpu": group.use_gpu,
-            "host_cores": os.cpu_count(), "pids": {str(i["device"]): i["pid"] for i in group.infos},
+            "host_cores": host_cores(), "pids": {str(i["device"]): i["pid"] for i in group.infos},
             "nodes": {str(i["device"]): i["node_id"] for i in group.infos}}
 
 

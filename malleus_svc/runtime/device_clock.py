@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator, Protocol
 
 
@@ -79,6 +81,23 @@ class PaceCount:
 # Of a host's cores, the share that paced ops may keep busy when every device computes at once;
 # the rest is left to transfers, collectives, Ray and the driver, so that ops keep pace.
 AUTO_UTILIZATION = 0.75
+
+
+def host_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """The cores this process may compute on: its CPU affinity, capped by a container's CPU quota
+    (cgroup v2 `cpu.max`, or v1 `cpu.cfs_quota_us` over `cpu.cfs_period_us`), which the affinity
+    and `os.cpu_count()` both ignore: a pace sized for cores the container will not give is missed."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        try:
+            quota, period = ((cgroup / "cpu" / f"cpu.cfs_{name}_us").read_text().strip() for name in ("quota", "period"))
+        except OSError:
+            return cores
+    if quota in ("max", "-1") or float(period) <= 0:
+        return cores
+    return max(1, min(cores, int(float(quota) / float(period))))
 
 
 def pace_for(costs: list[HostCost], cores: int, workers: int, utilization: float = AUTO_UTILIZATION) -> Pace:

@@ -56,7 +56,7 @@ from malleus_svc.plan import Pipeline, Plan, Stage
 from malleus_svc.runtime import attention
 from malleus_svc.runtime.batch import MicroBatch
 from malleus_svc.runtime.datasets import SyntheticVarLen, collate
-from malleus_svc.runtime.device_clock import PacedClock, make_clock, pace_for
+from malleus_svc.runtime.device_clock import PacedClock, host_cores, make_clock, pace_for
 from malleus_svc.runtime.engine import Engine, OptimConfig, ShardState, assemble_full, full_shard_states
 from malleus_svc.runtime.length_sweep import default_repeats, device_sweeps
 from malleus_svc.runtime.local_world import run_local_world
@@ -199,7 +199,7 @@ def check_throttled_clock(device: torch.device, shape: ModelShape, steps: int = 
     engine = Engine(shape, plan, 0, seed=SEED, optim=OPTIM, device=device, clock=clock)
     if isinstance(clock, PacedClock):   # a CPU device keeps a pace the host can hold
         engine.rehearse(sum(mb.num_tokens for mb in batches) // len(batches))
-        clock.pace = pace_for([clock.host], os.cpu_count() or 1, 1, utilization=0.4)
+        clock.pace = pace_for([clock.host], host_cores(), 1, utilization=0.4)
 
     def device_seconds() -> float:
         # a step's compute ops, the optimizer update left out (a sleep is sized per op kind)

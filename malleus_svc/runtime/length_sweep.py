@@ -313,14 +313,14 @@ def _group_pace(costs, tp):
     import torch
     import torch.distributed as dist
 
-    from .device_clock import HostCost, pace_for
+    from .device_clock import HostCost, host_cores, pace_for
     worst = torch.tensor([max(c.flop_cpu_seconds / c.flops for c in costs),
                           max(c.flop_wall_seconds / c.flops for c in costs)], dtype=torch.float64)
     if tp.group is not None:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=tp.group)
     cpu, wall = worst.tolist()
     cost = HostCost(flops=1.0, flop_cpu_seconds=cpu, flop_wall_seconds=wall, nbytes=1.0, byte_cpu_seconds=1.0)
-    return pace_for([cost], os.cpu_count() or 1, 1 if tp.group is None else tp.size)   # processes computing
+    return pace_for([cost], host_cores(), 1 if tp.group is None else tp.size)   # processes computing
 
 
 def _tp_rank_main(argv: list[str]) -> None:

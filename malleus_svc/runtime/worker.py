@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 import ray
 
-from .device_clock import Pace, check_rate, make_clock
+from .device_clock import Pace, check_rate, host_cores, make_clock
 
 
 class DeviceWorker:
@@ -81,7 +81,7 @@ class DeviceWorker:
             "plan_id": self.plan_id,
             "has_engine": self.engine is not None,
             "slowdown": self.clock.rate,
-            "host_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "host_cores": host_cores(),
         }
 
     @ray.method(concurrency_group="control")
