@@ -92,7 +92,8 @@ def host_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
         quota, period = (cgroup / "cpu.max").read_text().split()[:2]
     except (OSError, ValueError):
         try:
-            quota, period = ((cgroup / "cpu" / f"cpu.cfs_{name}_us").read_text().strip() for name in ("quota", "period"))
+            quota, period = ((cgroup / "cpu" / f"cpu.cfs_{name}_us").read_text().strip()
+                             for name in ("quota", "period"))
         except OSError:
             return cores
     if quota in ("max", "-1") or float(period) <= 0:

@@ -40,7 +40,6 @@ allowed), 1 a check failed, 2 bad arguments, 77 (`EXIT_NO_GPU`) no CUDA device a
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import traceback
