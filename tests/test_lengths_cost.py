@@ -182,7 +182,7 @@ def test_cpu_sweep_predicts_heldout_micro_batches_within_15_percent():
     assert not {tuple(r["lengths"]) for r in report["test"]} & {tuple(r["lengths"]) for r in report["train"]}
     # Attention is quadratic on the CPU too, and the fit resolves it: at the longest length swept a
     # sequence's quadratic term outweighs its fixed cost (an SDPA call). How much it outweighs it is
-    # the CPU's to say: here 2.5-3.3x, on another host 1.4x, where one 256 against two 128s packed
-    # (32768·a against d) came out 3% the other way.
+    # the CPU's to say: here 2.6-3.7x, on another host 1.4x, where one 256 against two 128s packed
+    # (32768·a against d) came out 1.5% the other way.
     assert c.a > 0
     assert c.a * MAX_LEN ** 2 > c.d
