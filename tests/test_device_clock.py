@@ -18,7 +18,8 @@ import torch.multiprocessing as mp
 from _mp import run_on_gloo
 from malleus_svc.config.presets import preset
 from malleus_svc.plan import Pipeline, Plan, Stage
-from malleus_svc.runtime.device_clock import CudaClock, HostCost, Pace, PacedClock, host_cores, pace_for
+from malleus_svc.runtime.device_clock import (CudaClock, HostCost, Pace, PacedClock, allowed_cores, host_cores,
+                                              pace_for)
 from malleus_svc.runtime.engine import Engine, OptimConfig
 from test_engine import SEED, global_batches
 
@@ -150,18 +151,18 @@ def test_a_device_at_rate_two_takes_twice_the_wall_time_with_eight_workers_shari
 
 def test_the_host_cores_are_the_affinity_capped_by_a_containers_cpu_quota(tmp_path):
     cores = len(os.sched_getaffinity(0))
-    assert host_cores(tmp_path) == cores                        # no quota files: the affinity
+    assert allowed_cores(tmp_path) == cores                        # no quota files: the affinity
     v2 = tmp_path / "cpu.max"
     for text, expected in (("max 100000", cores), ("100000 100000", 1), ("150000 100000", 1),
                            (f"{cores + 4}00000 100000", cores), ("50000 100000", 1)):
         v2.write_text(text + "\n")
-        assert host_cores(tmp_path) == expected, text
+        assert allowed_cores(tmp_path) == expected, text
     v2.unlink()
     (tmp_path / "cpu").mkdir()
     (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
     for quota, expected in (("-1", cores), ("100000", 1)):      # cgroup v1
         (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text(quota + "\n")
-        assert host_cores(tmp_path) == expected, quota
+        assert allowed_cores(tmp_path) == expected, quota
 
 
 def test_a_pace_is_sized_for_the_costliest_device_and_needs_both_kinds_of_op():

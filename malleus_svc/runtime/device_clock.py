@@ -21,6 +21,7 @@ with a slow peer waits in the collective, and that wait is not its own compute.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import time
@@ -83,10 +84,17 @@ class PaceCount:
 AUTO_UTILIZATION = 0.75
 
 
-def host_cores(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
-    """The cores this process may compute on: its CPU affinity, capped by a container's CPU quota
-    (cgroup v2 `cpu.max`, or v1 `cpu.cfs_quota_us` over `cpu.cfs_period_us`), which the affinity
-    and `os.cpu_count()` both ignore: a pace sized for cores the container will not give is missed."""
+@functools.cache
+def host_cores() -> int:
+    """The cores this process may compute on (`allowed_cores` of this machine's cgroup), read once:
+    status calls ask it on every poll."""
+    return allowed_cores(Path("/sys/fs/cgroup"))
+
+
+def allowed_cores(cgroup: Path) -> int:
+    """The CPU affinity, capped by a container's CPU quota under `cgroup` (v2 `cpu.max`, or v1
+    `cpu.cfs_quota_us` over `cpu.cfs_period_us`), which the affinity and `os.cpu_count()` both
+    ignore: a pace sized for cores the container will not give is missed."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     try:
         quota, period = (cgroup / "cpu.max").read_text().split()[:2]

@@ -420,8 +420,9 @@ def run_sweep(shape="tiny", *, layers: int = 2, repeats: int | None = None, warm
     random lognormal packs, none fitted on). On this 2-core machine, with the default rounds on
     the device clock, seconds at TP 1 and tens of seconds at TP 2 (start-up, collectives). Returns
     the model and a report: coefficients, every mix's measured and predicted seconds and relative
-    error, and the held-out error summary (`test_max_abs_error`, `test_mean_abs_error`). With a `place` (module docstring),
-    `clock` must be "device": the place's clock times compute, and the collectives are priced.
+    error, and the held-out error summary (`test_max_abs_error`, `test_mean_abs_error`). With a
+    `place` (module docstring), `clock` must be "device": the place's clock times compute, and the
+    collectives are priced.
     `repeats` (rounds per mix) defaults to `default_repeats`."""
     t0 = time.perf_counter()
     if place is not None and clock != "device":
