@@ -33,11 +33,11 @@ import time
 from pathlib import Path
 
 from malleus_svc.config.options import number_option
+from malleus_svc.control.demo import HEALTHY_STEPS
 from .planner import write_section
 
 WORKERS = 8
 SLOW_DEVICE = 3
-HEALTHY_STEPS = 9            # warm-up (3), calibration (3), 3 measured healthy steps: the demo's
 PLOT = "benchmarks/plots/malleable.png"
 TARGETS = {"over_bound": 0.8, "steady_over_bound": 0.9, "pace_held": 0.95}
 SYSTEMS = ("static", "malleus", "ray-ddp")

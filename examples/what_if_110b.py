@@ -11,7 +11,8 @@ import argparse
 from malleus_svc.config import load_scenario
 from malleus_svc.planner import baseline_plan, plan
 from malleus_svc.planner.describe import plan_table, summary_line
-from malleus_svc.simulate import BUNDLED, simulate
+from malleus_svc.config.scenario import BUNDLED
+from malleus_svc.simulate import simulate
 from malleus_svc.planner.build import build_problem
 
 

@@ -12,25 +12,16 @@ import sys
 from pathlib import Path
 
 from .config import ConfigError, load_scenario, validate_rates
-from .config.scenario import DEFAULT_OBJECTIVE, OBJECTIVES
+from .config.scenario import DEFAULT_OBJECTIVE, OBJECTIVES, bundled_names, find_scenario, parse_rate_assignments
 from .plan import Plan, PlanError
 from .service import commands
-from .service.commands import parse_rate_assignments
 from .planner.build import build_problem
 
-BUNDLED = Path(__file__).parent / "scenarios"
-
-
 def _scenario_path(name: str) -> Path:
-    """A path, or the name of a bundled scenario (with or without .yaml)."""
-    p = Path(name)
-    if p.exists():
-        return p
-    for cand in (BUNDLED / name, BUNDLED / f"{name}.yaml"):
-        if cand.exists():
-            return cand
-    bundled = ", ".join(sorted(x.stem for x in BUNDLED.glob("*.yaml")))
-    raise ConfigError("scenario", name, f"no such file, and not a bundled scenario ({bundled})")
+    path = find_scenario(name)
+    if path is None:
+        raise ConfigError("scenario", name, f"no such file, and not a bundled scenario ({', '.join(bundled_names())})")
+    return path
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -166,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="plan a scenario (YAML/JSON) and print/write the plan")
     p.add_argument("scenario", help="scenario file, or a bundled scenario name: "
-                   + ", ".join(sorted(x.stem for x in BUNDLED.glob("*.yaml"))))
+                   + ", ".join(bundled_names()))
     p.add_argument("--previous", help="the plan in force now (JSON); prefer plans that move little state from it")
     p.add_argument("-o", "--output", help="write the plan as JSON here")
     p.add_argument("--rate", action="append", default=[], metavar="DEVICE=RATE", help="override a straggling rate")
@@ -189,25 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("out_dir", help="the folder to write; `model: {from_pretrained: OUT_DIR}` starts a job from it")
     e.set_defaults(func=cmd_export)
 
-    t = sub.add_parser("train", help="train under a plan on a Ray cluster (same as python -m malleus_svc.train)",
-                       add_help=False)
-    t.add_argument("rest", nargs=argparse.REMAINDER)
-    t.set_defaults(func=cmd_train)
-
-    pd = sub.add_parser("prepare-data", help="tokenize text, JSON lines or Parquet files into a corpus a job trains "
-                        "on (malleus prepare-data --help)", add_help=False)
-    pd.add_argument("rest", nargs=argparse.REMAINDER)
-    pd.set_defaults(func=cmd_prepare_data)
-
-    d = sub.add_parser("demo", help="the main job: 8 CPU workers, stragglers come and go, live view and summary "
-                       "(malleus demo --help)", add_help=False)
-    d.add_argument("rest", nargs=argparse.REMAINDER)
-    d.set_defaults(func=cmd_demo)
-
-    s = sub.add_parser("simulate", help="iteration time and memory of a scenario's plans under the simulator "
-                       "(malleus simulate SCENARIO --help)", add_help=False)
-    s.add_argument("rest", nargs=argparse.REMAINDER)
-    s.set_defaults(func=cmd_simulate)
+    for name, (_, text) in PASS_THROUGH.items():   # listed in the help; main() hands them their arguments
+        sub.add_parser(name, help=text, add_help=False)
 
     j = sub.add_parser("submit", help="submit a training job through the Ray Jobs API; prints the submission id")
     j.add_argument("config", help="job file, inside --working-dir")
@@ -219,22 +193,26 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--follow", action="store_true", help="stream the job's logs until it ends; exit 0 on success")
     j.set_defaults(func=cmd_submit, train_args=[])   # after `--`: arguments for malleus_svc.train (main())
     commands.add_parsers(sub)
-
-    b = sub.add_parser("bench", help="benchmarks that print tables and write BENCHMARKS.md rows, from a source "
-                       "checkout (malleus bench --help)", add_help=False)
-    b.add_argument("rest", nargs=argparse.REMAINDER)
-    b.set_defaults(func=cmd_bench)
     return ap
 
 
 # Commands with their own argument parsers: everything after the name is theirs (--help included).
-PASS_THROUGH = {"train": cmd_train, "prepare-data": cmd_prepare_data, "demo": cmd_demo, "simulate": cmd_simulate, "bench": cmd_bench}
+PASS_THROUGH = {
+    "train": (cmd_train, "train under a plan on a Ray cluster (same as python -m malleus_svc.train)"),
+    "prepare-data": (cmd_prepare_data, "tokenize text, JSON lines or Parquet files into a corpus a job trains on "
+                                       "(malleus prepare-data --help)"),
+    "demo": (cmd_demo, "the main job: 8 CPU workers, stragglers come and go, live view and summary (malleus demo --help)"),
+    "simulate": (cmd_simulate, "iteration time and memory of a scenario's plans under the simulator "
+                               "(malleus simulate SCENARIO --help)"),
+    "bench": (cmd_bench, "benchmarks that print tables and write BENCHMARKS.md rows, from a source checkout "
+                         "(malleus bench --help)"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in PASS_THROUGH:
-        args = argparse.Namespace(rest=argv[1:], func=PASS_THROUGH[argv[0]])
+        args = argparse.Namespace(rest=argv[1:], func=PASS_THROUGH[argv[0]][0])
     elif argv and argv[0] == "submit" and "--" in argv:
         # malleus submit CONFIG [options] -- TRAIN ARGS: what follows `--` goes to malleus_svc.train untouched
         cut = argv.index("--")
@@ -246,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ConfigError, PlanError, ConnectionError) as e:
         print(f"malleus: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:        # an output path that cannot be written, an input that cannot be read
+        print(f"malleus: error: {e.filename}: {e.strerror}" if e.filename else f"malleus: error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:
         # The planner's InfeasibleError and the client's MalleusError are ValueErrors whose messages

@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from malleus_svc.config.job import load_job_config
+    from malleus_svc.planner import InfeasibleError
     from malleus_svc.runtime.data import DataError
 
     try:
@@ -62,8 +63,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             from malleus_svc.runtime.trainer import make_plan
             plan = make_plan(job)
+        if args.metrics_out:
+            open(args.metrics_out, "a").close()    # an unwritable file is refused before Ray starts
     except (ConfigError, PlanError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except InfeasibleError as e:
+        print(f"error: infeasible: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {e.filename}: {e.strerror}", file=sys.stderr)
         return 2
     except DataError as e:
         print(f"error: data: {e}", file=sys.stderr)
@@ -137,7 +146,7 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
 
     import ray
 
-    from malleus_svc.control.coordinator import MalleusError, launch
+    from malleus_svc.control.coordinator import NAMESPACE, MalleusError, actor_name, launch
     from malleus_svc.runtime.cluster import WorkerGroupError
     from malleus_svc.runtime.data import DataError
 
@@ -166,7 +175,7 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
             raise
         w = st.get("workers") or {}
         say(f"[{job.name}] {w.get('devices')} workers ({w.get('cpus_per_worker')} CPU each, host cores "
-            f"{w.get('host_cores')}); coordinator actor malleus:{job.name} (namespace malleus)"
+            f"{w.get('host_cores')}); coordinator actor {actor_name(job.name)} (namespace {NAMESPACE})"
             + (f"; metrics at http://{st['metrics_endpoint']}/metrics" if st.get("metrics_endpoint") else ""))
         every = max(1, steps // 50)
         events_seen, t_start = 0.0, time.perf_counter()

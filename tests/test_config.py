@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from malleus_svc.config import ConfigError, PRESETS, Scenario, load_scenario
 from malleus_svc.costmodel import analytic
-from malleus_svc.cli import BUNDLED
+from malleus_svc.config.scenario import BUNDLED
 from malleus_svc.planner.build import build_problem
 
 GOOD = {
@@ -143,3 +143,16 @@ def test_fuzzed_fields_give_config_errors_only(path, value):
         assert e.field and str(e)
     else:
         build_problem(s)  # whatever parses must also build a problem
+
+
+def test_tp_sizes_are_the_halvings_of_tp_and_the_planner_groups_by_them():
+    from malleus_svc.config.scenario import tp_sizes
+    from malleus_svc.planner.grouping import group_sizes
+    from malleus_svc.planner.build import build_problem
+
+    assert tp_sizes(1) == (1,) and tp_sizes(16) == (16, 8, 4, 2, 1)
+    sc = Scenario.from_dict({"name": "t16", "cluster": {"nodes": 1, "gpus_per_node": 16, "gpu_memory_mb": 80000},
+                             "model": {"layers": 2, "hidden": 256, "heads": 16, "ffn": 512, "vocab": 256, "seq_len": 32},
+                             "parallel": {"dp": 1, "tp": 16, "pp": 1}, "batch": {"global": 8, "micro": 1}})
+    assert sc.tp_sizes == (16, 8, 4, 2, 1)
+    assert group_sizes(build_problem(sc)) == list(sc.tp_sizes)

@@ -121,6 +121,35 @@ def test_the_alias_bomb_is_one_line_from_the_command_line(tmp_path):
     assert "aliases" in run.stderr
 
 
+# ---------------------------------------------------------------------- output paths and plans that cannot be
+def test_outputs_that_cannot_be_written_are_one_line_before_any_work(tmp_path, capsys):
+    """A missing folder for `plan -o`, the demo's summary or train's metrics file: one line naming
+    the path, and for the demo and train before Ray starts (neither gets as far as a cluster here)."""
+    missing = tmp_path / "no-such-folder" / "out.json"
+    assert cli.main(["plan", "paper-fig4-16gpu", "-o", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"malleus: error: {missing}: No such file or directory\n", err
+    assert cli.main(["demo", "--summary-out", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --summary-out {missing}: No such file or directory\n", err
+    from malleus_svc import train
+    assert train.main([str(REPO / "examples" / "tiny_job.yaml"), "--metrics-out", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {missing}: No such file or directory\n", err
+    assert not missing.parent.exists()
+
+
+def test_a_job_the_planner_cannot_fit_is_one_line_from_the_training_entry_point(tmp_path, capsys):
+    """`python -m malleus_svc.train` is what a submitted Ray job runs: an infeasible job (a tiny GPU
+    memory) is refused in one line before Ray starts."""
+    from malleus_svc import train
+    job = (REPO / "examples" / "tiny_job.yaml").read_text().replace("gpu_memory_mb: 16000", "gpu_memory_mb: 1")
+    (tmp_path / "job.yaml").write_text(job)
+    assert train.main([str(tmp_path / "job.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: infeasible: ") and err.count("\n") == 1 and "Traceback" not in err, err
+
+
 # ---------------------------------------------------------------------- one line for each kind of hostile file
 @pytest.mark.parametrize("name, content, says", [
     ("dup.yaml", "cluster: {nodes: 1}\ncluster: {nodes: 2}\n", "key = 'cluster'"),

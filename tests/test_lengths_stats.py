@@ -97,8 +97,6 @@ def test_drift_in_high_quantiles_is_detected(new_mean):
     rel = reports[-1].shifts["p90"]["relative"]
     assert (rel > 0.5) if new_mean > 500 else (rel < -0.3)
     json.dumps(reports[-1].to_dict())
-    det.rebase()              # re-planned on the new distribution: no longer a drift
-    assert not det.check().drifted
 
 
 def test_detector_json_round_trip_continues_identically():

@@ -98,7 +98,7 @@ def test_measured_profile_makes_the_planner_fit_and_agree_on_full_groups():
     from malleus_svc.config.scenario import read_mapping
     from malleus_svc.planner import plan
     from malleus_svc.planner.build import build_problem
-    from malleus_svc.cli import BUNDLED
+    from malleus_svc.config.scenario import BUNDLED
     from malleus_svc.service.memory import measured_profile, plan_memory
 
     d = read_mapping(BUNDLED / "llama70b-64gpu.yaml")

@@ -409,3 +409,24 @@ def test_simulate_cli(capsys):
     assert "pipeline 1: 32 micro-batches" in out and "iteration" in out
     assert simulate_cli(["no-such-scenario"]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_a_plan_file_is_checked_against_the_scenario_before_it_is_simulated(tmp_path, capsys):
+    """A plan the scenario cannot price (a 16-device stage across two 8-device nodes, where the
+    scenario's TP groups are 4, 2 or 1 devices) is one line naming the stage; the planner's own plan
+    of the scenario, read back from a file, simulates."""
+    from malleus_svc.config import load_scenario
+    from malleus_svc.config.scenario import find_scenario
+    from malleus_svc.planner import plan as solve
+
+    problem = build_problem(load_scenario(find_scenario("paper-fig4-16gpu")))
+    good = solve(problem).plan
+    good.save(tmp_path / "good.json")
+    assert simulate_cli(["paper-fig4-16gpu", "--plan", str(tmp_path / "good.json"), "--brief"]) == 0
+    assert good.plan_id in capsys.readouterr().out
+    whole = Pipeline((Stage(tuple(range(16)), (0, problem.num_layers)),), problem.num_micro_batches)
+    Plan(16, problem.num_layers, problem.micro_batch_size, (whole,)).save(tmp_path / "wide.json")
+    assert simulate_cli(["paper-fig4-16gpu", "--plan", str(tmp_path / "wide.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not fit the scenario" in err, err
+    assert "pipeline 0 stage 0 has 16 devices on node(s) [0, 1]" in err and "4 or 2 or 1 devices on one node" in err, err

@@ -7,7 +7,7 @@ Format (YAML or JSON); every scenario section (see scenario.py) plus:
              # python-stdlib also takes corpus_split (pack | documents) and max_files
              # tokens (files from `malleus prepare-data`, Megatron .bin/.idx or plain .bin) takes
              # files: [PREFIX, {path: PREFIX, weight: 2.0}, {path: F.bin, dtype: uint16, offsets: F.npy}]
-    train:   {steps: 10, seed: 0, lr: 3.0e-4, weight_decay: 0.0, grad_clip: 1.0, betas: [0.9, 0.95]}
+    train:   {steps: 10, seed: 0, lr: 3.0e-4, weight_decay: 0.0, grad_clip: 1.0, betas: [0.9, 0.95], eps: 1.0e-8}
     emulate: [{device: 3, factor: 3.0, at_step: 2, until_step: 6}]   # demos/tests only, default none
     ray:     {address: null}          # null: start a local Ray cluster; "auto" or host:port: join one
     metrics: {enabled: true, host: 127.0.0.1, port: 0, sd_dir: null}

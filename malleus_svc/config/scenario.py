@@ -9,7 +9,7 @@ Format (YAML or JSON; see README "Scenario format"):
     model:    llama-70b                  # a preset name, or a mapping:
               # {preset: llama-70b, layers: 40}   (override fields of a preset), or
               # {layers: 32, hidden: 4096, heads: 32, ffn: 11008, vocab: 32000, seq_len: 4096}, or
-              # {layers: 32}   (only when `profile` gives tp_alpha and layer_memory_mb)
+              # {layers: 32}   (only when `profile` gives tp_alpha, layer_memory_mb and embedding_memory_mb)
     parallel: {dp: 2, tp: 4, pp: 2}
     batch:    {global: 64, micro: 1}
     profile:  {tp_alpha: [1, 2, 4], layer_memory_mb: [1500, 1270, 1040, 810], embedding_memory_mb: 600,
@@ -48,6 +48,14 @@ OBJECTIVES = ("paper", "bubble", "full")          # the planner's objectives (pl
 # `device:`; a running job with the links its workers timed (runtime/link_probe.py). 'paper' is the
 # Malleus paper's m_i·z_i.
 DEFAULT_OBJECTIVE = "full"
+
+
+def tp_sizes(tp: int) -> tuple[int, ...]:
+    """The TP group sizes a plan may use, largest first: tp, tp/2, ..., 1 (a re-plan splits groups
+    to isolate stragglers; tp is a power of two)."""
+    return tuple(tp >> r for r in range(tp.bit_length()))
+
+
 SOLVERS = ("closed_form", "highs", "both")        # how the planner's lower level is solved (planner.lower)
 SEARCHES = ("default", "exhaustive")              # the planner's upper level (planner.search, planner.exhaustive)
 
@@ -92,6 +100,10 @@ class Scenario:
     @property
     def num_micro_batches(self) -> int:
         return self.global_batch // self.micro_batch
+
+    @property
+    def tp_sizes(self) -> tuple[int, ...]:
+        return tp_sizes(self.tp)
 
     def rate_vector(self, rates: Mapping[int, float] | None = None) -> tuple[float, ...]:
         r = self.rates if rates is None else rates
@@ -155,8 +167,8 @@ class Scenario:
         elif any(b < a for a, b in zip(tp_alpha, tp_alpha[1:])):
             raise ConfigError("profile.tp_alpha", list(tp_alpha), "non-decreasing: a smaller TP group is never "
                               "faster per block", source)
-        reserved = prof.float("reserved_memory_mb", 4500.0, minimum=0, maximum=MAX_MEMORY_MB)
-        safety = prof.float("safety_margin_mb", 4096.0, minimum=0, maximum=MAX_MEMORY_MB)
+        reserved = prof.float("reserved_memory_mb", Profile.reserved_memory_mb, minimum=0, maximum=MAX_MEMORY_MB)
+        safety = prof.float("safety_margin_mb", Profile.safety_margin_mb, minimum=0, maximum=MAX_MEMORY_MB)
         layer_mb = prof.float_list("layer_memory_mb", None, minimum=0, exclusive=True, maximum=MAX_MEMORY_MB)
         emb = (prof.float("embedding_memory_mb", minimum=0, maximum=MAX_MEMORY_MB)
                if prof.has("embedding_memory_mb") else None)
@@ -274,6 +286,36 @@ def validate_rates(rates: Any, num_devices: int, source: str | None = None,
     return out
 
 
+def parse_device_id(text: str, flag: str, item: str) -> int:
+    """A device id typed on a command line (the item it came in, for the error)."""
+    try:
+        d = int(text)
+    except ValueError:
+        raise ConfigError(flag, item, "a device id is a non-negative integer, e.g. 3") from None
+    if d < 0:
+        raise ConfigError(flag, item, "a device id is a non-negative integer, e.g. 3")
+    return d
+
+
+def parse_rate_assignments(items: list[str], flag: str = "--set") -> dict[int, float]:
+    """DEVICE=RATE strings -> {device: rate}; finite rates >= 1.0 (the coordinator re-checks devices)."""
+    out: dict[int, float] = {}
+    for item in items:
+        dev, sep, rate = item.partition("=")
+        if not sep:
+            raise ConfigError(flag, item, "DEVICE=RATE, e.g. 3=2.5")
+        d = parse_device_id(dev.strip(), flag, item)
+        try:
+            r = float(rate)
+        except ValueError:
+            raise ConfigError(flag, item, "a rate is a number >= 1.0 (1 = healthy, 3 = three times slower)") from None
+        if not math.isfinite(r) or not 1.0 <= r <= MAX_RATE:
+            raise ConfigError(flag, item, f"a rate is a finite number >= 1.0 and at most {MAX_RATE:g} (1 = healthy, "
+                                          "3 = three times slower)")
+        out[d] = r
+    return out
+
+
 def _device_id(k: Any, n: int, field_name: str, source: str | None) -> int:
     try:
         dev = int(k) if not isinstance(k, bool) and str(k).strip().lstrip("-").isdigit() else None
@@ -299,3 +341,18 @@ def parse_name(root: Section) -> str:
 
 def load_scenario(path: str | Path) -> Scenario:
     return Scenario.from_dict(read_mapping(path), source=str(path))
+
+
+BUNDLED = Path(__file__).resolve().parent.parent / "scenarios"    # the scenarios that ship with the package
+
+
+def bundled_names() -> list[str]:
+    return sorted(p.stem for p in BUNDLED.glob("*.yaml"))
+
+
+def find_scenario(name: str) -> Path | None:
+    """A scenario file by its path, or a bundled one by its name (with or without .yaml)."""
+    for cand in (Path(name), BUNDLED / name, BUNDLED / f"{name}.yaml"):
+        if cand.is_file():
+            return cand
+    return None

@@ -24,7 +24,7 @@ from typing import Any, Mapping
 
 from malleus_svc.config.errors import shorten
 
-from .coordinator import NAMESPACE, MalleusError, actor_name, describe_plan
+from .coordinator import ACTOR_PREFIX, NAMESPACE, MalleusError, actor_name, describe_plan
 from .requests import check_reason
 
 __all__ = ["Client", "MalleusError", "connect", "list_jobs"]
@@ -41,8 +41,8 @@ def list_jobs() -> list[str]:
     from ray.util import list_named_actors
     out = []
     for a in list_named_actors(all_namespaces=True):
-        if a.get("namespace") == NAMESPACE and a.get("name", "").startswith("malleus:"):
-            out.append(a["name"][len("malleus:"):])
+        if a.get("namespace") == NAMESPACE and a.get("name", "").startswith(ACTOR_PREFIX):
+            out.append(a["name"][len(ACTOR_PREFIX):])
     return sorted(out)
 
 

@@ -57,11 +57,12 @@ from .workers import probe_baselines, ray_workers
 __all__ = ["JobCoordinator", "MalleusError", "NAMESPACE", "actor_name", "describe_plan", "launch"]
 
 NAMESPACE = "malleus"
+ACTOR_PREFIX = "malleus:"   # a job's coordinator is the named actor ACTOR_PREFIX + its name
 MAX_RESTARTS = 3     # coordinator restarts (from the last checkpoint) before the job fails
 
 
 def actor_name(job_name: str) -> str:
-    return f"malleus:{job_name}"
+    return ACTOR_PREFIX + job_name
 
 
 class JobCoordinator(ClientAPI, Membership, Replanning):

@@ -30,6 +30,7 @@ import sys
 import time
 from typing import Sequence
 
+from malleus_svc.config.job import ControlConfig
 from malleus_svc.config.limits import MAX_GLOBAL_BATCH
 from malleus_svc.config.options import number_option
 from malleus_svc.runtime.device_clock import host_cores
@@ -54,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
 # Small enough that a step of 8 paced workers on 2 cores takes about a second.
 MODEL = {"layers": 8, "hidden": 128, "heads": 4, "ffn": 384, "vocab": 256, "seq_len": 32}
 SHOWN_EVENTS = ("links", "calibrated", "planned", "applied", "kept", "failed", "error")   # in the live view
-HEALTHY_STEPS = 9     # warm-up (3), calibration (3) and 3 measured healthy steps before the first shift
+# warm-up, calibration and 3 measured healthy steps before the first shift
+HEALTHY_STEPS = ControlConfig.skip + ControlConfig.warmup + 3
 MIN_PHASE = 4
 
 
@@ -129,7 +131,7 @@ def run_one(title: str, job, steps: int, static: bool, view: View) -> dict:
     """Train `job` through a coordinator; the per-step lines, history and status at the end."""
     import ray
 
-    from .coordinator import launch
+    from .coordinator import actor_name, launch
     h, owner = launch(job, steps=steps, static=static)
     try:
         st = ray.get(h.start.remote(steps, owner=owner))
@@ -137,7 +139,7 @@ def run_one(title: str, job, steps: int, static: bool, view: View) -> dict:
         pace = st["device_pace"]
         view.event(f"[{title}] {w['devices']} workers ({w['cpus_per_worker']:g} logical CPU each) sharing "
                    f"{w['host_cores']} cores" + (f", each an emulated accelerator of {pace['gflops']:.3g} GFLOP/s"
-                                                 if pace else "") + f"; coordinator malleus:{job.name}")
+                                                 if pace else "") + f"; coordinator {actor_name(job.name)}")
         seen, ev_seen = 0, 0.0
         while True:
             st = ray.get(h.status.remote())
@@ -232,6 +234,12 @@ def run_demo(argv: Sequence[str] | None = None) -> int:
         print(f"error: --steps must be >= {HEALTHY_STEPS + 3 * MIN_PHASE} ({HEALTHY_STEPS} healthy steps, then two "
               f"slowdowns and a heal of >= {MIN_PHASE} steps each)", file=sys.stderr)
         return 2
+    if args.summary_out:
+        try:
+            open(args.summary_out, "a").close()     # refused now, not after both runs
+        except OSError as e:
+            print(f"error: --summary-out {e.filename}: {e.strerror}", file=sys.stderr)
+            return 2
     import logging
 
     import ray

@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from enum import Enum
 
+from malleus_svc.config.job import ControlConfig
+
 from .requests import MalleusError
 
 
@@ -17,7 +19,7 @@ class Restore(str, Enum):
 
 
 class FailurePolicy:
-    def __init__(self, rejoin_check_s: float = 5.0):
+    def __init__(self, rejoin_check_s: float = ControlConfig.rejoin_check_s):
         self.rejoin_check_s = float(rejoin_check_s)
         self._next_rejoin_check = 0.0
 

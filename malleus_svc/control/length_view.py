@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from malleus_svc.config.job import ControlConfig
 from malleus_svc.planner.build import length_profile
 
 log = logging.getLogger(__name__)
@@ -18,7 +19,7 @@ def drift_detector():
 
 
 class LengthView:
-    def __init__(self, job, window: int = 50):
+    def __init__(self, job, window: int = ControlConfig.length_window):
         self.job = job
         self.recent: deque = deque(maxlen=window)
         self.last_stats: dict | None = None
@@ -84,7 +85,7 @@ class LengthView:
 
         from .assign import Lookahead
         shape, sc = self.job.shape, self.job.scenario
-        tps = [t for t in (1, 2, 4, 8) if t <= sc.tp and tp_divisibility_error(shape, t) is None]
+        tps = sorted(t for t in sc.tp_sizes if tp_divisibility_error(shape, t) is None)
         if group.use_gpu:
             self.cost, reports = group.length_sweep(shape, tps, self.job.data.seq_len, sc.device.intra_node_gbps)
         else:

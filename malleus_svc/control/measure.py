@@ -29,6 +29,8 @@ import statistics
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
+from malleus_svc.config.job import ControlConfig
+
 from .workload import busy_seconds, device_work
 
 
@@ -49,7 +51,8 @@ def _robust_median(values: list[float], mad_limit: float) -> float:
 
 
 class RateEstimator:
-    def __init__(self, window: int = 5, mad_limit: float = 3.0, common_mode_quantile: float | None = None):
+    def __init__(self, window: int = ControlConfig.window, mad_limit: float = 3.0,
+                 common_mode_quantile: float | None = None):
         if window < 1:
             raise ValueError(f"window must be >= 1 iteration, got {window}")
         if common_mode_quantile is not None and not 0.0 <= common_mode_quantile <= 1.0:
@@ -134,7 +137,8 @@ class Measurement:
     themselves lives here too: the pace of CPU stand-ins and the links the workers timed.
     """
 
-    def __init__(self, window: int = 5, skip: int = 3, warmup: int = 3, skip_after_migration: int = 2):
+    def __init__(self, window: int = ControlConfig.window, skip: int = ControlConfig.skip,
+                 warmup: int = ControlConfig.warmup, skip_after_migration: int = ControlConfig.skip_after_migration):
         # common-mode correction: a machine-wide slowdown of one iteration is not a straggler
         self.estimator = RateEstimator(window=window, common_mode_quantile=0.25)
         self.skip, self.warmup, self.skip_after_migration = skip, warmup, skip_after_migration

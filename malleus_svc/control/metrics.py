@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
 # Why a round was asked for (the coordinator's request kinds), and how it ended.
 REPLAN_REASONS = tuple(k.value for k in RequestKind)
 REPLAN_OUTCOMES = ("applied", "kept", "failed", "superseded")
-LENGTH_QUANTILES = (0.5, 0.9, 0.99, 1.0)
 _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _LENGTH_BUCKETS = tuple(float(2 ** k) for k in range(3, 18))  # 8 .. 128K tokens
 

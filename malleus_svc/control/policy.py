@@ -23,6 +23,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from malleus_svc.config.job import ControlConfig
 from malleus_svc.plan import Plan
 
 
@@ -36,7 +37,8 @@ class MigrationCost:
     """Predicted seconds of a migration: a fixed cost + bytes x seconds per byte, both refitted
     from the migrations measured so far (the defaults until then are conservative)."""
 
-    def __init__(self, overhead_s: float = 2.0, seconds_per_byte: float = 2e-8):
+    def __init__(self, overhead_s: float = ControlConfig.migration_overhead_s,
+                 seconds_per_byte: float = ControlConfig.seconds_per_byte):
         self.default_overhead_s, self.default_seconds_per_byte = overhead_s, seconds_per_byte
         self.seen: list[tuple[float, float]] = []   # (bytes, seconds)
 
@@ -100,7 +102,8 @@ class Decision:
 class ReplanPolicy:
     replans = True
 
-    def __init__(self, band: float = 0.3, threshold: float = 1.2, min_interval: int = 3, confirm: int = 2,
+    def __init__(self, band: float = ControlConfig.band, threshold: float = ControlConfig.threshold,
+                 min_interval: int = ControlConfig.min_interval, confirm: int = ControlConfig.confirm,
                  migration: MigrationCost | None = None):
         if band <= 0:
             raise ValueError(f"band must be > 0, got {band}")

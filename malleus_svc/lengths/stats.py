@@ -7,13 +7,13 @@ the lengths here to keep:
   quantile is known to within one bucket, 2^(1/8) − 1 ≈ 9% by default, at any length scale and
   in O(log(max length)) memory); exact count, total, min and max; mergeable across windows or
   workers; plain JSON.
-* `DriftDetector`: a reference window (the first batches, or whatever `rebase` froze) against the
-  most recent batches; drift = the two windows differ significantly (a two-sample
-  Kolmogorov-Smirnov test on the histograms at level `alpha`) and some high quantile (p90, p99 by
-  default) moved by more than `threshold` relative. The tail is what decides memory limits and the
-  slowest pipeline, so that is what is watched; the test keeps the sampling noise of small windows
-  (a p90 of 64 lengths moves 30% by chance) from counting as drift, and the threshold keeps tiny
-  but significant shifts of huge windows from counting either.
+* `DriftDetector`: a reference window (the first batches) against the most recent batches;
+  drift = the two windows differ significantly (a two-sample Kolmogorov-Smirnov test on the
+  histograms at level `alpha`) and some high quantile (p90, p99 by default) moved by more than
+  `threshold` relative. The tail is what decides memory limits and the slowest pipeline, so that
+  is what is watched; the test keeps the sampling noise of small windows (a p90 of 64 lengths
+  moves 30% by chance) from counting as drift, and the threshold keeps tiny but significant shifts
+  of huge windows from counting either.
 
   A window is `window` batches and at least `min_samples` lengths, as many batches as that takes:
   at the coordinator's 8 batches and 256 lengths, 8 batches from a global batch of 32 up and 32
@@ -284,11 +284,6 @@ class DriftDetector:
             reason = "; ".join(moved) + f" beyond ±{self.threshold:.0%}, " + (
                 test if d > crit else f"but within sampling noise: {test}")
         return DriftReport(bool(moved) and d > crit, shifts, self.reference.count, recent.count, reason, ks)
-
-    def rebase(self) -> None:
-        """Accept the recent distribution as the new reference (after re-planning on it)."""
-        self.reference = self.recent_histogram()
-        self.reference_batches = len(self.recent)
 
     def to_dict(self) -> dict:
         return {"window": self.window, "threshold": self.threshold, "quantiles": list(self.quantile_levels),

@@ -7,7 +7,7 @@ from ..plan import Plan, PlanDiff
 from .problem import PlannerProblem
 
 
-def _ranges(devices) -> str:
+def ranges(devices) -> str:
     """Compact device list: 0-3,5,8-11."""
     out, run = [], []
     for d in sorted(devices):
@@ -32,13 +32,13 @@ def plan_table(plan: Plan, problem: PlannerProblem) -> str:
     for i, pipe in enumerate(plan.pipelines):
         for j, st in enumerate(pipe.stages):
             y = stage_rate(problem, st.devices)
-            rows.append((str(i) if j == 0 else "", str(j), _ranges(st.devices), str(st.tp),
+            rows.append((str(i) if j == 0 else "", str(j), ranges(st.devices), str(st.tp),
                          f"[{st.layers[0]}, {st.layers[1]})", str(st.num_layers), f"{y:.2f}",
                          f"{y * st.num_layers:.1f}", str(pipe.micro_batches) if j == 0 else ""))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    lines.append(f"suspended: {_ranges(plan.suspended)}    excluded: {_ranges(plan.excluded)}")
+    lines.append(f"suspended: {ranges(plan.suspended)}    excluded: {ranges(plan.excluded)}")
     return "\n".join(lines)
 
 

@@ -265,7 +265,7 @@ def tail_options(problem: PlannerProblem, node: int, order: Sequence[int], num_s
 
 
 def group_sizes(problem: PlannerProblem) -> list[int]:
-    return [problem.tp >> r for r in range(problem.max_split + 1)] if problem.allow_split else [problem.tp]
+    return list(problem.tp_sizes) if problem.allow_split else [problem.tp]
 
 
 def every_grouping(problem: PlannerProblem, node: int,

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..config.scenario import DEFAULT_OBJECTIVE
+from ..config.scenario import DEFAULT_OBJECTIVE, tp_sizes
 from ..costmodel.profile import CommCosts, MemoryProfile
 from ..plan import StateSizes
 
@@ -54,7 +54,11 @@ class PlannerProblem:
     @property
     def max_split(self) -> int:
         """Number of halvings allowed: group sizes tp, tp/2, ..., 1."""
-        return int(round(math.log2(self.tp)))
+        return len(self.tp_sizes) - 1
+
+    @property
+    def tp_sizes(self) -> tuple[int, ...]:
+        return tp_sizes(self.tp)
 
     def alpha(self, group_size: int) -> float:
         r = int(round(math.log2(self.tp // group_size)))

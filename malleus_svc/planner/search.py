@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
-from ..plan import Pipeline, Plan, Stage
+from ..plan import Pipeline, Plan, PlanError, Stage
 from .budget import NEVER, Deadline
 from .grouping import WIDE_DEVICES, Group, NodeOption, group_rate, make_group, node_options
 from .lower import layer_caps, solve_micro_batches
@@ -182,6 +182,25 @@ def evaluate(problem: PlannerProblem, plan: Plan) -> float:
     if problem.objective == "paper":
         return max(p.micro_batches * max(t) for p, t in zip(plan.pipelines, times))
     return max((p.micro_batches + len(p.stages) - 1) * max(t) for p, t in zip(plan.pipelines, times))
+
+
+def check_plan_fits(problem: PlannerProblem, plan: Plan, where: str = "plan") -> Plan:
+    """A plan made elsewhere (a file) against the problem: the same cluster, model and batch, and
+    every stage a TP group the problem prices (tp / 2^r devices on one node). PlanError says what differs."""
+    found = [f"{what} {mine}, the scenario has {theirs}" for what, mine, theirs in (
+        ("devices", plan.num_devices, problem.num_devices), ("gpus_per_node", plan.gpus_per_node, problem.gpus_per_node),
+        ("layers", plan.num_layers, problem.num_layers),
+        ("micro-batches", plan.num_micro_batches, problem.num_micro_batches)) if mine != theirs]
+    sizes = problem.tp_sizes
+    for i, pipe in enumerate(plan.pipelines):
+        for j, st in enumerate(pipe.stages):
+            nodes = sorted({plan.node_of(d) for d in st.devices})
+            if st.tp not in sizes or len(nodes) > 1:
+                found.append(f"pipeline {i} stage {j} has {st.tp} devices on node(s) {nodes}, where a stage is "
+                             f"a TP group of {' or '.join(map(str, sizes))} devices on one node")
+    if found:
+        raise PlanError(f"{where} {plan.plan_id} does not fit the scenario: " + "; ".join(found[:3]))
+    return plan
 
 
 def _stage_times(problem: PlannerProblem, plan: Plan, pipe: Pipeline) -> tuple[float, ...]:

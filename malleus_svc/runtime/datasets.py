@@ -23,13 +23,11 @@ from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 import numpy as np
 import torch
 
+from malleus_svc.config.job import CORPUS_SPLITS, DATA_MODES, DATA_SOURCES
 from malleus_svc.runtime.batch import IGNORE_INDEX, MicroBatch
 from malleus_svc.runtime.data import DataError, _check_int
 from malleus_svc.runtime.token_files import TokenFile, open_indexed, open_plain, summary_path
 
-SOURCES = ("synthetic", "python-stdlib", "tokens")
-CORPUS_MODES = ("pack", "documents")
-COLLATE_MODES = ("pack", "pad")
 
 
 @runtime_checkable
@@ -194,8 +192,8 @@ class PythonSourceCorpus:
     def __init__(self, seq_len: int, mode: str = "pack", max_files: int | None = None,
                  num_samples: int | None = None, root: str | os.PathLike | None = None):
         self.seq_len = _check_int("seq_len", seq_len, 2)
-        if mode not in CORPUS_MODES:
-            raise DataError(f"PythonSourceCorpus mode must be one of {list(CORPUS_MODES)}, got {mode!r}")
+        if mode not in CORPUS_SPLITS:
+            raise DataError(f"PythonSourceCorpus mode must be one of {list(CORPUS_SPLITS)}, got {mode!r}")
         self.mode = mode
         self.root = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
         if not self.root.is_dir():
@@ -435,8 +433,8 @@ def collate(dataset: TokenDataset, sample_ids: Sequence[int], mode: str = "pack"
     and IGNORE_INDEX targets; each padded sequence is one segment of ``seq_len`` tokens.
     If `seq_len` is known, a sequence longer than ``seq_len + 1`` is an error in both modes.
     """
-    if mode not in COLLATE_MODES:
-        raise DataError(f"collate mode must be one of {list(COLLATE_MODES)}, got {mode!r}")
+    if mode not in DATA_MODES:
+        raise DataError(f"collate mode must be one of {list(DATA_MODES)}, got {mode!r}")
     ids = tuple(int(i) for i in sample_ids)
     if not ids:
         raise DataError("collate needs at least one sample id, got none")
@@ -517,8 +515,8 @@ def build_dataset(spec: Mapping[str, Any], *, scan: bool = True) -> TokenDataset
     if not isinstance(spec, Mapping):
         raise DataError(f"a dataset spec must be a dict, got {type(spec).__name__}")
     source = spec.get("source")
-    if source not in SOURCES:
-        raise DataError(f"dataset field 'source' must be one of {list(SOURCES)}, got {source!r}")
+    if source not in DATA_SOURCES:
+        raise DataError(f"dataset field 'source' must be one of {list(DATA_SOURCES)}, got {source!r}")
     unknown = sorted(set(spec) - _SPEC_KEYS[source])
     if unknown:
         raise DataError(f"dataset fields {unknown} are not accepted for source {source!r}; "
@@ -561,8 +559,8 @@ def build_dataset(spec: Mapping[str, Any], *, scan: bool = True) -> TokenDataset
     if "seed" in spec:
         field("seed", 0)
     mode = spec.get("mode", "pack")
-    if mode not in CORPUS_MODES:
-        raise DataError(f"dataset field 'mode' must be one of {list(CORPUS_MODES)} for python-stdlib, got {mode!r}")
+    if mode not in CORPUS_SPLITS:
+        raise DataError(f"dataset field 'mode' must be one of {list(CORPUS_SPLITS)} for python-stdlib, got {mode!r}")
     return PythonSourceCorpus(seq_len=seq_len, mode=mode,
                               max_files=field("max_files", 1) if spec.get("max_files") is not None else None,
                               num_samples=field("num_samples", 1) if spec.get("num_samples") is not None else None,

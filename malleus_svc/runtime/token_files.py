@@ -24,6 +24,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from malleus_svc.config import job as job_config
 from malleus_svc.runtime.data import DataError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -31,7 +32,8 @@ VERSION = 1
 # Megatron's dtype codes (megatron/core/datasets/indexed_dataset.py, DType)
 DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
                8: np.uint16}
-TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+# a plain .bin's ids: the names the job file accepts, as numpy dtypes
+TOKEN_DTYPES = {name: np.dtype(name) for name in job_config.TOKEN_DTYPES}
 _HEADER = struct.Struct("<9sQBQQ")
 _SCAN_CHUNK = 1 << 24   # tokens per chunk when scanning a file for its largest id
 

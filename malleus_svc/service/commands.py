@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 
 from malleus_svc.config.errors import ConfigError, shorten
-from malleus_svc.config.limits import MAX_RATE
+from malleus_svc.config.scenario import parse_device_id, parse_rate_assignments
 from malleus_svc.control.client import MalleusError, connect
 from malleus_svc.control.coordinator import describe_plan
 from malleus_svc.control.outcome import recorded
@@ -89,7 +88,7 @@ def cmd_replan(args: argparse.Namespace) -> int:
 def cmd_rates(args: argparse.Namespace) -> int:
     changes: dict[int, float | None] = parse_rate_assignments(args.set)
     for d in args.clear:
-        changes[_device(d, "--clear", d)] = None
+        changes[parse_device_id(d, "--clear", d)] = None
     client = _client(args)
     if args.clear_all:
         client.clear_rates()
@@ -110,35 +109,6 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- parsing and formatting
-def _device(text: str, flag: str, item: str) -> int:
-    try:
-        d = int(text)
-    except ValueError:
-        raise ConfigError(flag, item, "a device id is a non-negative integer, e.g. 3") from None
-    if d < 0:
-        raise ConfigError(flag, item, "a device id is a non-negative integer, e.g. 3")
-    return d
-
-
-def parse_rate_assignments(items: list[str], flag: str = "--set") -> dict[int, float]:
-    """DEVICE=RATE strings -> {device: rate}; finite rates >= 1.0 (the coordinator re-checks devices)."""
-    out: dict[int, float] = {}
-    for item in items:
-        dev, sep, rate = item.partition("=")
-        if not sep:
-            raise ConfigError(flag, item, "DEVICE=RATE, e.g. 3=2.5")
-        d = _device(dev.strip(), flag, item)
-        try:
-            r = float(rate)
-        except ValueError:
-            raise ConfigError(flag, item, "a rate is a number >= 1.0 (1 = healthy, 3 = three times slower)") from None
-        if not math.isfinite(r) or not 1.0 <= r <= MAX_RATE:
-            raise ConfigError(flag, item, f"a rate is a finite number >= 1.0 and at most {MAX_RATE:g} (1 = healthy, "
-                                          "3 = three times slower)")
-        out[d] = r
-    return out
-
-
 def format_status(st: dict) -> str:
     def num(v, fmt="{:,.0f}"):
         return "-" if v is None else fmt.format(v)

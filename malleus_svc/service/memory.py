@@ -19,7 +19,7 @@ from malleus_svc.config.scenario import Scenario
 from malleus_svc.costmodel import analytic
 from malleus_svc.plan import Plan, PlanError
 from malleus_svc.planner.build import build_problem
-from malleus_svc.planner.describe import _ranges
+from malleus_svc.planner.describe import ranges
 from malleus_svc.planner.problem import PlannerProblem
 from malleus_svc.runtime.engine import validate_plan_for_model
 from malleus_svc.runtime.memory import StageFootprint, StageMemory, stage_footprint
@@ -116,7 +116,7 @@ def memory_table(rows: list[StageReport]) -> str:
     table = [head]
     for r in rows:
         terms = dict(r.measured.terms())
-        table.append((str(r.pipeline) if r.stage == 0 else "", str(r.stage), _ranges(r.devices), str(r.layers),
+        table.append((str(r.pipeline) if r.stage == 0 else "", str(r.stage), ranges(r.devices), str(r.layers),
                       str(r.tp), str(r.in_flight), *(f"{terms[t] / GB:.1f}" for t in _TERMS),
                       f"{r.reserved_mb * MB / GB:.1f}", f"{r.total_mb * MB / GB:.1f}",
                       f"{r.planner_mb * MB / GB:.1f}", f"{100 * r.gap(r.planner_mb):+.0f}%",

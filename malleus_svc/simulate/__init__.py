@@ -14,22 +14,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from ..geometry import one_f_one_b
 from .baselines import SYSTEMS, Costs, Decision, System, make_systems, migration_seconds, restart_plan
 from .memory import MemoryReport, StageMemory, memory_report
 from .timeline import MAX_SIMULATED_OPS, SimOptions, SimResult, SimulationError, simulate, simulated_ops
 from .trace import IterationClock, Phase, Trace, TraceResult, run_trace, trace_from_dict
+from ..config.scenario import bundled_names, find_scenario, parse_rate_assignments
 from ..planner.build import build_problem
+from ..planner.describe import ranges
 
 __all__ = ["SYSTEMS", "Costs", "Decision", "System", "make_systems", "migration_seconds", "restart_plan",
            "MemoryReport", "StageMemory", "memory_report", "SimOptions", "SimResult", "SimulationError",
            "one_f_one_b", "simulate", "IterationClock", "Phase", "Trace", "TraceResult", "run_trace",
            "trace_from_dict", "simulate_cli", "load_any_scenario"]
-
-BUNDLED = Path(__file__).resolve().parent.parent / "scenarios"
-
 
 def load_any_scenario(name: str):
     """A scenario file, a bundled scenario name, or a paper grid entry 'SETUP/SITUATION'
@@ -37,29 +35,14 @@ def load_any_scenario(name: str):
     from ..config import ConfigError, load_scenario
     from .scenarios import SETUPS, SITUATIONS, paper_scenario
 
-    p = Path(name)
-    if p.is_file():
-        return load_scenario(p)
-    for cand in (BUNDLED / name, BUNDLED / f"{name}.yaml"):
-        if cand.is_file():
-            return load_scenario(cand)
+    path = find_scenario(name)
+    if path is not None:
+        return load_scenario(path)
     setup, _, situation = name.partition("/")
     if setup in SETUPS:
         return paper_scenario(setup, situation or "healthy")
-    known = sorted(x.stem for x in BUNDLED.glob("*.yaml")) + [f"{s}/{{{','.join(SITUATIONS)}}}" for s in SETUPS]
+    known = bundled_names() + [f"{s}/{{{','.join(SITUATIONS)}}}" for s in SETUPS]
     raise ConfigError("scenario", name, f"no such file, bundled scenario or grid entry (known: {', '.join(known)})")
-
-
-def _ranges(devices) -> str:
-    """(0, 1, 2, 3, 6) -> '0-3,6'."""
-    out, run = [], []
-    for d in sorted(devices):
-        if run and d != run[-1] + 1:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-            run = []
-        run.append(d)
-    out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
 
 
 def _describe(name: str, decision: Decision, sim: SimResult, mem: MemoryReport, verbose: bool) -> list[str]:
@@ -83,7 +66,7 @@ def _describe(name: str, decision: Decision, sim: SimResult, mem: MemoryReport, 
         for s in pres.stages:
             m = mems[(i, s.stage)]
             flag = " OOM" if m in mem.oom else (" (margin)" if m in mem.over_budget else "")
-            devs = _ranges(s.devices)
+            devs = ranges(s.devices)
             out.append(f"     {s.stage:>5} | {devs:>7} | {s.layers[1] - s.layers[0]:>6} | {s.rate:4.2f} | "
                        f"{s.compute_per_mb:5.1f} | {s.busy:7.1f} | [{s.sync_start:.1f}, {s.sync_end:.1f}] | "
                        f"{m.in_flight:>9} | {m.peak_mb / 1024:6.1f}{flag}")
@@ -104,6 +87,7 @@ def simulate_cli(argv: list[str]) -> int:
     from ..config.options import number_option
     from ..costmodel.profile import BACKWARD_RATIO
     from ..plan import Plan, PlanError
+    from ..planner.search import check_plan_fits
 
     ap = argparse.ArgumentParser(prog="malleus simulate", description=__doc__.split("\n")[0])
     ap.add_argument("scenario", help="scenario file, bundled name, or grid entry such as 70b-64gpu/severe")
@@ -120,21 +104,14 @@ def simulate_cli(argv: list[str]) -> int:
     try:
         scenario = load_any_scenario(args.scenario)
         rates = dict(scenario.rates)
-        for item in args.rate:
-            dev, sep, val = item.partition("=")
-            try:
-                rates[int(dev)] = float(val)
-            except ValueError:
-                raise ConfigError("--rate", item, "expected DEVICE=RATE, e.g. --rate 5=3.0") from None
-            if not sep:
-                raise ConfigError("--rate", item, "expected DEVICE=RATE, e.g. --rate 5=3.0")
-        rates = validate_rates(rates, scenario.num_devices, field_name="--rate")
+        rates.update(validate_rates(parse_rate_assignments(args.rate, "--rate"), scenario.num_devices, field_name="--rate"))
         problem = build_problem(scenario, rates=rates)
         options = SimOptions(backward_ratio=args.backward_ratio, p2p=args.p2p)
         # Before planning: the baselines simulate plans of the scenario's depth while they decide.
         _check_ops(2 * problem.num_micro_batches * scenario.pp, scenario)
         if args.plan:
-            decisions = [("plan file", Decision(Plan.load(args.plan)))]
+            plan = check_plan_fits(problem, Plan.load(args.plan), f"--plan {args.plan}")
+            decisions = [("plan file", Decision(plan))]
         else:
             names = SYSTEMS if args.system == "all" else (args.system,)
             base = make_systems(names=("static",))[0].decide(problem, None).plan

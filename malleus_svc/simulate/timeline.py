@@ -229,7 +229,6 @@ class StageResult:
     layers: tuple[int, int]
     rate: float               # α(|g|) · max true rate in the group
     compute_per_mb: float     # t0, forward + backward of one micro-batch (of work 1)
-    p2p_per_mb: float         # t0, this stage's sends per micro-batch of volume 1 (forward output + backward gradient)
     busy: float               # t0 of compute and blocking sends (work: without co-run interference)
     last_backward_end: float
     sync_start: float
@@ -400,11 +399,9 @@ def simulate(plan: Plan, problem: PlannerProblem, rates: Sequence[float] | Mappi
         for j, st in enumerate(pipe.stages):
             q = eng.queues[("gpu", i, j)]
             busy = sum(ops[o].duration for o in q if ops[o].label[0] != "step")
-            S = len(pipe.stages)
-            p2p = (boundary(i, j) / 2 if j < S - 1 else 0.0) + (boundary(i, j - 1) / 2 if j > 0 else 0.0)
             rows.append(StageResult(
                 pipeline=i, stage=j, devices=st.devices, layers=st.layers, rate=info[i][j][0],
-                compute_per_mb=info[i][j][1], p2p_per_mb=p2p, busy=busy,
+                compute_per_mb=info[i][j][1], busy=busy,
                 last_backward_end=ops[last_op[(i, j)]].end, sync_start=ops[sync_ids[(i, j)]].start,
                 sync_end=ops[sync_ids[(i, j)]].end, step_end=ops[step_ids[(i, j)]].end,
                 max_in_flight=in_flight[(i, j)]))
