@@ -17,6 +17,7 @@ from .plan import Plan, PlanError
 from .service import commands
 from .planner.build import build_problem
 
+
 def _scenario_path(name: str) -> Path:
     path = find_scenario(name)
     if path is None:

@@ -29,7 +29,6 @@ from malleus_svc.runtime.data import DataError, _check_int
 from malleus_svc.runtime.token_files import TokenFile, open_indexed, open_plain, summary_path
 
 
-
 @runtime_checkable
 class TokenDataset(Protocol):
     def __len__(self) -> int: ...
