@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import random
 
+from malleus_svc.config.scenario import OBJECTIVES
 from malleus_svc.planner import CommCosts, MemoryProfile, PlannerProblem
 
 STRAGGLER_RATES = (1.1, 1.5, 2.0, 3.0, 5.0, 8.0)
-OBJECTIVES = ("paper", "bubble", "full")
 
 
 def random_problem(rng: random.Random, objective: str) -> PlannerProblem:

@@ -21,7 +21,7 @@ import sys
 from typing import Sequence
 
 from malleus_svc.config.errors import ConfigError
-from malleus_svc.config.limits import MAX_NUMBER
+from malleus_svc.config.limits import MAX_NUMBER, MAX_PORT
 from malleus_svc.config.options import number_option
 from malleus_svc.plan import Plan, PlanError
 
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--static", action="store_true",
                    help="keep the first plan for the whole run (no re-planning; a baseline)")
-    number_option(p, "--metrics-port", 0, 65535, integer=True, default=None,
+    number_option(p, "--metrics-port", 0, MAX_PORT, integer=True, default=None,
                    help="Prometheus endpoint port (default: the job's metrics.port; 0 = any free port)")
     p.add_argument("--metrics-host", default=None,
                    help="Prometheus endpoint bind address (default: the job's metrics.host, 127.0.0.1)")

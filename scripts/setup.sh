@@ -5,12 +5,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+TORCH=2.13.0
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
-  .venv/bin/python -m pip install -q "torch==2.13.0"
+if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != sys.argv[1])' "$TORCH" 2>/dev/null; then
+  .venv/bin/python -m pip install -q "torch==$TORCH"
 fi
 .venv/bin/python -m pip install -q -e ".[test,data]"
 # A real Prometheus for tests/test_service_e2e.py (Debian's package; skipped where apt is not ours to use).

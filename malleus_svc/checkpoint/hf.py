@@ -15,7 +15,7 @@ from typing import Mapping
 
 import torch
 
-from malleus_svc.config.hf_config import CONFIG_FILE, hf_config, read_hf_config, shape_from_hf_config
+from malleus_svc.config.hf_config import CONFIG_FILE, hf_config, shape_of_folder
 from malleus_svc.config.presets import ModelShape
 from malleus_svc.geometry import hf_name, model_parts, part_tensors
 from malleus_svc.runtime.engine import EXP_AVG, EXP_AVG_SQ, STEP
@@ -46,7 +46,7 @@ def pretrained_state(folder: str | Path, shape: ModelShape) -> dict[str, torch.T
 
 def read_pretrained(folder: str | Path, seq_len: int | None = None) -> tuple[ModelShape, dict[str, torch.Tensor]]:
     """(shape, flat full state) of a LLaMA folder."""
-    shape = shape_from_hf_config(read_hf_config(folder), str(Path(folder) / CONFIG_FILE), seq_len)
+    shape = shape_of_folder(folder, seq_len)
     return shape, pretrained_state(folder, shape)
 
 

@@ -37,6 +37,11 @@ def read_hf_config(folder: str | Path) -> dict:
     return doc
 
 
+def shape_of_folder(folder: str | Path, seq_len: int | None = None) -> ModelShape:
+    """The ModelShape of a Hugging Face LLaMA folder (its config.json)."""
+    return shape_from_hf_config(read_hf_config(folder), str(Path(folder) / CONFIG_FILE), seq_len)
+
+
 def shape_from_hf_config(cfg: Mapping[str, Any], source: str, seq_len: int | None = None) -> ModelShape:
     """The ModelShape of a LLaMA config; `seq_len` defaults to its max_position_embeddings."""
     def bad(key: str, accepted: str) -> ConfigError:

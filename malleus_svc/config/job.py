@@ -34,7 +34,7 @@ from typing import Any
 
 from .errors import ConfigError
 from .fields import Section, key_name
-from .limits import MAX_MEMORY_MB, MAX_RATE, MAX_SAMPLES, MAX_SECONDS, MAX_TOKEN_FILES, MAX_WEIGHT
+from .limits import MAX_MEMORY_MB, MAX_PORT, MAX_RATE, MAX_SAMPLES, MAX_SECONDS, MAX_TOKEN_FILES, MAX_WEIGHT
 from .files import read_mapping
 from .scenario import SCENARIO_KEYS, Scenario
 
@@ -230,7 +230,8 @@ def load_job_config(path: str | Path) -> JobConfig:
 
 # ---------------------------------------------------------------------- sections
 def _parse_data(s: Section, shape) -> DataConfig:
-    source = s.choice("source", DATA_SOURCES, "synthetic")
+    d = DataConfig()    # the defaults; seq_len and vocab default to the model's
+    source = s.choice("source", DATA_SOURCES, d.source)
     seq_len = s.int("seq_len", shape.seq_len, minimum=2)
     if seq_len > shape.seq_len:
         raise s.error("seq_len", seq_len, f"at most the model's seq_len ({shape.seq_len})")
@@ -240,7 +241,7 @@ def _parse_data(s: Section, shape) -> DataConfig:
     if source == "python-stdlib" and vocab < 256:
         raise s.error("vocab", vocab, "python-stdlib is byte-level: vocab must be >= 256 (and the model's vocab too)")
     if source == "synthetic":
-        num_samples = s.int("num_samples", 1024, minimum=1, maximum=MAX_SAMPLES)
+        num_samples = s.int("num_samples", d.num_samples, minimum=1, maximum=MAX_SAMPLES)
     elif source == "tokens":
         if s.has("num_samples"):
             raise s.error("num_samples", s.raw("num_samples"), "not for source tokens (its files set the count; "
@@ -254,7 +255,7 @@ def _parse_data(s: Section, shape) -> DataConfig:
         if source != "python-stdlib":
             raise s.error("max_files", max_files, "only for source python-stdlib")
         max_files = s.int("max_files", minimum=1)
-    split = s.choice("corpus_split", CORPUS_SPLITS, "pack")
+    split = s.choice("corpus_split", CORPUS_SPLITS, d.corpus_split)
     if s.has("corpus_split") and source != "python-stdlib":
         raise s.error("corpus_split", split, "only for source python-stdlib")
     cfg = DataConfig(
@@ -262,11 +263,11 @@ def _parse_data(s: Section, shape) -> DataConfig:
         seq_len=seq_len,
         num_samples=num_samples,
         vocab=vocab,
-        mode=s.choice("mode", DATA_MODES, "pack"),
-        seed=s.int("seed", 0, minimum=0),
+        mode=s.choice("mode", DATA_MODES, d.mode),
+        seed=s.int("seed", d.seed, minimum=0),
         corpus_split=split,
         max_files=max_files,
-        assignment=s.choice("assignment", ASSIGNMENTS, "fixed"),
+        assignment=s.choice("assignment", ASSIGNMENTS, d.assignment),
         files=_parse_token_files(s) if source == "tokens" else (),
     )
     if cfg.assignment == "length-aware" and cfg.mode != "pack":
@@ -374,8 +375,8 @@ def parse_metrics(s: Section) -> MetricsConfig:
     if not isinstance(host, str) or not host.strip() or any(c.isspace() for c in host):
         raise s.error("host", host, 'an address to bind, e.g. "127.0.0.1" (default) or "0.0.0.0" (all interfaces)')
     port = s.int("port", d.port, minimum=0)
-    if port > 65535:
-        raise s.error("port", port, "a TCP port in 0..65535 (0: any free port)")
+    if port > MAX_PORT:
+        raise s.error("port", port, f"a TCP port in 0..{MAX_PORT} (0: any free port)")
     sd_dir = s.raw("sd_dir", None)
     if sd_dir is not None and (not isinstance(sd_dir, str) or not sd_dir.strip()):
         raise s.error("sd_dir", sd_dir, "a directory path, or null for <Ray temp dir>/malleus/metrics_sd")

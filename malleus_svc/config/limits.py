@@ -24,3 +24,4 @@ MAX_MEMORY_MB = 1e9                 # any memory in MB
 MAX_NUMBER = float(2 ** 53)         # any other number (the largest integer a float holds exactly)
 MAX_TOKEN_FILES = 10_000            # files blended in one `tokens` corpus
 MAX_WEIGHT = 1_000.0                # a file's repeats per epoch in a blend
+MAX_PORT = 65_535                   # a TCP port (0: any free one)

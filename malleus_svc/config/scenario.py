@@ -27,13 +27,13 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping, get_args
 
 from .device import DeviceSpec
 from .errors import ConfigError
 from .fields import Section, check_float
 from .files import read_mapping
-from .hf_config import read_hf_config, shape_from_hf_config
+from .hf_config import shape_of_folder
 from .limits import (MAX_DEVICES, MAX_GLOBAL_BATCH, MAX_LAYERS, MAX_MEMORY_MB, MAX_MODEL_DIM, MAX_NAME,
                      MAX_RATE, MAX_SECONDS)
 from .presets import PRESETS, ModelShape
@@ -42,7 +42,8 @@ SCENARIO_KEYS = ("name", "cluster", "model", "parallel", "batch", "profile", "de
                  "excluded", "planner")
 _SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelShape))
 NAME_PATTERN = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_NAME}}}")   # safe in actor names, paths, logs
-OBJECTIVES = ("paper", "bubble", "full")          # the planner's objectives (planner.problem)
+Objective = Literal["paper", "bubble", "full"]   # the planner's objectives (planner.problem)
+OBJECTIVES: tuple[str, ...] = get_args(Objective)
 # 'full' ranks plans as the event simulator times them (1F1B fill and drain, p2p, gradient reduction;
 # BENCHMARKS.md, objectives). A scenario prices its communication with the analytic model of its
 # `device:`; a running job with the links its workers timed (runtime/link_probe.py). 'paper' is the
@@ -56,8 +57,10 @@ def tp_sizes(tp: int) -> tuple[int, ...]:
     return tuple(tp >> r for r in range(tp.bit_length()))
 
 
-SOLVERS = ("closed_form", "highs", "both")        # how the planner's lower level is solved (planner.lower)
-SEARCHES = ("default", "exhaustive")              # the planner's upper level (planner.search, planner.exhaustive)
+Solver = Literal["closed_form", "highs", "both"]   # how the planner's lower level is solved (planner.lower)
+SOLVERS: tuple[str, ...] = get_args(Solver)
+Search = Literal["default", "exhaustive"]          # the planner's upper level (planner.search, planner.exhaustive)
+SEARCHES: tuple[str, ...] = get_args(Search)
 
 
 @dataclass(frozen=True)
@@ -212,7 +215,7 @@ def _parse_model(root: Section, source: str | None) -> tuple[ModelShape | None, 
             folder = str(Path(source).parent / folder)
         seq_len = m.int("seq_len", minimum=1, maximum=MAX_MODEL_DIM) if m.has("seq_len") else None
         m.done()
-        shape = shape_from_hf_config(read_hf_config(folder), str(Path(folder) / "config.json"), seq_len)
+        shape = shape_of_folder(folder, seq_len)
         return shape, shape.layers, folder
     base: dict[str, Any] = {}
     if m.has("preset"):

@@ -9,15 +9,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
 
-from ..config.scenario import DEFAULT_OBJECTIVE, tp_sizes
+from ..config.scenario import DEFAULT_OBJECTIVE, Objective, Search, Solver, tp_sizes
 from ..costmodel.profile import CommCosts, MemoryProfile
 from ..plan import StateSizes
-
-Objective = Literal["paper", "bubble", "full"]
-Search = Literal["default", "exhaustive"]
-
 
 @dataclass(frozen=True)
 class PlannerProblem:
@@ -43,7 +38,7 @@ class PlannerProblem:
     time_limit_s: float = 10.0              # per HiGHS solve
     time_budget_s: float = 60.0             # the whole search (planner.budget): then the best plan found
     mip_gap: float = 0.0
-    solver: Literal["closed_form", "highs", "both"] = "closed_form"
+    solver: Solver = "closed_form"
     search: Search = "default"              # 'exhaustive': every plan of a small cluster (planner.exhaustive)
     state_sizes: StateSizes = field(default_factory=StateSizes)
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import get_args
 
 from ..geometry import one_f_one_b
 from .baselines import SYSTEMS, Costs, Decision, System, make_systems, migration_seconds, restart_plan
 from .memory import MemoryReport, StageMemory, memory_report
-from .timeline import MAX_SIMULATED_OPS, SimOptions, SimResult, SimulationError, simulate, simulated_ops
+from .timeline import MAX_SIMULATED_OPS, P2PMode, SimOptions, SimResult, SimulationError, simulate, simulated_ops
 from .trace import IterationClock, Phase, Trace, TraceResult, run_trace, trace_from_dict
 from ..config.scenario import bundled_names, find_scenario, parse_rate_assignments
 from ..planner.build import build_problem
@@ -95,7 +96,7 @@ def simulate_cli(argv: list[str]) -> int:
                     help="whose plan to simulate (default malleus; 'all' compares every system)")
     ap.add_argument("--rate", action="append", default=[], metavar="D=X", help="override a device's true rate")
     ap.add_argument("--plan", metavar="FILE", help="simulate this plan file instead of planning")
-    ap.add_argument("--p2p", choices=("blocking", "overlapped"), default="blocking")
+    ap.add_argument("--p2p", choices=get_args(P2PMode), default=SimOptions.p2p)
     number_option(ap, "--backward-ratio", 0.01, 100, default=BACKWARD_RATIO,
                   help=f"backward time / forward time (default {BACKWARD_RATIO:g})")
     ap.add_argument("--brief", action="store_true", help="pipelines only, no per-stage rows")
