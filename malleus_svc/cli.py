@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from .config import ConfigError, load_scenario, validate_rates
+from .config.options import output_file_option
 from .config.scenario import DEFAULT_OBJECTIVE, OBJECTIVES, bundled_names, find_scenario, parse_rate_assignments
 from .plan import Plan, PlanError
 from .service import commands
@@ -75,6 +76,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .checkpoint import CheckpointError
     from .checkpoint.hf import export_checkpoint
 
+    if Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
+        raise ConfigError("out_dir", args.out_dir, "a folder to write (or to create), not a file")
     try:
         out, shape, step = export_checkpoint(args.checkpoint, args.out_dir)
     except CheckpointError as e:
@@ -160,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("scenario", help="scenario file, or a bundled scenario name: "
                    + ", ".join(bundled_names()))
     p.add_argument("--previous", help="the plan in force now (JSON); prefer plans that move little state from it")
-    p.add_argument("-o", "--output", help="write the plan as JSON here")
+    output_file_option(p, "-o", "--output", help="write the plan as JSON here")
     p.add_argument("--rate", action="append", default=[], metavar="DEVICE=RATE", help="override a straggling rate")
     p.add_argument("--objective", choices=OBJECTIVES,
                    help=f"override the scenario's objective (default: the scenario's, else {DEFAULT_OBJECTIVE})")
@@ -225,9 +228,6 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ConfigError, PlanError, ConnectionError) as e:
         print(f"malleus: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:        # an output path that cannot be written, an input that cannot be read
-        print(f"malleus: error: {e.filename}: {e.strerror}" if e.filename else f"malleus: error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:
         # The planner's InfeasibleError and the client's MalleusError are ValueErrors whose messages

@@ -22,7 +22,7 @@ from typing import Sequence
 
 from malleus_svc.config.errors import ConfigError
 from malleus_svc.config.limits import MAX_NUMBER, MAX_PORT
-from malleus_svc.config.options import number_option
+from malleus_svc.config.options import number_option, output_file_option
 from malleus_svc.plan import Plan, PlanError
 
 
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", default=None, help="plan JSON to use instead of running the planner")
     number_option(p, "--steps", 1, MAX_NUMBER, integer=True, default=None,
                   help="number of steps (default: the job's train.steps)")
-    p.add_argument("--metrics-out", default=None, help="append one JSON line per step to this file")
+    output_file_option(p, "--metrics-out", default=None, help="append one JSON line per step to this file")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--static", action="store_true",
                    help="keep the first plan for the whole run (no re-planning; a baseline)")
@@ -63,16 +63,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             from malleus_svc.runtime.trainer import make_plan
             plan = make_plan(job)
-        if args.metrics_out:
-            open(args.metrics_out, "a").close()    # an unwritable file is refused before Ray starts
     except (ConfigError, PlanError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except InfeasibleError as e:
         print(f"error: infeasible: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"error: {e.filename}: {e.strerror}", file=sys.stderr)
         return 2
     except DataError as e:
         print(f"error: data: {e}", file=sys.stderr)

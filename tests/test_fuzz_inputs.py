@@ -21,7 +21,7 @@ from malleus_svc.config.scenario import SCENARIO_KEYS, Scenario
 from malleus_svc.control.coordinator import JobCoordinator, MalleusError
 from malleus_svc.control.requests import CallBudget
 from malleus_svc.control.state import JobState, RoundState
-from malleus_svc.service.commands import parse_rate_assignments
+from malleus_svc.config.scenario import parse_rate_assignments
 from malleus_svc.planner.build import build_problem
 
 REPO = Path(__file__).resolve().parent.parent

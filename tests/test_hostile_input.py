@@ -21,6 +21,7 @@ from malleus_svc import cli
 from malleus_svc.checkpoint.errors import CheckpointError
 from malleus_svc.checkpoint.manifest import Manifest
 from malleus_svc.config import ConfigError, Scenario
+from malleus_svc.config.errors import shorten
 from malleus_svc.config.files import parse_document
 from malleus_svc.config.job import JobConfig, load_job_config
 from malleus_svc.config.limits import MAX_DEVICES, MAX_FILE_BYTES, MAX_LAYERS, MAX_RATE, MAX_YAML_BYTES
@@ -122,21 +123,39 @@ def test_the_alias_bomb_is_one_line_from_the_command_line(tmp_path):
 
 
 # ---------------------------------------------------------------------- output paths and plans that cannot be
-def test_outputs_that_cannot_be_written_are_one_line_before_any_work(tmp_path, capsys):
-    """A missing folder for `plan -o`, the demo's summary or train's metrics file: one line naming
-    the path, and for the demo and train before Ray starts (neither gets as far as a cluster here)."""
+@pytest.mark.parametrize("command, flag", [(["plan", "paper-fig4-16gpu"], "--output"), (["demo"], "--summary-out"),
+                                           (["train", "examples/tiny_job.yaml"], "--metrics-out")])
+def test_outputs_that_cannot_be_written_are_one_line_before_any_work(tmp_path, capsys, monkeypatch, command, flag):
+    """A missing folder, or a folder where a file is asked for: one line naming the option and the
+    path when the arguments are parsed (for the demo and train: before Ray starts), nothing created."""
+    monkeypatch.chdir(REPO)
     missing = tmp_path / "no-such-folder" / "out.json"
-    assert cli.main(["plan", "paper-fig4-16gpu", "-o", str(missing)]) == 2
+    for path, why in ((missing, "its folder does not exist"), (tmp_path, "is a folder")):
+        with pytest.raises(SystemExit) as e:
+            cli.main([*command, flag, str(path)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.endswith(f": error: {flag} {shorten(str(path))}: {why}\n"), err
+        assert err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_into_a_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "taken").write_text("")
+    assert cli.main(["export", str(tmp_path), str(tmp_path / "taken")]) == 2
     err = capsys.readouterr().err
-    assert err == f"malleus: error: {missing}: No such file or directory\n", err
-    assert cli.main(["demo", "--summary-out", str(missing)]) == 2
-    err = capsys.readouterr().err
-    assert err == f"error: --summary-out {missing}: No such file or directory\n", err
+    assert err.count("\n") == 1 and "a folder to write (or to create), not a file" in err, err
+
+
+def test_a_plan_with_a_stage_the_job_cannot_have_is_one_line_before_ray_starts(tmp_path, capsys):
+    """`train --plan`: a TP group of 2 in a job whose groups are 1 device (tiny_job: tp 1)."""
     from malleus_svc import train
-    assert train.main([str(REPO / "examples" / "tiny_job.yaml"), "--metrics-out", str(missing)]) == 2
+    from malleus_svc.plan import Pipeline, Stage
+    plan = Plan(num_devices=4, num_layers=4, micro_batch_size=2, gpus_per_node=4,
+                pipelines=(Pipeline((Stage((0, 1), (0, 4)),), 4),), suspended=(2, 3))
+    plan.save(tmp_path / "plan.json")
+    assert train.main([str(REPO / "examples" / "tiny_job.yaml"), "--plan", str(tmp_path / "plan.json")]) == 2
     err = capsys.readouterr().err
-    assert err == f"error: {missing}: No such file or directory\n", err
-    assert not missing.parent.exists()
+    assert err.count("\n") == 1 and "pipeline 0 stage 0 has 2 devices" in err and "1 devices on one node" in err, err
 
 
 def test_a_job_the_planner_cannot_fit_is_one_line_from_the_training_entry_point(tmp_path, capsys):

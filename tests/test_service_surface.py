@@ -19,7 +19,7 @@ from malleus_svc.cli import main as cli
 from malleus_svc.config import ConfigError
 from malleus_svc.config.job import JobConfig
 from malleus_svc.control.metrics import JobMetrics
-from malleus_svc.service.commands import parse_rate_assignments
+from malleus_svc.config.scenario import parse_rate_assignments
 
 from _plans import BASELINE, PLAN_1
 

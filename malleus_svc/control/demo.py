@@ -32,7 +32,7 @@ from typing import Sequence
 
 from malleus_svc.config.job import ControlConfig
 from malleus_svc.config.limits import MAX_GLOBAL_BATCH
-from malleus_svc.config.options import number_option
+from malleus_svc.config.options import number_option, output_file_option
 from malleus_svc.runtime.device_clock import host_cores
 
 
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                   help="samples per iteration (default 16)")
     number_option(p, "--factor", 1, 100, default=3.0, help="slowdown of the emulated stragglers (default 3)")
     p.add_argument("--no-static", action="store_true", help="skip the static baseline run")
-    p.add_argument("--summary-out", default=None, help="write the summary as JSON to this file")
+    output_file_option(p, "--summary-out", default=None, help="write the summary as JSON to this file")
     p.add_argument("--plain", action="store_true", help="plain lines even on a TTY")
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
     return p
@@ -234,12 +234,6 @@ def run_demo(argv: Sequence[str] | None = None) -> int:
         print(f"error: --steps must be >= {HEALTHY_STEPS + 3 * MIN_PHASE} ({HEALTHY_STEPS} healthy steps, then two "
               f"slowdowns and a heal of >= {MIN_PHASE} steps each)", file=sys.stderr)
         return 2
-    if args.summary_out:
-        try:
-            open(args.summary_out, "a").close()     # refused now, not after both runs
-        except OSError as e:
-            print(f"error: --summary-out {e.filename}: {e.strerror}", file=sys.stderr)
-            return 2
     import logging
 
     import ray

@@ -185,12 +185,18 @@ def evaluate(problem: PlannerProblem, plan: Plan) -> float:
 
 
 def check_plan_fits(problem: PlannerProblem, plan: Plan, where: str = "plan") -> Plan:
-    """A plan made elsewhere (a file) against the problem: the same cluster, model and batch, and
-    every stage a TP group the problem prices (tp / 2^r devices on one node). PlanError says what differs."""
-    found = [f"{what} {mine}, the scenario has {theirs}" for what, mine, theirs in (
-        ("devices", plan.num_devices, problem.num_devices), ("gpus_per_node", plan.gpus_per_node, problem.gpus_per_node),
-        ("layers", plan.num_layers, problem.num_layers),
-        ("micro-batches", plan.num_micro_batches, problem.num_micro_batches)) if mine != theirs]
+    """A plan made elsewhere (a file, a checkpoint) against the problem: the same cluster, model and
+    batch, no excluded device in a stage, and every stage a TP group the problem prices (tp / 2^r
+    devices on one node). PlanError says what differs."""
+    pairs = (("devices", plan.num_devices, problem.num_devices),
+             ("gpus_per_node", plan.gpus_per_node, problem.gpus_per_node),
+             ("layers", plan.num_layers, problem.num_layers),
+             ("micro_batch_size", plan.micro_batch_size, problem.micro_batch_size),
+             ("micro-batches", plan.num_micro_batches, problem.num_micro_batches))
+    found = [f"{what} {mine}, the scenario has {theirs}" for what, mine, theirs in pairs if mine != theirs]
+    excluded = sorted(set(plan.active_devices) & problem.excluded)
+    if excluded:
+        found.append(f"it trains on excluded devices {excluded}")
     sizes = problem.tp_sizes
     for i, pipe in enumerate(plan.pipelines):
         for j, st in enumerate(pipe.stages):

@@ -6,6 +6,7 @@ from malleus_svc.config.job import JobConfig
 from malleus_svc.costmodel.profile import CommCosts
 from malleus_svc.plan import Plan, PlanError
 from malleus_svc.planner.build import build_problem
+from malleus_svc.planner.search import check_plan_fits
 
 
 def optim_config(job: JobConfig):
@@ -16,7 +17,8 @@ def optim_config(job: JobConfig):
 
 
 def check_plan_for_job(plan: Plan, job: JobConfig, where: str = "plan") -> Plan:
-    """A plan given by the user must fit the job: device count, node size, layers, global batch."""
+    """A plan given by the user must fit the job: device count, node size, layers, global batch, and
+    (as the planner would make it) its stages TP groups of the job's sizes on one node each."""
     sc = job.scenario
     problems = []
     if plan.num_devices != sc.num_devices:
@@ -31,7 +33,7 @@ def check_plan_for_job(plan: Plan, job: JobConfig, where: str = "plan") -> Plan:
                         f"{plan.num_micro_batches} micro-batches), the job's batch.global is {sc.global_batch}")
     if problems:
         raise PlanError(f"{where} {plan.plan_id} does not match the job {job.name!r}: " + "; ".join(problems))
-    return plan
+    return check_plan_fits(build_problem(job.scenario), plan, where)
 
 
 def make_plan(job: JobConfig) -> Plan:

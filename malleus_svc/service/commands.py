@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from malleus_svc.config.errors import ConfigError, shorten
+from malleus_svc.config.errors import shorten
 from malleus_svc.config.scenario import parse_device_id, parse_rate_assignments
 from malleus_svc.control.client import MalleusError, connect
 from malleus_svc.control.coordinator import describe_plan

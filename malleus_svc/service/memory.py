@@ -21,6 +21,7 @@ from malleus_svc.plan import Plan, PlanError
 from malleus_svc.planner.build import build_problem
 from malleus_svc.planner.describe import ranges
 from malleus_svc.planner.problem import PlannerProblem
+from malleus_svc.planner.search import check_plan_fits
 from malleus_svc.runtime.engine import validate_plan_for_model
 from malleus_svc.runtime.memory import StageFootprint, StageMemory, stage_footprint
 from malleus_svc.simulate.memory import device_peak_mb
@@ -78,14 +79,12 @@ def plan_memory(sc: Scenario, plan: Plan) -> list[StageReport]:
     if sc.shape is None:
         raise ConfigError("model", sc.num_layers, "a model shape (a preset or hidden/heads/ffn/vocab/seq_len): "
                                                   "memory is measured on the modules built from it")
-    if (plan.num_devices, plan.num_layers) != (sc.num_devices, sc.num_layers):
-        raise PlanError(f"plan {plan.plan_id} is for {plan.num_devices} devices and {plan.num_layers} layers, "
-                        f"the scenario has {sc.num_devices} and {sc.num_layers}")
+    problem = build_problem(sc)
+    check_plan_fits(problem, plan)
     try:
         validate_plan_for_model(sc.shape, plan)
     except ValueError as e:
         raise PlanError(str(e)) from None
-    problem = build_problem(sc)
     auto = _analytic_problem(sc, problem)
     rows = []
     for i, pipe in enumerate(plan.pipelines):

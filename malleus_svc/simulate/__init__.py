@@ -6,8 +6,8 @@
 
 `simulate_cli(argv)` backs `malleus simulate SCENARIO`: it plans the scenario with the chosen
 system(s), simulates one iteration under the scenario's rates and prints per-pipeline and
-per-stage results. The simulator imports the planner only for the systems it compares; it knows
-nothing of Ray or torch.
+per-stage results. The simulator asks the planner for the plans it compares and for the check of a
+plan file against the scenario; it knows nothing of Ray or torch.
 """
 from __future__ import annotations
 
