@@ -122,7 +122,7 @@ def test_the_alias_bomb_is_one_line_from_the_command_line(tmp_path):
     assert "aliases" in run.stderr
 
 
-# ---------------------------------------------------------------------- output paths and plans that cannot be
+# ---------------------------------------------------------------------- output paths, and plans that do not fit
 @pytest.mark.parametrize("command, flag", [(["plan", "paper-fig4-16gpu"], "--output"), (["demo"], "--summary-out"),
                                            (["train", "examples/tiny_job.yaml"], "--metrics-out")])
 def test_outputs_that_cannot_be_written_are_one_line_before_any_work(tmp_path, capsys, monkeypatch, command, flag):

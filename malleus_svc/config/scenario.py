@@ -50,17 +50,16 @@ OBJECTIVES: tuple[str, ...] = get_args(Objective)
 # Malleus paper's m_i·z_i.
 DEFAULT_OBJECTIVE = "full"
 
+Solver = Literal["closed_form", "highs", "both"]   # how the planner's lower level is solved (planner.lower)
+SOLVERS: tuple[str, ...] = get_args(Solver)
+Search = Literal["default", "exhaustive"]          # the planner's upper level (planner.search, planner.exhaustive)
+SEARCHES: tuple[str, ...] = get_args(Search)
+
 
 def tp_sizes(tp: int) -> tuple[int, ...]:
     """The TP group sizes a plan may use, largest first: tp, tp/2, ..., 1 (a re-plan splits groups
     to isolate stragglers; tp is a power of two)."""
     return tuple(tp >> r for r in range(tp.bit_length()))
-
-
-Solver = Literal["closed_form", "highs", "both"]   # how the planner's lower level is solved (planner.lower)
-SOLVERS: tuple[str, ...] = get_args(Solver)
-Search = Literal["default", "exhaustive"]          # the planner's upper level (planner.search, planner.exhaustive)
-SEARCHES: tuple[str, ...] = get_args(Search)
 
 
 @dataclass(frozen=True)
