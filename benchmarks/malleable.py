@@ -80,7 +80,7 @@ def ddp_step(model, optimizer, clock, micro_batches, loss_tokens: int, grad_clip
 
     net = getattr(model, "module", model)
     params = [p for p in net.parameters()]
-    optimizer.zero_grad(set_to_none=False)
+    optimizer.zero_grad()
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)

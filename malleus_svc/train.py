@@ -278,24 +278,30 @@ SUMMARY_TIMEOUT_S = 1.5      # within Ray's 3 s between SIGTERM and SIGKILL, wit
 def _record_outcome(handle, seen: Progress, st: dict, steps: int, ended: dict, say) -> dict:
     """Leave the job's final summary on the cluster for `malleus status` (control/outcome.py): the
     coordinator's, else what this driver read; `ended` overrides its state where the driver knows
-    better. A failure to record costs the answer after the job, never the job."""
+    better. When it does (a stop, a failure), what the driver read is recorded first, at once: a
+    host too busy to have the coordinator's answer within the grace a stop leaves still leaves an
+    outcome. A failure to record costs the answer after the job, never the job."""
     import ray
 
     from malleus_svc.control.outcome import record
 
+    def write(summ: dict) -> dict:
+        summ = {**summ, **ended, "steps_requested": steps, "plan_id": st.get("plan_id"),
+                "replans": st.get("history", 0), "submission_id": st.get("submission_id") or submission_id(),
+                "ray_job_id": ray.get_runtime_context().get_job_id()}
+        seen.recorded = summ
+        try:
+            record(summ)
+        except Exception as e:
+            say(f"[{seen.job}] could not record the final summary on the cluster: {e}")
+        return summ
+
+    if ended:
+        write(seen.summary())
     try:
-        summ = ray.get(handle.summary.remote(), timeout=SUMMARY_TIMEOUT_S)
+        return write(ray.get(handle.summary.remote(), timeout=SUMMARY_TIMEOUT_S))
     except Exception:     # gone, or busy past the grace a stop leaves
-        summ = seen.summary()
-    summ = {**summ, **ended, "steps_requested": steps, "plan_id": st.get("plan_id"), "replans": st.get("history", 0),
-            "submission_id": st.get("submission_id") or submission_id(),
-            "ray_job_id": ray.get_runtime_context().get_job_id()}
-    seen.recorded = summ
-    try:
-        record(summ)
-    except Exception as e:
-        say(f"[{seen.job}] could not record the final summary on the cluster: {e}")
-    return summ
+        return seen.recorded if ended else write(seen.summary())
 
 
 if __name__ == "__main__":

@@ -39,6 +39,13 @@ def python_exe() -> str:
     return sys.executable
 
 
+def pytest_collection_modifyitems(items):
+    """The node-loss tests last (after pytest-randomly's shuffle, which keeps its seed): their
+    scenario runs in the background from the session's start, so by then it is over and they read
+    its outcome; drawn early, the session would wait for it with nothing else to do."""
+    items.sort(key=lambda item: getattr(item, "module", None) is not None and item.module.__name__ == "test_node_loss")
+
+
 def pytest_collection_finish(session):
     """The node-loss scenario starts in the background as soon as the session is known to run a test
     of it (tests/test_node_loss.py), and is stopped at the end if no test waited for it."""

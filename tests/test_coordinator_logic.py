@@ -118,12 +118,16 @@ def test_a_forced_replan_moves_when_keeping_is_predicted_cheaper():
 
 
 def test_requests_during_a_round_are_coalesced_into_one_more_round():
-    c = coordinator(delays=Delays(plan_s=0.5))
+    delays = Delays(plan_s=60)    # each planning phase held until released
+    delays.release("plan")        # the links' round at calibration goes through
+    c = coordinator(delays=delays)
     run(c, 4)
     first = c.set_rates({3: 3.0})["request"]
     assert c.rounds.state is RoundState.PLANNING
     later = [c.replan(f"during planning {i}")["request"] for i in range(2)]
     assert [r["id"] for r in c.status()["pending_requests"]] == later
+    for _ in range(2):            # this round, and the one the pending requests make
+        delays.release("plan")
     settle(c)
     assert [[r["id"] for r in h["requests"]] for h in after_pricing(c)] == [[first], later], outcomes(c)
 

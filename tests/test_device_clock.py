@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _host import inconclusive, require_pace
 from _mp import run_on_gloo
 from malleus_svc.config.presets import preset
 from malleus_svc.plan import Pipeline, Plan, Stage
@@ -29,10 +30,12 @@ TINY = preset("tiny")
 # ---------------------------------------------------------------------------- a fake CUDA stream
 class FakeStream:
     """Events recorded in order; an event completes when it, or an event recorded after it, is
-    synchronised (a stream runs in order)."""
+    synchronised (a stream runs in order). `now` stamps them: the wall clock where real work and
+    real waits run between them, or a virtual clock that only the test advances."""
 
-    def __init__(self):
+    def __init__(self, now=time.perf_counter):
         self.recorded = self.completed = self.synchronizations = 0
+        self.now = now
 
 
 class FakeEvent:
@@ -44,7 +47,7 @@ class FakeEvent:
 
     def record(self) -> None:
         self.stream.recorded += 1
-        self.index, self.t = self.stream.recorded, time.perf_counter()
+        self.index, self.t = self.stream.recorded, self.stream.now()
 
     def synchronize(self) -> None:
         self.stream.synchronizations += 1
@@ -57,29 +60,44 @@ class FakeEvent:
         return (end.t - self.t) * 1e3
 
 
-def fake_cuda_clock() -> tuple[CudaClock, FakeStream]:
-    stream = FakeStream()
-    # the sleep kernel keeps the (fake) device busy: here the host itself waits that long
-    return CudaClock(events=lambda: FakeEvent(stream), sleep_kernel=lambda cycles: time.sleep(cycles / 1e9),
-                     cycles_per_second=1e9), stream
+class VirtualTime:
+    """A device's own time, advanced only by the work the test says it does."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def run(self, seconds: float) -> None:
+        self.t += seconds
+
+
+def fake_cuda_clock(now=None) -> tuple[CudaClock, FakeStream]:
+    """A CUDA clock on a fake stream: on the wall clock, the sleep kernel keeps the (fake) device
+    busy by having the host itself wait; on a `VirtualTime`, it advances that time."""
+    stream = FakeStream(now or time.perf_counter)
+    sleep = (lambda cycles: now.run(cycles / 1e9)) if now is not None else (lambda cycles: time.sleep(cycles / 1e9))
+    return CudaClock(events=lambda: FakeEvent(stream), sleep_kernel=sleep, cycles_per_second=1e9), stream
 
 
 def test_the_cuda_clock_reads_once_per_step_and_leaves_collectives_out():
-    clock, stream = fake_cuda_clock()
+    device = VirtualTime()
+    clock, stream = fake_cuda_clock(device)
     for _ in range(3):
         with clock.op("compute"):
-            time.sleep(0.02)
+            device.run(0.02)
             with clock.collective():
-                time.sleep(0.05)            # waiting for a TP peer: not this device's compute
+                device.run(0.05)            # waiting for a TP peer: not this device's compute
     with pytest.raises(RuntimeError, match="not ready"):      # the fake keeps CUDA's rule
         clock._ops[0].start.elapsed_time(clock._ops[0].end)
     seconds = clock.read()["compute"]
     assert stream.synchronizations == 1                       # one synchronisation for the whole step
-    assert 0.06 <= seconds < 0.09, seconds
+    assert seconds == pytest.approx(0.06)
     clock.rate = 3.0                                          # an emulated straggler: 3x the op's own time
     with clock.op("compute"):
-        time.sleep(0.02)
-    assert 0.055 <= clock.read()["compute"] < 0.08
+        device.run(0.02)
+    assert clock.read()["compute"] == pytest.approx(0.06)
 
 
 def test_an_op_that_does_not_hold_the_wall_keeps_its_device_time():
@@ -128,8 +146,8 @@ def _paced_device(rank: int, pace: Pace, ops: int, out_dir: str) -> None:
         with clock.op("compute", flops=flops):
             op()
         walls.append(time.perf_counter() - t0)
-    torch.save({"walls": walls, "ops": clock.pace_count.ops, "on_pace": clock.pace_count.on_pace},
-               os.path.join(out_dir, f"{rank}.pt"))
+    torch.save({"walls": walls, "ops": clock.pace_count.ops, "on_pace": clock.pace_count.on_pace,
+                "nominal": pace.nominal(flops)}, os.path.join(out_dir, f"{rank}.pt"))
 
 
 def test_a_device_at_rate_two_takes_twice_the_wall_time_with_eight_workers_sharing_the_cores():
@@ -140,13 +158,18 @@ def test_a_device_at_rate_two_takes_twice_the_wall_time_with_eight_workers_shari
         mp.spawn(_paced_device, args=(pace, 40, tmp), nprocs=workers, join=True)
         res = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(workers)]
     # lower quartiles: other work on the host only ever adds time, in bursts that can cover half of
-    # one worker's 40 ops (a CI run beside other tests: the median of the slow device came out 2.13x)
+    # one worker's 40 ops
     slow = statistics.quantiles(res[0]["walls"], n=4)[0]
     healthy = statistics.quantiles([w for r in res[1:] for w in r["walls"]], n=4)[0]
-    held = sum(r["on_pace"] for r in res) / sum(r["ops"] for r in res)
-    print(f"rate 2: {slow * 1e3:.2f} ms per op, rate 1: {healthy * 1e3:.2f} ms; pace held in {held:.1%} of ops")
+    nominal = res[0]["nominal"]
+    print(f"rate 2: {slow * 1e3:.2f} ms per op, rate 1: {healthy * 1e3:.2f} ms (nominal {nominal * 1e3:.2f} ms)")
+    require_pace(sum(r["on_pace"] for r in res), sum(r["ops"] for r in res))
+    # The healthy devices' ops ended on their deadlines: the host woke them on time. (Judged on the
+    # healthy devices alone, so that a wrong wait on the slowed one still fails below.)
+    if healthy > 1.025 * nominal:
+        inconclusive(f"the healthy devices' ops ended {healthy / nominal - 1:.1%} past their deadline "
+                     "(lower quartile; needs 2.5%)")
     assert slow / healthy == pytest.approx(2.0, rel=0.05)
-    assert held >= 0.95
 
 
 def test_the_host_cores_are_the_affinity_capped_by_a_containers_cpu_quota(tmp_path):
@@ -186,31 +209,36 @@ PP2 = Plan(num_devices=2, num_layers=TINY.layers, micro_batch_size=2,
            pipelines=(Pipeline((Stage((0,), (0, 2)), Stage((1,), (2, TINY.layers))), micro_batches=3),))
 
 
-def _shared_pace(engine: Engine, batches) -> Pace:
+def _shared_pace(engine: Engine, batches, utilization: float = 0.4) -> Pace:
     """One pace for every rank: rehearsed on each at the batches' mean micro-batch size, sized for
-    the costliest rank (as WorkerGroup.pace does)."""
+    the costliest rank (as WorkerGroup.pace does), with a wide margin: the suite may run beside
+    other work."""
     clock = engine.clock
     micro = [mb for batch in batches for mb in batch]
     engine.rehearse(sum(mb.num_tokens for mb in micro) // len(micro))
     c = clock.host
     worst = torch.tensor([c.flop_cpu_seconds / c.flops, c.byte_cpu_seconds / c.nbytes], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return pace_for([HostCost(1.0, float(worst[0]), 1.0, float(worst[1]))], host_cores(), dist.get_world_size())
+    return pace_for([HostCost(1.0, float(worst[0]), 1.0, float(worst[1]))], host_cores(), dist.get_world_size(),
+                    utilization)
 
 
 def _tp_pair(rank: int, world: int, kind: str):
+    """Per step: this member's device seconds, and whether every one of its ops kept its pace."""
     clock = fake_cuda_clock()[0] if kind == "cuda" else PacedClock()
     engine = Engine(TINY, TP2, rank, seed=SEED, optim=OptimConfig(lr=1e-3), clock=clock)
     batches = global_batches(1, 2, 2) * 15     # one batch again and again: every step is the same work
     if kind == "paced":
         clock.pace = _shared_pace(engine, batches)
-    seconds = []
+    seconds, kept = [], []
     for step, batch in enumerate(batches):
         if rank == 1:
             clock.rate = 3.0 if _peer_slow(step) else 1.0
         tokens = sum(mb.num_loss_tokens for mb in batch)
+        ops, on_pace = clock.pace_count.ops, clock.pace_count.on_pace
         seconds.append(engine.train_step(batch, tokens).compute_seconds)
-    return seconds
+        kept.append(clock.pace_count.ops - ops == clock.pace_count.on_pace - on_pace)
+    return seconds, kept
 
 
 def _peer_slow(step: int) -> bool:
@@ -221,18 +249,36 @@ def _peer_slow(step: int) -> bool:
 
 @pytest.mark.parametrize("kind", ["paced", "cuda"])
 def test_a_healthy_member_of_a_tp_group_does_not_take_on_its_slow_peers_time(kind):
-    healthy, slowed = run_on_gloo(_tp_pair, 2, kind)
+    (healthy, kept0), (slowed, kept1) = run_on_gloo(_tp_pair, 2, kind)
     pairs = [(s - 1, s) for s in range(len(healthy)) if _peer_slow(s)]        # (peer healthy, peer slow)
+    if kind == "paced":
+        # device time is exact on steps whose every op, on both members, kept its pace
+        pairs = [(a, b) for a, b in pairs if kept0[a] and kept0[b] and kept1[a] and kept1[b]]
+        if len(pairs) < 3:
+            inconclusive(f"{len(pairs)} pairs of neighbouring steps kept their pace on both members (needs 3)")
     grew = [healthy[slow] - healthy[fast] for fast, slow in pairs]
     peer_grew = [slowed[slow] - slowed[fast] for fast, slow in pairs]
     print(f"{kind}: healthy member's step grew {statistics.median(grew) * 1e3:+.1f} ms when its peer's grew "
           f"{statistics.median(peer_grew) * 1e3:+.1f} ms (medians of {len(pairs)} neighbouring pairs)")
-    # The slowed member is clearly slower than its healthy peer over the same steps (same host load;
-    # the rate itself, 3x, is checked by the sleep test above and on a GPU by gpu_check).
+    if kind == "paced":
+        # on pace, the slowed member takes exactly 3x, and the healthy one exactly its own time
+        assert all(slowed[s] == pytest.approx(3.0 * slowed[f]) for f, s in pairs), (slowed, pairs)
+        assert all(healthy[s] == pytest.approx(healthy[f]) for f, s in pairs), (healthy, pairs)
+        return
+    # The fake CUDA stream stamps its events on the wall clock around real compute on a shared CPU.
+    # Neighbouring steps see the same load, so their difference leaves the host's drift out, as long
+    # as the host's own noise (the healthy member's steps while its peer was healthy too, step to
+    # step) is well below the effect judged.
+    fast = [healthy[f] for f, _ in pairs]
+    noise = statistics.median(abs(a - b) for a, b in zip(fast, fast[1:]))
+    if noise > 0.1 * statistics.median(peer_grew):
+        inconclusive(f"the healthy member's steps moved {noise * 1e3:.1f} ms from one to the next, against "
+                     f"{statistics.median(peer_grew) * 1e3:.1f} ms of the peer's growth (needs 10%)")
+    # The slowed member is clearly slower than its healthy peer over the same steps (the rate
+    # itself is checked on the virtual stream above and on a GPU by gpu_check).
     assert statistics.median(slowed[s] / healthy[s] for _, s in pairs) > 2.0
     # Had the healthy member's clock taken in its wait for the peer, its step would have grown as
-    # much as the peer's (2x its compute). Its own compute is timed on a CPU two processes share;
-    # neighbouring steps see the same load, so their difference leaves the host's drift out.
+    # much as the peer's (2x its compute).
     assert statistics.median(grew) < 0.25 * statistics.median(peer_grew), (grew, peer_grew)
 
 

@@ -1,16 +1,21 @@
 """The length sweep per TP degree (malleus_svc.runtime.length_sweep): TP 2 timed on a real gloo group of
 two processes running the runtime's sharded blocks, fitted, merged with TP 1, and checked on
-held-out packs. Compute is timed on the paced device clock the CPU workers train on, so the fit's
-verdict does not depend on how busy the machine is; TP 2's collectives are real gloo wall time
-(ms-scale jitter on 2 shared cores), fitted apart and held to 15% in the mean, 30% at worst."""
+held-out packs. Compute is timed on the paced device clock the CPU workers train on: exact where the
+host kept its pace, so the fit is judged only then. TP 2's collectives are real gloo wall time
+(ms-scale jitter on 2 shared cores), fitted apart and held to 15% in the mean, 30% at worst on the
+held-out packs, once the fit's own residual on the packs it was fitted on shows the host timed them
+consistently."""
 from __future__ import annotations
 
 import pytest
 
+from _host import inconclusive
 from malleus_svc.lengths import LengthError
 from malleus_svc.runtime.length_sweep import default_repeats, run_sweeps, time_micro_batches
 
 pytestmark = pytest.mark.slow
+
+TRAIN_FIT = 0.15   # the largest in-sample error at which the host's collective timings are judged
 
 
 def test_per_tp_sweep_predicts_heldout_micro_batches():
@@ -18,10 +23,17 @@ def test_per_tp_sweep_predicts_heldout_micro_batches():
     model, reports = run_sweeps("tiny", tps=(1, 2), layers=2, seed=0, clock="device")
     assert sorted(model.coeffs) == [1, 2] and sorted(reports) == [1, 2]
     for tp, rep in reports.items():
-        detail = "; ".join(f"{r['lengths']}: measured {r['measured_s'] * 1e3:.2f} ms, predicted "
-                           f"{r['predicted_s'] * 1e3:.2f} ms ({r['rel_error']:+.1%})" for r in rep["test"])
         assert rep["tp"] == tp and rep["coeffs_per_layer"] == model.at(tp).to_dict()
         assert rep["repeats"] == default_repeats("device", tp)
+        if rep["on_pace"] < 1:
+            inconclusive(f"TP{tp}: {rep['on_pace']:.0%} of the mixes timed at their pace")
+    assert reports[1]["test_max_abs_error"] < 1e-6    # on pace, device time is the FLOP rule the fit is
+    if reports[2]["train_max_abs_error"] > TRAIN_FIT:
+        inconclusive(f"TP2's collectives: the fit misses the packs it was fitted on by up to "
+                     f"{reports[2]['train_max_abs_error']:.1%} (needs {TRAIN_FIT:.0%})")
+    for tp, rep in reports.items():
+        detail = "; ".join(f"{r['lengths']}: measured {r['measured_s'] * 1e3:.2f} ms, predicted "
+                           f"{r['predicted_s'] * 1e3:.2f} ms ({r['rel_error']:+.1%})" for r in rep["test"])
         worst, mean = (0.15, 0.15) if tp == 1 else (0.30, 0.15)
         assert rep["test_max_abs_error"] < worst and rep["test_mean_abs_error"] < mean, (
             f"TP{tp}: held-out max error {rep['test_max_abs_error']:.1%} (mean {rep['test_mean_abs_error']:.1%}), "
@@ -58,7 +70,9 @@ def test_a_sweep_on_the_jobs_own_device_runs_its_lengths_and_prices_the_collecti
     rep = reports[2]
     mixes = [r["lengths"] for r in rep["train"] + rep["test"]]
     assert max(max(m) for m in mixes) == 48 and max(sum(m) for m in mixes) == 96 and min(min(m) for m in mixes) >= 1
-    assert rep["test_max_abs_error"] < 0.15
+    if rep["on_pace"] < 1:
+        inconclusive(f"{rep['on_pace']:.0%} of the mixes timed at their pace")
+    assert rep["test_max_abs_error"] < 1e-6     # compute on pace and priced collectives: the fit is exact
     # TP 2's collectives: 4 all-reduces of each token's fp32 hidden state per block, at 2 GB/s
     price = tp_comm_seconds_per_token(preset("tiny").hidden, 2, 4, 2.0)
     comm = sum(rep["layers"] * sum(m) * price for m in mixes)

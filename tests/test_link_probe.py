@@ -35,7 +35,8 @@ def test_links_are_timed_on_a_gloo_world_and_a_bigger_all_reduce_takes_longer():
     for out in (small, big):
         assert set(out[0]["pairs"]) == {0} and set(out[1]["pairs"]) == {1} and out[2]["pairs"] == {}
         assert out[1]["all_reduce"] is None and out[0]["all_reduce"] > 0 and out[2]["all_reduce"] > 0
-    assert min(big[0]["all_reduce"], big[2]["all_reduce"]) > max(small[0]["all_reduce"], small[2]["all_reduce"])
+    # the faster reducer of each: load on the host only ever adds time
+    assert min(big[0]["all_reduce"], big[2]["all_reduce"]) > min(small[0]["all_reduce"], small[2]["all_reduce"])
 
 
 def test_link_seconds_become_t0_units():

@@ -5,11 +5,11 @@ from __future__ import annotations
 import itertools
 import random
 import re
-import time
 from dataclasses import replace
 
 import pytest
 
+from _host import Section
 from malleus_svc.plan import Plan
 from malleus_svc.planner import (CommCosts, InfeasibleError, MemoryProfile, PlannerProblem, authors_plan,
                                  baseline_plan, evaluate, memory_violations, plan, plan_without_split,
@@ -267,9 +267,9 @@ def test_random_scenarios_valid_and_beat_authors():
 
 def test_speed_1024_devices():
     pr = scenario(1024, 1)
-    t = time.perf_counter()
-    res = plan(pr)
-    assert time.perf_counter() - t < 20
+    with Section() as t:
+        res = plan(pr)
+    assert t.cpu < 20, t.cpu     # CPU seconds: the work it takes, whatever else the host runs
     check(pr, res.plan)
 
 
@@ -393,10 +393,10 @@ def test_the_search_stops_at_its_time_budget_with_the_best_plan_it_found():
                              "model": "gpt-1.3b", "parallel": {"dp": 1024, "tp": 1, "pp": 4},
                              "batch": {"global": 4096, "micro": 1}, "rates": {5: 3.0, 29: 2.0, 100: 5.0},
                              "planner": {"time_budget_s": 2}})
-    t = time.perf_counter()
-    r = plan(build_problem(sc))
-    elapsed = time.perf_counter() - t
-    assert elapsed < 30, elapsed        # unbounded: 76 s on the 2-core machine
+    with Section() as t:
+        r = plan(build_problem(sc))
+    t.require_pace()                    # a wall-clock budget is kept only by a process that gets its core
+    assert t.wall < 30, t.wall          # unbounded: 76 s on the 2-core machine
     assert r.plan.inputs["stopped_at_budget_s"] == 2 and "time budget (2 s" in r.notes[0]
     assert sum(p.micro_batches for p in r.plan.pipelines) == 4096 and not memory_violations(build_problem(sc), r.plan)
     assert r.objective >= r.ideal_objective

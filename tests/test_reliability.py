@@ -101,7 +101,7 @@ def test_coordinator_killed_mid_iteration_resumes_from_its_checkpoint(reference,
 
 
 def test_coordinator_killed_during_a_migration_never_loads_a_torn_state(reference, tmp_path):
-    """A forced re-plan with a slow migration (test hook); the coordinator dies while migrating.
+    """A forced re-plan whose migration a test hook holds; the coordinator dies while migrating.
     The restarted one resumes from the checkpoint, which predates the migration and verifies."""
     def fault(h):
         import ray
@@ -110,8 +110,28 @@ def test_coordinator_killed_during_a_migration_never_loads_a_torn_state(referenc
         ray.get(h.set_rates.remote({1: 4.0}))       # device 1 four times slower ...
         ray.get(h.replan.remote("test: migrate now", True))   # ... and a forced re-plan: a migration follows
         kill_at_step(4, phase="migrating")(h)
-    rc, lines = run(job("rel-mig", tmp_path / "ckpt", every=2), tmp_path / "m.jsonl", fault=fault,
-                    migrate_delay_s=2.0)
+        # the restarted coordinator's migrations are held too: let them through
+        threading.Thread(target=release_migrations, args=(h,), daemon=True).start()
+
+    def release_migrations(h):
+        import ray
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                ray.get(h.release_delay.remote("migrate"), timeout=30)
+                if ray.get(h.status.remote(), timeout=30)["state"] in ("done", "failed"):
+                    return
+            except Exception:   # restarting, or gone with the job
+                if done.is_set():
+                    return
+            time.sleep(0.5)
+
+    done = threading.Event()
+    try:
+        rc, lines = run(job("rel-mig", tmp_path / "ckpt", every=2), tmp_path / "m.jsonl", fault=fault,
+                        migrate_delay_s=120.0)
+    finally:
+        done.set()
     assert rc == 0
     check_history(lines, reference, rtol=1e-4)     # plans may differ after the restart: fp32 sums reorder
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from _host import inconclusive, kept_pace
 from malleus_svc.config.errors import ConfigError
 from malleus_svc.config.job import JobConfig, load_job_config
 from malleus_svc.plan import Pipeline, Plan, PlanError, Stage
@@ -247,22 +248,24 @@ def test_a_straggler_is_a_rate_on_the_paced_device_clock(group):
 
     def run(factor, reps=3):
         group.set_slowdown(0, factor)
-        recs = [group.step(ids).devices[0] for _ in range(reps)]
-        return (statistics.median(r["wall_seconds"] for r in recs),
-                statistics.median(r["compute_seconds"] for r in recs), recs[-1])
+        return [group.step(ids).devices[0] for _ in range(reps)]
 
     try:
-        run(1.0, reps=1)  # warm-up
-        wall1, dev1, healthy = run(1.0)
-        wall3, dev3, slow = run(3.0)
-        print(f"healthy wall {wall1:.3f}s device {dev1:.3f}s; x3 wall {wall3:.3f}s device {dev3:.3f}s; "
-              f"pace held {slow['pace_on']}/{slow['pace_ops']}")
-        for rec in (healthy, slow):      # on pace, or the host, not the clock, set the times
-            assert rec["pace_on"] >= 0.95 * rec["pace_ops"], rec
-        assert dev3 / dev1 == pytest.approx(3.0, rel=0.05)      # device time: exactly the rate
-        # and the wall time follows it: the step's unpaced host work (Ray, zeroing, clipping) is the
-        # same at both rates, so the wall time grows by what the device time grew.
-        assert wall3 - wall1 == pytest.approx(dev3 - dev1, rel=0.25), (wall1, wall3, dev1, dev3)
+        before = run(1.0, reps=1)[-1]  # warm-up
+        healthy = run(1.0)
+        slow = run(3.0)
+        kept = kept_pace(healthy + slow, before)
+        dev1 = [r["compute_seconds"] for r, k in zip(healthy, kept[:3]) if k]
+        dev3 = [r["compute_seconds"] for r, k in zip(slow, kept[3:]) if k]
+        print(f"steps on pace: {kept}; device seconds healthy {dev1}, x3 {dev3}")
+        if not (dev1 and dev3):
+            inconclusive(f"{sum(kept[:3])} healthy and {sum(kept[3:])} slowed steps of 3 kept their pace")
+        # device time, on steps whose every op kept its pace: exactly the rate
+        assert statistics.median(dev3) / statistics.median(dev1) == pytest.approx(3.0, rel=1e-6)
+        # and the wall holds it: a step takes at least its ops' device time, whatever the host does
+        for rec in healthy + slow:
+            assert rec["wall_seconds"] >= rec["compute_seconds"], rec
+        dev1 = statistics.median(dev1)
 
         # The control is reachable while a step runs (the worker's control thread): start a step at a
         # huge rate, set it back mid-step; the answer is immediate and the ops after it run healthy.
@@ -271,12 +274,10 @@ def test_a_straggler_is_a_rate_on_the_paced_device_clock(group):
         mbs = [ids[i:i + SOLO.micro_batch_size] for i in range(0, len(ids), SOLO.micro_batch_size)]
         ref = group.workers[0].train_step.remote(mbs, group.count_tokens(ids)[1])
         time.sleep(0.3)
-        t0 = time.perf_counter()
         assert ray.get(group.workers[0].set_slowdown.remote(1.0), timeout=30) == 1.0
-        answered = time.perf_counter() - t0
-        still_running = not ray.wait([ref], timeout=0)[0]
+        # answered while the step still ran: not queued behind it
+        assert not ray.wait([ref], timeout=0)[0], "the control call waited for the step"
         mid = ray.get(ref)
-        assert answered < 1.0 and still_running, (answered, still_running)
         assert mid["slowdown"] == 1.0
         assert mid["compute_seconds"] < 0.5 * big * dev1, (mid["compute_seconds"], dev1)
     finally:   # the group is shared: leave device 0 healthy even when an assertion failed

@@ -79,6 +79,11 @@ class ClientAPI:
         with self._lock:
             return self.hooks.emulation.set(clean, jitter)
 
+    def release_delay(self, phase: str) -> None:
+        """TESTS ONLY: end the planning ("plan") or migration ("migrate") phase that a test delay
+        holds (`launch(plan_delay_s=..., migrate_delay_s=...)`), or the next one if none is held."""
+        self.hooks.delays.release(phase)
+
     def _check_running(self, kind: RequestKind | None = None) -> None:
         """(lock held) Refuse requests before start, after the end, and those the policy never takes."""
         if self.plan is None:

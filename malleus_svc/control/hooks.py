@@ -2,11 +2,11 @@
 
 Neither is read to decide anything: an emulated slowdown is a rate on the device's clock and
 reaches the straggling rates only through the device time the worker reports, and delays only
-stretch the planner and migration phases (to exercise request coalescing)."""
+hold the planner and migration phases (to exercise request coalescing and faults mid-phase)."""
 from __future__ import annotations
 
 import random
-import time
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -64,16 +64,37 @@ class Emulation:
 
 
 class Delays:
-    """A slow planner and a slow migration, in seconds (tests only)."""
+    """A slow planner and a slow migration (tests only): each planning (migration) phase is held
+    for `plan_s` (`migrate_s`) seconds, or until a test releases it (`release`), so that a test can
+    act inside a phase however slow the host, and end it when it is done. A release made before the
+    phase starts ends the next one at once."""
+
+    PHASES = ("plan", "migrate")
 
     def __init__(self, plan_s: float = 0.0, migrate_s: float = 0.0):
         self.plan_s, self.migrate_s = float(plan_s), float(migrate_s)
+        self._released = {phase: threading.Semaphore(0) for phase in self.PHASES}
+
+    def __getstate__(self) -> dict:      # a driver hands the delays to the coordinator actor
+        return {"plan_s": self.plan_s, "migrate_s": self.migrate_s}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)
 
     def before_plan(self) -> None:
-        time.sleep(self.plan_s)
+        self._hold("plan", self.plan_s)
 
     def before_migrate(self) -> None:
-        time.sleep(self.migrate_s)
+        self._hold("migrate", self.migrate_s)
+
+    def release(self, phase: str) -> None:
+        if phase not in self.PHASES:
+            raise ValueError(f"phase must be one of {self.PHASES}, got {phase!r}")
+        self._released[phase].release()
+
+    def _hold(self, phase: str, seconds: float) -> None:
+        if seconds > 0:
+            self._released[phase].acquire(timeout=seconds)
 
 
 @dataclass

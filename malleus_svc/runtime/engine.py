@@ -26,6 +26,7 @@ from malleus_svc.runtime.batch import IGNORE_INDEX, MicroBatch
 from malleus_svc.runtime.device_clock import DeviceClock, make_clock
 from malleus_svc.runtime.groups import Groups, PipelinePeers, Piece, ordered_group_ranks, world_rank
 from malleus_svc.runtime.model import build_stage_model
+from malleus_svc.runtime.optimizer import AdamW
 from malleus_svc.runtime.precision import WorkingWeights, compute_dtype_for
 from malleus_svc.runtime.schedule import Post, Transfer, stage_program
 from malleus_svc.runtime.transport import P2PTransport, StageTransport
@@ -42,9 +43,8 @@ class OptimConfig:
     weight_decay: float = 0.1
     grad_clip: float | None = 1.0   # max global grad norm; None or <= 0: no clipping
 
-    def make(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.AdamW:
-        return torch.optim.AdamW(list(params), lr=self.lr, betas=self.betas, eps=self.eps,
-                                 weight_decay=self.weight_decay)
+    def make(self, params: Iterable[torch.nn.Parameter]) -> AdamW:
+        return AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
 
 
 @dataclass
@@ -255,7 +255,7 @@ class Engine:
         self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
         self._inflight: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
         self._update_pending = False      # an update never applied is dropped with its gradients
-        self.optimizer.zero_grad(set_to_none=False)
+        self.optimizer.zero_grad()
         for p in self.params.values():  # every parameter gets a gradient buffer, even if unused
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

@@ -167,14 +167,16 @@ def time_micro_batches(mixes: Sequence[Mix], shape="tiny", layers: int = 2, repe
     after the warm-up, its ops not holding the wall (`PacedClock.hold`): the cost of the emulated
     accelerator, whatever else the machine does. `tp` > 1 times the blocks sharded over a TP group
     of that many processes (module docstring)."""
-    return [a + b for a, b in zip(*_timed_parts(mixes, shape, layers, repeats, warmup, seed, threads, stat, clock,
-                                                 normalise_rounds, tp))]
+    comp, comm, _ = _timed_parts(mixes, shape, layers, repeats, warmup, seed, threads, stat, clock,
+                                 normalise_rounds, tp)
+    return [a + b for a, b in zip(comp, comm)]
 
 
 def _timed_parts(mixes, shape, layers, repeats, warmup, seed, threads, stat, clock, normalise_rounds, tp,
-                 place: Place | None = None) -> tuple[list[float], list[float]]:
+                 place: Place | None = None) -> tuple[list[float], list[float], float]:
     """(compute, TP communication) seconds of each mix, each part normalised and summarised on its own;
-    with a `place`, compute alone, on that device (the collectives are priced, not timed)."""
+    with a `place`, compute alone, on that device (the collectives are priced, not timed). Third,
+    the share of mixes whose compute summary rests on rounds that kept their pace (`_on_pace`)."""
     from ..config.presets import ModelShape, preset
     from ..geometry import tp_divisibility_error
     shape = preset(shape) if not isinstance(shape, ModelShape) else shape
@@ -203,16 +205,27 @@ def _timed_parts(mixes, shape, layers, repeats, warmup, seed, threads, stat, clo
     # is an outlier as often as not (a few ms either way on a 1-6 ms mix), their faster half's
     # median is not. Device time needs no normalising: an op on pace takes its pace whatever the
     # load, and dividing a round in which others overran would take it below that.
-    for times, summary, wall in zip(parts, (stat, "lower_half"), (clock != "device", True)):
+    for times, summary, wall in zip(parts[:2], (stat, "lower_half"), (clock != "device", True)):
         if normalise_rounds and wall and any(x > 0 for t in times for x in t):
             times = _normalise_rounds(times)
         out.append([_STATS[summary](t) for t in times])
-    return out[0], out[1]
+    return out[0], out[1], _on_pace(parts[2], stat)
+
+
+def _on_pace(held: list[list[float]], stat: str) -> float:
+    """The share of mixes whose summary is their paced device time. An op on pace takes exactly its
+    pace and one that overran takes longer, so the rounds that kept pace are the fastest: the
+    summary is paced when enough of them did (the fastest one for "min", the faster half for
+    "lower_half", more than half for "median")."""
+    def needed(n: int) -> int:
+        return {"min": 1, "lower_half": (n + 1) // 2, "median": n // 2 + 1}[stat]
+    return sum(sum(h) >= needed(len(h)) for h in held) / len(held)
 
 
 def _rank_times(mixes, shape, layers, repeats, warmup, seed, threads, clock, tp=None, place: Place | None = None):
     """Per mix, per round: (compute, communication) seconds of this process, or with a TP group
-    (`tp`, a `TensorParallel`) the group's (module docstring). Every rank builds the same inputs
+    (`tp`, a `TensorParallel`) the group's (module docstring), and whether the round kept its pace
+    (1.0, or 0.0 where the paced clock's op overran and its device time is the host's wall time). Every rank builds the same inputs
     and round orders from `seed`, so they run the same mix at the same time. With a `place`, the
     blocks and inputs live on its device in its dtype and a clock of its kind times them."""
     import torch
@@ -252,7 +265,9 @@ def _rank_times(mixes, shape, layers, repeats, warmup, seed, threads, clock, tp=
         g = torch.randn(sum(mix), shape.hidden, generator=gen).to(where, dtype)
         inputs.append((x, pos.to(where), cu, g))
 
-    def once(i: int) -> tuple[float, float]:
+    def once(i: int) -> tuple[float, float, bool]:
+        """(compute, communication) seconds of mix i, and whether its op kept its pace (off the
+        paced clock, always)."""
         x, pos, cu, g = inputs[i]
         for p in model.parameters():
             p.grad = None
@@ -260,11 +275,12 @@ def _rank_times(mixes, shape, layers, repeats, warmup, seed, threads, clock, tp=
         if tp.group is not None:
             dist.barrier(group=tp.group)
         c0, m0 = now()
+        kept = device.pace_count.on_pace if isinstance(device, PacedClock) else None
         with device.op("compute", flops=flops[i]) if device else contextlib.nullcontext():
             out = model(xr, pos, cu)
             (out * g).sum().backward()
         c1, m1 = now()
-        return c1 - c0, m1 - m0
+        return c1 - c0, m1 - m0, kept is None or device.pace_count.on_pace > kept
 
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -279,10 +295,11 @@ def _rank_times(mixes, shape, layers, repeats, warmup, seed, threads, clock, tp=
         rng = random.Random(seed)
         comp = torch.zeros(len(mixes), repeats, dtype=torch.float64)
         comm = torch.zeros_like(comp)
+        held = torch.zeros_like(comp)
         for r in range(repeats):
             rng.shuffle(order)
             for i in order:
-                comp[i, r], comm[i, r] = once(i)
+                comp[i, r], comm[i, r], held[i, r] = once(i)
     finally:
         torch.set_num_threads(old_threads)
     if tp.group is not None:
@@ -293,7 +310,8 @@ def _rank_times(mixes, shape, layers, repeats, warmup, seed, threads, clock, tp=
         comm.neg_()
         dist.all_reduce(comm, op=dist.ReduceOp.MAX, group=tp.group)
         comm.neg_()
-    return comp.tolist(), comm.tolist()
+        dist.all_reduce(held, op=dist.ReduceOp.MIN, group=tp.group)   # on pace only if every rank was
+    return comp.tolist(), comm.tolist(), held.tolist()
 
 
 def _op_cost(device, run) -> "HostCost":
@@ -432,8 +450,8 @@ def run_sweep(shape="tiny", *, layers: int = 2, repeats: int | None = None, warm
     train = [tuple(m) for m in (train_mixes if train_mixes is not None else TRAIN_MIXES)]
     test = [tuple(m) for m in (test_mixes if test_mixes is not None else heldout_mixes(seed=seed + 1))]
     stat = _stat_for(stat, clock)
-    comp, comm = _timed_parts(train + test, shape, layers, repeats, warmup, seed, threads, stat, clock,
-                              normalise_rounds, tp, place)
+    comp, comm, on_pace = _timed_parts(train + test, shape, layers, repeats, warmup, seed, threads, stat, clock,
+                                       normalise_rounds, tp, place)
     if place is not None and tp > 1:
         comm = [_priced_comm(shape, tp, mix, layers, place) for mix in train + test]
     measured = [a + b for a, b in zip(comp, comm)]
@@ -456,6 +474,9 @@ def run_sweep(shape="tiny", *, layers: int = 2, repeats: int | None = None, warm
     report = {
         "shape": shape if isinstance(shape, str) else dataclasses.asdict(shape), "layers": layers, "tp": tp,
         "repeats": repeats, "threads": threads, "stat": stat, "clock": clock, "normalise_rounds": normalise_rounds,
+        # the share of mixes timed at their pace: below 1, the host overran the device clock in every
+        # round of some mix, and the fit holds host time, not the device's (`_on_pace`)
+        "on_pace": on_pace if clock == "device" else None,
         "coeffs_per_layer": model.at(tp).to_dict(),
         "comm_share": sum(comm) / sum(measured),
         "train": rows(train, m_train), "test": test_rows,

@@ -8,7 +8,7 @@ min(stages - stage, micro_batches) at a stage):
 
   params       fp32 master weights (the embedding and head are replicated in a TP group)
   grads        fp32 gradients: the engine gives every parameter a buffer
-  adam         exp_avg and exp_avg_sq, made by `torch.optim.AdamW` itself (its `step` counters
+  adam         exp_avg and exp_avg_sq, made by the engine's AdamW itself (its `step` counters
                live on the host and are left out)
   working      the bf16 working weights the forward and backward run on: one copy, whatever the depth
   activations  what the forward saves for backward, per in-flight micro-batch, less the above
@@ -171,11 +171,14 @@ def build_stage(shape: ModelShape, num_layers: int, *, has_embedding: bool, has_
 
 
 def _adam_state_bytes(model: StageModel) -> tuple[int, int]:
-    """Gradient bytes and AdamW state bytes on the device, made by one AdamW step on meta tensors."""
+    """Gradient bytes and AdamW state bytes on the device, made by one step of the engine's AdamW
+    on meta tensors."""
+    from malleus_svc.runtime.engine import OptimConfig
+
     params = list(model.parameters())
     for p in params:
         p.grad = torch.zeros_like(p)
-    opt = torch.optim.AdamW(params)
+    opt = OptimConfig().make(params)
     opt.step()
     state = sum(t.untyped_storage().nbytes() for s in opt.state.values() for t in s.values()
                 if isinstance(t, torch.Tensor) and t.device == params[0].device)

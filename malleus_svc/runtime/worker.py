@@ -177,7 +177,15 @@ class DeviceWorker:
         t0 = time.perf_counter()
         mbs = [collate(self.dataset, list(ids), self.mode, self.seq_len) for ids in micro_batch_ids]
         collate_s = time.perf_counter() - t0
-        stats = self.engine.train_step(mbs, int(loss_tokens), apply=False)
+        try:
+            stats = self.engine.train_step(mbs, int(loss_tokens), apply=False)
+        except Exception:
+            # A failed step (a collective that lost a peer) ends in a recovery, which starts by every
+            # survivor leaving the world with its state (`close`). Leaving now closes this device's
+            # connections, so the peers still waiting on it fail at once instead of at their
+            # collective timeout: the failure crosses the world in moments.
+            self.close(keep_state=True)
+            raise
         out = _as_dict(stats)
         out.update(
             device=self.device_id,

@@ -1,0 +1,45 @@
+"""AdamW over one device's parameters: torch's own update (the functional `torch.optim.adamw.adamw`,
+which `torch.optim.AdamW.step` calls too), on state this module keeps.
+
+The state is torch's layout, per parameter: `step` (a float32 scalar on the host), `exp_avg` and
+`exp_avg_sq` (like the parameter), made at its first update. Updates equal `torch.optim.AdamW`'s
+bit for bit (the same kernel, the same foreach choice; a test holds them equal).
+
+Why not `torch.optim.AdamW` itself: its `step` and `zero_grad` import `torch._dynamo` on first use,
+for the compiler's sake. That is about a third of a CPU worker's start-up, and a job starts one
+worker per device, again after every lost device; nothing here compiles the optimizer.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch.optim.adamw import adamw
+
+
+class AdamW:
+    def __init__(self, params: Iterable[torch.nn.Parameter], *, lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float):
+        self.params = list(params)
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.state: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
+
+    def zero_grad(self) -> None:
+        """Zero the gradients in place (their buffers stay: the engine accumulates into them)."""
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One update of every parameter that has a gradient."""
+        params = [p for p in self.params if p.grad is not None]
+        for p in params:
+            if p not in self.state:
+                self.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
+                                 "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                 "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+        states = [self.state[p] for p in params]
+        adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+              [], [s["step"] for s in states], amsgrad=False, beta1=self.betas[0], beta2=self.betas[1],
+              lr=self.lr, weight_decay=self.weight_decay, eps=self.eps, maximize=False)
