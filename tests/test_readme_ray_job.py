@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from test_service_e2e import _free_port, _kill_group, _wait
+from test_service_e2e import JobsAPI, _free_port, _kill_group, _wait
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -66,9 +66,9 @@ class DefaultHead:
             env=self.env, stdout=open(self.dir / "head.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
         _wait("the head's GCS address", self._address, 120, 2)
         self.env["RAY_ADDRESS"] = self.address
-        # Ready when a trivial job runs: the Jobs API answers before its agent has registered.
-        _wait("the Ray head's Jobs API", lambda: self.run("ray job submit -- true", check=False).returncode == 0,
-              240, 3)
+        token = (self.home / ".ray" / "auth_token").read_text().strip()    # the one Ray generated
+        self.jobs = _wait("the Jobs API to answer", lambda: JobsAPI(self.dashboard, token), 240, 1)
+        self.jobs.wait_ready()
 
     def _address(self) -> bool:
         log = (self.dir / "head.log").read_text()
@@ -109,8 +109,9 @@ def head():
 def ended_status(head, sid: str, state: str) -> tuple[str, dict]:
     """`malleus status SID` (text, --json) once the job has ended in `state` (the live coordinator
     answers before that, Ray's final state only after)."""
+    _wait(f"Ray job {sid} to end", lambda: head.jobs.state(sid) in ("SUCCEEDED", "FAILED", "STOPPED"), 240, 1)
     _wait(f"Ray job {sid} to end {state}", lambda: re.match(
-        rf"job \w+ \(Ray job {sid}\): {state}", head.run(f"malleus status {sid}").stdout) is not None, 240, 2)
+        rf"job \w+ \(Ray job {sid}\): {state}", head.run(f"malleus status {sid}").stdout) is not None, 60, 2)
     return head.run(f"malleus status {sid}").stdout, json.loads(head.run(f"malleus status {sid} --json").stdout)
 
 
@@ -124,13 +125,15 @@ def test_the_readme_job_commands_work_as_typed(head):
     assert sid.startswith("raysubmit_")
     status_cmd = commands[2]
     assert status_cmd == "malleus status tiny"
-    _wait("the job to train", lambda: "training" in head.run(status_cmd).stdout.splitlines()[0], 240, 2)
+    # the driver says so once its job trains (then every tenth of its steps)
+    _wait("the job to train", lambda: "[tiny] 4 workers" in head.jobs.logs(sid), 240, 1)
+    assert "training" in head.run(status_cmd).stdout.splitlines()[0]
     for command in commands[3:]:
         if command.startswith("prometheus"):        # a separate tool, checked in test_service_e2e
             continue
         if command == "malleus stop tiny":
             assert "stopping tiny" in head.run(command).stdout
-            _wait("the Ray job to end", lambda: "SUCCEEDED" in head.run(status_cmd).stdout, 240, 2)
+            _wait("the Ray job to end", lambda: head.jobs.state(sid) == "SUCCEEDED", 240, 1)
             continue
         p = head.run(command)
         assert "Traceback" not in p.stderr, (command, p.stderr)
@@ -220,8 +223,8 @@ def test_status_of_a_job_stopped_by_ray_job_stop(head):
     """`ray job stop` sends the driver SIGTERM, then SIGKILL 3 s later: the driver records what the
     coordinator holds in between, and status says how it ended."""
     sid = head.run("malleus submit examples/tiny_job.yaml -- --steps 500").stdout.split()[0]
-    _wait("the job to train a few steps",
-          lambda: re.search(r"step ([3-9]|\d\d+)/500", head.run(f"malleus status {sid}").stdout) is not None, 240, 2)
+    _wait("the job to train a few steps",     # the driver's progress lines: steps 1, 11, 21, ...
+          lambda: max(map(int, re.findall(r"step (\d+)/500", head.jobs.logs(sid))), default=0) >= 3, 240, 1)
     head.run(f"ray job stop {sid}")
     text, st = ended_status(head, sid, "STOPPED")
     assert re.match(rf"job tiny \(Ray job {sid}\): STOPPED, \d+/500 steps", text), text

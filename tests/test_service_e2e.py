@@ -60,6 +60,30 @@ def _wait(what: str, check, timeout: float, every: float = 1.0):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; last: {last!r}")
 
 
+class JobsAPI:
+    """Ray's Jobs API on a head's dashboard, from this process with the head's token: a poll costs
+    an HTTP request, where a `ray`/`malleus` command costs a process that imports and connects (a
+    second of CPU each, on a 2-core machine busy training)."""
+
+    def __init__(self, dashboard: str, token: str):
+        from ray.job_submission import JobSubmissionClient
+        self.client = JobSubmissionClient(dashboard, headers={"Authorization": f"Bearer {token}"})
+
+    def state(self, sid: str) -> str:
+        return self.client.get_job_status(sid).value
+
+    def logs(self, sid: str) -> str:
+        return self.client.get_job_logs(sid)
+
+    def wait_ready(self) -> None:
+        """Ready when a trivial job runs: the Jobs API answers before its agent has registered."""
+        def trivial_job() -> bool:
+            sid = self.client.submit_job(entrypoint="true")
+            _wait("the trivial job", lambda: self.state(sid) in ("SUCCEEDED", "FAILED"), 120, 1)
+            return self.state(sid) == "SUCCEEDED"
+        _wait("the Ray head's Jobs API", trivial_job, 240, 3)
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     # `ray start --block` does not exit on SIGTERM by itself: give its children a moment, then kill.
     for sig, wait in ((signal.SIGTERM, 3), (signal.SIGKILL, 10)):
@@ -94,16 +118,11 @@ class Head:
              f"--dashboard-agent-listen-port={agent_port}",
              "--node-ip-address=127.0.0.1", "--disable-usage-stats"],
             env=env, stdout=open(self.dir / "head.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
-        # Ready when a trivial job runs: the Jobs API answers before its agent has registered.
-        def trivial_job() -> bool:
-            p = self.run("ray", "job", "submit", "--address", self.dashboard, "--", "true", check=False)
-            self.last_error = p.stderr[-600:]
-            return p.returncode == 0
         try:
-            _wait("the Ray head's Jobs API", trivial_job, 240, 3)
+            self.jobs = _wait("the Jobs API to answer", lambda: JobsAPI(self.dashboard, token.read_text()), 240, 1)
+            self.jobs.wait_ready()
         except AssertionError as e:
-            raise AssertionError(f"{e}\nlast error: {self.last_error}\nhead log: "
-                                 f"{(self.dir / 'head.log').read_text()[-1500:]}") from None
+            raise AssertionError(f"{e}\nhead log: {(self.dir / 'head.log').read_text()[-1500:]}") from None
 
     def run(self, *cmd: str, check: bool = True, timeout: float = 180) -> subprocess.CompletedProcess:
         exe = str(BIN / cmd[0]) if (BIN / cmd[0]).exists() else cmd[0]
@@ -221,6 +240,8 @@ def test_ray_job_is_controllable_and_observed(head, prometheus, tmp_path):
     assert not any(r["kind"] == "external-rates" for h in _history(head) for r in h.get("requests", []))
 
     # The health-check example hands the job an external rate and asks for a re-plan.
+    endpoint = st["metrics_endpoint"]    # waited on below: its counters move when a round ends
+    migrations = _metric(endpoint, "malleus_migration_seconds_count")
     signal_file = tmp_path / "health.json"
     signal_file.write_text(json.dumps({"1": 4.0, "replan": "health-check example"}))
     out = head.run("python", "examples/health_check.py", JOB, "--signal", str(signal_file), "--address", head.gcs,
@@ -228,11 +249,15 @@ def test_ray_job_is_controllable_and_observed(head, prometheus, tmp_path):
     assert "set_rates {1: 4.0}" in out, out
     assert head.status(JOB)["external_rates"] == {"1": 4.0}
     # A device 4x slower than the rest: the planner moves work off it, live.
+    _wait("a migration", lambda: _metric(endpoint, "malleus_migration_seconds_count") > migrations, 120, 1)
     _wait("a migration away from device 1", lambda: any(
         h["outcome"] == "applied" and "1=4.0" in h["reason"] for h in _history(head)), 120, 2)
 
     # An operator's re-plan through the CLI shows up in the history (and below, in Prometheus).
+    requested = _metric(endpoint, "malleus_replans_total", 'reason="request"')
     head.malleus("replan", JOB, "--reason", "e2e check", "--address", head.gcs)
+    _wait("the operator's round", lambda: _metric(endpoint, "malleus_replans_total", 'reason="request"') > requested,
+          120, 1)
     _wait("the operator's round to end", lambda: any("request: e2e check" in h["reason"] for h in _history(head)), 120, 2)
     shown = head.malleus("rates", JOB, "--address", head.gcs).stdout
     assert "1=4.00*" in shown, shown
@@ -240,7 +265,7 @@ def test_ray_job_is_controllable_and_observed(head, prometheus, tmp_path):
     time.sleep(6)   # a few more scrapes after the last event
     stop = head.malleus("stop", JOB, "--address", head.gcs)
     assert "stopping" in stop.stdout
-    _wait("the Ray job to succeed", lambda: _ray_job_status(head, sid) == "SUCCEEDED", 180, 2)
+    _wait("the Ray job to succeed", lambda: head.jobs.state(sid) == "SUCCEEDED", 180, 1)
 
     # The metrics file: one line per step, in order, and the plan changed on the way.
     lines = [json.loads(x) for x in metrics_file.read_text().splitlines()]
@@ -263,10 +288,13 @@ def test_ray_job_is_controllable_and_observed(head, prometheus, tmp_path):
     assert not empty, f"dashboard queries with no data: {empty}"
 
 
-def _ray_job_status(head: Head, sid: str) -> str:
-    p = head.run("python", "-c", "from ray.job_submission import JobSubmissionClient as C; "
-                 f"print(C({head.dashboard!r}).get_job_status({sid!r}).value)")
-    return p.stdout.strip().splitlines()[-1]
+def _metric(endpoint: str, name: str, label: str = "") -> float:
+    """The sum of a metric's samples for the job (with `label`, e.g. 'reason="request"') as the
+    coordinator's endpoint serves it now."""
+    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and f'job="{JOB}"' in line and label in line)
 
 
 def _history(head: Head) -> list[dict]:
