@@ -149,7 +149,8 @@ def test_noise_is_no_straggler_a_straggler_is_planned_around_and_its_heal_taken_
     require_pace_held(ray, loop)
     assert [priced_links(h) for h in hist] == [False, True], [(h["outcome"], h["reason"]) for h in hist]
     links = st["links"]    # timed by the workers over gloo: a real round trip, a real all-reduce among 8
-    assert links["reducers"] == 8 and 0 < links["p2p_intra_node_s"] < 0.1 and 0 < links["grad_sync_per_block_s"] < 0.1
+    # seconds, not milliseconds: a bound no load reaches, a unit slip would
+    assert links["reducers"] == 8 and 0 < links["p2p_intra_node_s"] < 10 and 0 < links["grad_sync_per_block_s"] < 10
     rates = ray.get(loop.rates.remote())["effective"]
     assert len(rates) == 8 and max(rates.values()) < 1.3, rates
 
