@@ -101,11 +101,18 @@ def grow(cluster, run: dict) -> dict:
     # done when the coordinator has booked the rejoin of the last gone device (the group's own `gone`
     # empties earlier). The devices come back together, or one by one on a busy host: a fresh worker
     # that does not start within replace_timeout_s is taken back at a later iteration boundary.
+    added = time.monotonic()
     while True:
         hist = ray.get(h.get_history.remote())
         if any("rejoined" in e["reason"] and e.get("gone") == [] for e in hist):
             break
-        assert ray.get(h.status.remote())["state"] not in ("done", "failed")
+        st = ray.get(h.status.remote())
+        assert st["state"] != "failed", st
+        if st["state"] == "done":   # a host too slow to start a node within the job's slowed steps
+            out["inconclusive"] = (f"the job ended {time.monotonic() - added:.0f} s after the node was added, "
+                                   "before its devices rejoined: the node took longer to start than the job "
+                                   "had left to train")
+            break
         time.sleep(0.1)
     out.update(rejoined=ray.get(h.status.remote()), history=hist)
     ray.get(h.emulate.remote({d: 1.0 for d in range(4)}))
