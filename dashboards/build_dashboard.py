@@ -36,7 +36,7 @@ ROWS: list[tuple[str, list[dict]]] = [
     ("Stragglers and throughput", [
         panel("heatmap", "Straggling rate per device", [q(f"malleus_straggling_rate{J}", "{{device}}")], 12, 9,
               "Effective straggling rate of every device over time (1 = healthy; external set_rates override "
-              "measured). One row per device.",
+              "measured; a gap while a CPU worker's ops miss their pace: not measured). One row per device.",
               options={"calculate": False, "cellGap": 1, "yAxis": {"axisLabel": "device"},
                        "color": {"mode": "scheme", "scheme": "Oranges", "steps": 64, "min": 1},
                        "tooltip": {"mode": "single", "yHistogram": False}, "legend": {"show": True}}),
@@ -68,6 +68,10 @@ ROWS: list[tuple[str, list[dict]]] = [
         panel("timeseries", "Sequence-length quantiles", [
             q(f"malleus_sequence_length_quantile_tokens{J}", "q{{quantile}}")], 8, 8,
               "Quantiles of the sequence lengths of each global batch.", **unit("none")),
+        panel("timeseries", "Ops that kept pace per device", [q(f"malleus_pace_held_ratio{J}", "{{device}}")], 24, 6,
+              "CPU workers only: the share of each device's ops in the rate window that kept its emulated "
+              "accelerator's pace. Below 95% its device time is the host's load, and its rate is not measured "
+              "(it starts no re-plan) until its ops keep pace again.", **unit("percentunit", min=0, max=1)),
     ]),
     ("Plan", [
         panel("table", "Stages of the plan in force", [

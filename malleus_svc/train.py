@@ -142,6 +142,7 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
     import ray
 
     from malleus_svc.control.coordinator import NAMESPACE, MalleusError, actor_name, launch
+    from malleus_svc.control.measure import pace_warning
     from malleus_svc.runtime.cluster import WorkerGroupError
     from malleus_svc.runtime.data import DataError
 
@@ -173,7 +174,7 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
             f"{w.get('host_cores')}); coordinator actor {actor_name(job.name)} (namespace {NAMESPACE})"
             + (f"; metrics at http://{st['metrics_endpoint']}/metrics" if st.get("metrics_endpoint") else ""))
         every = max(1, steps // 50)
-        events_seen, t_start = 0.0, time.perf_counter()
+        events_seen, t_start, warned = 0.0, time.perf_counter(), False
         lost_since: float | None = None
         while True:
             try:
@@ -207,6 +208,10 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
                         f"iter {line['iteration_seconds']:.3f}s plan {line['plan_id']}")
             if out is not None:
                 out.flush()
+            # once, past the warm-up: a host too busy for its workers' pace (CPU workers)
+            if not warned and st.get("calibrated") and lines and pace_warning(lines[-1].get("pace_held")):
+                say(f"[{job.name}] {pace_warning(lines[-1]['pace_held'])}")
+                warned = True
             for ev in st["events"]:
                 if ev["time"] > events_seen and ev["kind"] in ("planned", "applied", "kept", "failed", "error", "resumed"):
                     say(f"[{job.name}] {ev['kind']} at step {ev['step']}: {ev['text'].splitlines()[0]}")

@@ -2,7 +2,9 @@
 coordinator uses (control/workers.py WorkerGroupLike), with per-device compute times the test
 controls through the coordinator's own emulation call. Deterministic: a device does its stage's
 blocks over its pipeline's micro-batches (its TP share of them), in t0 units, and its device time
-is `UNIT` seconds per t0 unit, times its slowdown factor."""
+is `UNIT` seconds per t0 unit, times its slowdown factor. A host that misses a paced device's pace
+is `overrun[d] = (share, stretch)`: that share of the device's ops overran, and its device time
+reads `stretch` times too long; every device reports its paced ops' counts as a worker does."""
 from __future__ import annotations
 
 from malleus_svc.control.workload import t0_flops
@@ -13,6 +15,7 @@ from malleus_svc.runtime.cluster import MigrationReport, StepRecord
 
 UNIT = 0.01       # seconds per t0 unit on a healthy device
 PROBE = 0.05      # a healthy device's probe seconds
+OPS = 20          # paced ops a device times per step
 LINKS = LinkTimes(p2p_intra_node_s=0.0002, p2p_inter_node_s=0.001, grad_sync_per_block_s=0.0005, reducers=2)
 
 
@@ -25,6 +28,8 @@ class FakeWorkers:
         self.infos = [{"device": d, "pid": 0, "node_id": "fake"} for d in range(self.num_devices)]
         self.cpus_per_worker, self.use_gpu, self.last_recovery_error = 1.0, False, None
         self.slowdown: dict[int, float] = {}
+        self.overrun: dict[int, tuple[float, float]] = {}
+        self.pace_counts: dict[int, list[int]] = {}       # device -> [ops, on pace], cumulative
         self.migrated: list[tuple[str, str]] = []     # (old plan id, new plan id)
 
     @property
@@ -55,7 +60,8 @@ class FakeWorkers:
 
     def step(self, sample_ids, assignment=None) -> StepRecord:
         unit = t0_flops(self.job.scenario, self.plan)
-        devices = {d: {"compute_seconds": UNIT * w * self.slowdown.get(d, 1.0), "flops": w * unit}
+        devices = {d: {"compute_seconds": UNIT * w * self.slowdown.get(d, 1.0) * self.overrun.get(d, (0, 1.0))[1],
+                       "flops": w * unit, **self._paced(d)}
                    for d, w in plan_work(self.plan).items()}
         return StepRecord(step=0, plan_id=self.plan.plan_id, loss=1.0, loss_tokens=len(sample_ids),
                           tokens=len(sample_ids) * self.job.data.seq_len, samples=len(sample_ids),
@@ -63,8 +69,15 @@ class FakeWorkers:
                           devices=devices)
 
     def probe(self, devices):
-        out = [{"device": d, "compute_seconds": PROBE * self.slowdown.get(d, 1.0)} for d in devices]
+        out = [{"device": d, "compute_seconds": PROBE * self.slowdown.get(d, 1.0), **self._paced(d)} for d in devices]
         return lambda: out
+
+    def _paced(self, device: int) -> dict:
+        """This step's paced ops of `device`, added to its cumulative counts."""
+        counts = self.pace_counts.setdefault(device, [0, 0])
+        counts[0] += OPS
+        counts[1] += round(OPS * (1 - self.overrun.get(device, (0.0, 1.0))[0]))
+        return {"pace_ops": counts[0], "pace_on": counts[1]}
 
     def migrate(self, new_plan: Plan, *, bucket_bytes: int) -> MigrationReport:
         old, self.plan = self.plan, new_plan

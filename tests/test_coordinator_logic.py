@@ -102,6 +102,44 @@ def test_a_straggler_is_planned_around_and_a_heal_takes_it_back():
     assert "device 3" in last["reason"] and "-> 1.00" in last["reason"]
 
 
+def test_a_device_whose_ops_miss_their_pace_has_no_rate_and_starts_no_round():
+    """Host noise on a paced CPU worker: 40% of device 2's ops overran, so its device time reads
+    1.6x. It is unmeasured: no rate, no round, its plan's rate kept; a straggler on pace still is."""
+    c = coordinator()
+    c.group.overrun[2] = (0.4, 1.6)
+    run(c, 8)
+    settle(c)
+    assert after_pricing(c) == [], outcomes(c)
+    assert c.status()["unmeasured"] == {"2": pytest.approx(0.6)}
+    assert 2 not in c.measurement.measured() and c.effective_rates()[2] == 1.0 and c.rates()["unmeasured"] == {2: 0.6}
+    assert c.measurement.estimator.rates()[2] == pytest.approx(1.6)    # what its overruns would have read
+    from malleus_svc.service.commands import format_status
+    text = format_status(c.status())
+    assert "2=1.00?" in text and "device 2 kept pace on 60% of its ops" in text, text
+    c.emulate({3: 3.0})
+    run(c, 6)
+    settle(c)
+    applied = [h for h in after_pricing(c) if h["outcome"] == "applied"]
+    assert len(applied) == 1 and "device 3" in applied[0]["reason"] and "device 2" not in applied[0]["reason"]
+    c.group.overrun.pop(2)         # its ops keep pace again: measured again once its window has
+    run(c, 6)
+    assert c.status()["unmeasured"] == {} and c.measurement.measured()[2] == pytest.approx(1.0)
+
+
+def test_calibration_leaves_out_the_devices_whose_ops_missed_their_pace():
+    """Half the devices overran through the warm-up (their times read 3x): the healthy unit time is
+    the others' median, so a real straggler later reads 3x, not the 1.5x an inflated one gives."""
+    c = coordinator(priced=False)
+    for d in (0, 1):
+        c.group.overrun[d] = (0.5, 3.0)
+    run(c, CALIBRATED)
+    assert c.measurement.calibrated and set(c.status()["unmeasured"]) == {"0", "1"}
+    c.group.overrun.clear()
+    c.emulate({3: 3.0})
+    run(c, 6)
+    assert c.measurement.estimator.rates()[3] == pytest.approx(3.0)
+
+
 def test_a_forced_replan_moves_when_keeping_is_predicted_cheaper():
     # a migration predicted to cost a day: the policy keeps the plan unless forced
     c = coordinator(migration_overhead_s=86400.0)

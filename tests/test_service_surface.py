@@ -4,6 +4,7 @@ input errors, and the what-if example. The end-to-end run is tests/test_service_
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -58,7 +59,8 @@ def test_metrics_follow_the_plan_and_the_iterations():
     rates = {d: 1.0 for d in range(16)} | {5: 4.0, 13: 2.0}
     for step in range(3):
         m.on_iteration(_line(step), {0: {"memory_bytes": 100, "peak_memory_bytes": 150}}, rates, 16, [],
-                       healthy_tokens_per_second=1000.0, lengths=[10, 20, 300], length_quantiles={0.5: 20, 1.0: 300})
+                       healthy_tokens_per_second=1000.0, lengths=[10, 20, 300], length_quantiles={0.5: 20, 1.0: 300},
+                       pace_held={d: 1.0 for d in range(15)} | {15: 0.8}, unmeasured=[15])
     m.on_round(["request", "rates", "rates"], "applied", 0.25)
     m.on_migration(1.5, 2e6)
     s = _samples(m)
@@ -68,6 +70,9 @@ def test_metrics_follow_the_plan_and_the_iterations():
     assert s[("malleus_tokens_per_second", j)] == pytest.approx(1280)
     assert s[("malleus_capacity_tokens_per_second", j)] == pytest.approx(1000 * (14 + 0.25 + 0.5) / 16)
     assert s[("malleus_straggling_rate", (("device", "13"), ("job", "j"), ("node", "1")))] == 2.0
+    # device 15's ops missed their pace: its rate is not measured, and the dashboard shows why
+    assert math.isnan(s[("malleus_straggling_rate", (("device", "15"), ("job", "j"), ("node", "1")))])
+    assert s[("malleus_pace_held_ratio", (("device", "15"), ("job", "j"), ("node", "1")))] == 0.8
     assert s[("malleus_device_peak_memory_bytes", (("device", "0"), ("job", "j"), ("node", "0")))] == 150
     assert s[("malleus_sequence_length_tokens_count", j)] == 9
     assert s[("malleus_sequence_length_quantile_tokens", (("job", "j"), ("quantile", "1")))] == 300

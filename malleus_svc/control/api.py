@@ -98,7 +98,8 @@ class ClientAPI:
     def rates(self) -> dict:
         with self._lock:
             m = self.measurement
-            return {"measured": m.measured(), "external": dict(m.external), "effective": m.effective(),
+            return {"measured": m.measured(), "external": dict(m.external), "effective": m.effective(self.basis),
+                    "unmeasured": m.pace.unmeasured(),
                     "basis": dict(self.basis), "calibrated": m.calibrated,
                     "healthy_unit_seconds": m.estimator.healthy_unit_seconds}
 

@@ -321,7 +321,8 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
                 line, rec.devices, rates, self.job.num_devices, plan.excluded,
                 self.measurement.healthy_tokens_per_second,
                 batch_lengths, {q: stats[k] for q, k in ((0.5, "p50"), (0.9, "p90"), (0.99, "p99"), (1.0, "max"))
-                                if k in stats})
+                                if k in stats},
+                self.measurement.pace.shares(), self.measurement.pace.unmeasured())
         self.step = rec.step + 1
         m = self.measurement
         if m.calibrate_if_due(self.step, self.history.records):
@@ -369,9 +370,10 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
         return set(self.group.gone) if self.group is not None else set()
 
     def effective_rates(self) -> dict[int, float]:
-        """Measured rates with external ones (set_rates) taking precedence, device by device."""
+        """Measured rates with external ones (set_rates) taking precedence, device by device; a device
+        not measured (its ops did not keep pace) keeps the rate the plan in force was made from."""
         with self._lock:
-            return self.measurement.effective()
+            return self.measurement.effective(self.basis)
 
     def _problem(self, rates: Mapping[int, float], excluded) -> Any:
         """The planner's input under these rates. Communication is priced from the job's own links

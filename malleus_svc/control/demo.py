@@ -35,6 +35,8 @@ from malleus_svc.config.limits import MAX_GLOBAL_BATCH
 from malleus_svc.config.options import number_option, output_file_option
 from malleus_svc.runtime.device_clock import host_cores
 
+from .measure import pace_warning
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="malleus demo", description=__doc__.split("\n\n")[0])
@@ -334,9 +336,8 @@ def print_summary(s: dict) -> None:
     if pace:
         print(f"each worker emulated an accelerator of {pace['gflops']:.3g} GFLOP/s and {pace['gbps']:.3g} GB/s; "
               f"ops that kept pace: {f(s['pace_held'], '.1%')}")
-        if s["pace_held"] is not None and s["pace_held"] < 0.95:
-            print(f"warning: only {s['pace_held']:.1%} of ops kept pace (< 95%): the host was busy with other "
-                  "work, so device times are less faithful; close other programs or set a slower emulate.device")
+        if pace_warning(s["pace_held"]):
+            print(pace_warning(s["pace_held"]))
     print(f"healthy (warm-up) throughput   {f(s['healthy_tokens_per_second'])} tok/s")
     print(f"capacity bound                 {f(s['capacity_bound_tokens_per_second'])} tok/s"
           + (f": a perfect planner would reach {1 / s['static_over_bound']:.2f}x the static plan on this schedule"

@@ -15,6 +15,14 @@ probe baseline (measured while it was known healthy).
 The authors' code keeps two of every three samples and no outlier rejection; here a window median
 with MAD rejection keeps ±20% timing noise well inside the re-plan hysteresis band.
 
+A rate is used only where it was measured. A CPU worker's device time is its paced clock's only
+while the host keeps that pace; an op that overran reports the host's own time (device_clock.py),
+so a device whose ops overran is timed by the host's load, not by its speed. Over the same window
+as its rate, each device's share of ops that kept pace is kept (`PaceWindow`, from the counts the
+workers report); below `PACE_FLOOR` the device is *unmeasured*: it has no measured rate, starts no
+re-planning round, and is left out of calibration, until its ops keep pace again. (On a GPU every
+op counts as kept: CUDA events time the device itself.)
+
 Common-mode correction (optional, `common_mode_quantile`): when the whole machine slows down for
 an iteration (other processes, thermal limits, cores shared by more workers than cores), every
 device's unit time rises together. Rates are relative (a uniformly slower cluster gets the same
@@ -28,10 +36,58 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict, deque
 from dataclasses import dataclass
+from typing import Mapping
 
 from malleus_svc.config.job import ControlConfig
 
 from .workload import busy_seconds, device_work
+
+
+PACE_FLOOR = 0.95   # the share of a device's ops in the window that must keep pace for its rate to count
+
+
+def pace_warning(held: float | None) -> str | None:
+    """One line for a run whose CPU workers kept pace on less than PACE_FLOOR of their ops (`held`,
+    the share over the run so far), else None."""
+    if held is None or held >= PACE_FLOOR:
+        return None
+    return (f"warning: only {held:.1%} of ops kept pace (< {PACE_FLOOR:.0%}): the host was busy with other work, "
+            "so device times carry its load, and a device whose ops overran has no measured rate until they "
+            "keep pace again (`malleus status` lists it as unmeasured); close other programs or set a slower "
+            "emulate.device")
+
+
+class PaceWindow:
+    """Per device, how many of its paced ops kept pace over its last `window` observed iterations,
+    from the cumulative counts a worker reports with each step or probe (`pace_ops`, `pace_on`)."""
+
+    def __init__(self, window: int = ControlConfig.window):
+        self._last: dict[int, tuple[int, int]] = {}
+        self._window: dict[int, deque[tuple[int, int]]] = defaultdict(lambda: deque(maxlen=window))
+
+    def observe(self, device: int, report: dict) -> None:
+        ops, on = report.get("pace_ops"), report.get("pace_on")
+        if ops is None or on is None:     # a clock that paces nothing: no verdict
+            return
+        last, self._last[device] = self._last.get(device), (int(ops), int(on))
+        if last is not None and ops >= last[0]:   # else its first report, or a fresh worker's counts
+            self._window[device].append((int(ops) - last[0], int(on) - last[1]))
+
+    def shares(self) -> dict[int, float]:
+        """device -> share of its ops in the window that kept pace (devices that timed ops)."""
+        out = {}
+        for d, win in self._window.items():
+            ops = sum(n for n, _ in win)
+            if ops:
+                out[d] = sum(k for _, k in win) / ops
+        return out
+
+    def unmeasured(self) -> dict[int, float]:
+        """Devices whose ops kept pace less than PACE_FLOOR of the time, with their share."""
+        return {d: s for d, s in self.shares().items() if s < PACE_FLOOR}
+
+    def forget(self, device: int) -> None:
+        self._window.pop(device, None)
 
 
 @dataclass(frozen=True)
@@ -99,9 +155,10 @@ class RateEstimator:
     def _unit_medians(self) -> dict[int, float]:
         return {d: _robust_median(list(us), self.mad_limit) for d, us in self._unit.items() if us}
 
-    def calibrate(self) -> float | None:
-        """Freeze the healthy unit time at the current median (call while all devices are healthy)."""
-        medians = self._unit_medians()
+    def calibrate(self, exclude=frozenset()) -> float | None:
+        """Freeze the healthy unit time at the current median (call while all devices are healthy),
+        of every device but those in `exclude` (not measured)."""
+        medians = {d: u for d, u in self._unit_medians().items() if d not in exclude} or self._unit_medians()
         if medians:
             self._reference = statistics.median(medians.values())
         return self._reference
@@ -141,6 +198,7 @@ class Measurement:
                  warmup: int = ControlConfig.warmup, skip_after_migration: int = ControlConfig.skip_after_migration):
         # common-mode correction: a machine-wide slowdown of one iteration is not a straggler
         self.estimator = RateEstimator(window=window, common_mode_quantile=0.25)
+        self.pace = PaceWindow(window)
         self.skip, self.warmup, self.skip_after_migration = skip, warmup, skip_after_migration
         self.calibrated = False
         self.healthy_tokens_per_second: float | None = None   # throughput over the calibration iterations
@@ -159,6 +217,7 @@ class Measurement:
         self._measure_from = max(self._measure_from, step + self.skip_after_migration)
         for d in devices:
             self.estimator.forget(d)
+            self.pace.forget(d)
 
     def measures(self, step: int) -> bool:
         return step >= self._measure_from
@@ -175,6 +234,10 @@ class Measurement:
         work = device_work(plan, job.scenario, devices, job.data.seq_len)
         self.observe([WorkSample(d, busy_seconds(s), work[d]) for d, s in devices.items() if d in work],
                      {r["device"]: busy_seconds(r) for r in probes})
+        for d, s in devices.items():
+            self.pace.observe(d, s)
+        for r in probes:
+            self.pace.observe(r["device"], r)
 
     def observe_unit(self, iteration_seconds: float, objective: float) -> None:
         if self.calibrated and objective > 0:
@@ -188,7 +251,7 @@ class Measurement:
         throughput over them (`records`: metrics lines); True when it did."""
         if self.calibrated or next_step != self._start_step + self.skip + self.warmup:
             return False
-        self.estimator.calibrate()
+        self.estimator.calibrate(exclude=set(self.pace.unmeasured()))
         self.calibrated = True
         recent = records[-self.warmup:]
         secs = sum(r["iteration_seconds"] for r in recent)
@@ -215,8 +278,12 @@ class Measurement:
                 self.external[d] = r
 
     def measured(self) -> dict[int, float]:
-        return dict(self.estimator.rates()) if self.calibrated else {}
+        """The rates of the devices whose ops kept pace (`PaceWindow`), once calibrated."""
+        unmeasured = self.pace.unmeasured()
+        return {d: r for d, r in self.estimator.rates().items() if d not in unmeasured} if self.calibrated else {}
 
-    def effective(self) -> dict[int, float]:
-        """Measured rates with external ones taking precedence."""
-        return {**self.measured(), **self.external}
+    def effective(self, basis: Mapping[int, float] | None = None) -> dict[int, float]:
+        """Measured rates with external ones taking precedence; an unmeasured device keeps its rate
+        in `basis` (what the plan in force was made from): no evidence that it changed."""
+        held = {d: basis.get(d, 1.0) for d in self.pace.unmeasured()} if basis is not None and self.calibrated else {}
+        return {**held, **self.measured(), **self.external}

@@ -16,6 +16,8 @@ directory. The endpoint binds to 127.0.0.1 unless the job's `metrics.host` says 
 """
 from __future__ import annotations
 
+import math
+
 import json
 import logging
 import os
@@ -45,7 +47,10 @@ class JobMetrics:
         self.registry = r = CollectorRegistry(auto_describe=True)
         dev = ("job", "device", "node")
         self.rate = Gauge("malleus_straggling_rate", "Effective straggling rate per device (1 = healthy; "
-                          "external set_rates override measured)", dev, registry=r)
+                          "external set_rates override measured; NaN while not measured)", dev, registry=r)
+        self.pace_held = Gauge("malleus_pace_held_ratio", "Share of a CPU worker's ops in the rate window that "
+                               "kept its emulated device's pace (below 0.95 its rate is not measured)", dev,
+                               registry=r)
         self.memory = Gauge("malleus_device_memory_bytes", "Memory in use per device at the end of the last "
                             "iteration (CUDA allocated on GPU, worker RSS on CPU)", dev, registry=r)
         self.peak_memory = Gauge("malleus_device_peak_memory_bytes", "Peak memory per device (CUDA max allocated "
@@ -117,7 +122,8 @@ class JobMetrics:
     def on_iteration(self, line: Mapping[str, Any], devices: Mapping[int, Mapping[str, Any]],
                      rates: Mapping[int, float], num_devices: int, excluded: Iterable[int],
                      healthy_tokens_per_second: float | None, lengths: Iterable[int] | None,
-                     length_quantiles: Mapping[float, float] | None) -> None:
+                     length_quantiles: Mapping[float, float] | None,
+                     pace_held: Mapping[int, float] | None = None, unmeasured: Iterable[int] = ()) -> None:
         j, secs = self.job, float(line["iteration_seconds"])
         self.iteration.labels(j).observe(secs)
         self.iterations.labels(j).inc()
@@ -129,8 +135,11 @@ class JobMetrics:
             self.samples_per_second.labels(j).set(line["samples"] / secs)
         excluded = set(excluded)
         members = [d for d in range(num_devices) if d not in excluded]
+        unmeasured = set(unmeasured)
         for d in range(num_devices):
-            self.rate.labels(*self._dev(d)).set(float(rates.get(d, 1.0)))
+            self.rate.labels(*self._dev(d)).set(math.nan if d in unmeasured else float(rates.get(d, 1.0)))
+        for d, share in (pace_held or {}).items():
+            self.pace_held.labels(*self._dev(d)).set(share)
         if healthy_tokens_per_second and members:
             bound = sum(1.0 / max(float(rates.get(d, 1.0)), 1.0) for d in members) / num_devices
             self.capacity.labels(j).set(healthy_tokens_per_second * bound)

@@ -341,7 +341,8 @@ class DeviceWorker:
         with self.clock.op("probe", flops=2.0 * size ** 3 * repeats):
             for _ in range(repeats):
                 a = torch.tanh(a @ b)
-        return {"device": self.device_id, "compute_seconds": self.clock.read().get("probe", 0.0)}
+        return {"device": self.device_id, "compute_seconds": self.clock.read().get("probe", 0.0),
+                "pace_ops": self.clock.pace_count.ops, "pace_on": self.clock.pace_count.on_pace}
 
     def time_links(self, pairs: Sequence[tuple[int, int]], reducers: Sequence[int], boundary_elements: int,
                    reduce_elements: int, repeats: int = 9) -> dict:

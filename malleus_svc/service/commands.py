@@ -96,9 +96,11 @@ def cmd_rates(args: argparse.Namespace) -> int:
         client.set_rates(changes)
     r = client.rates()
     external = {str(d) for d in r["external"]}
+    unmeasured = {str(d) for d in r.get("unmeasured") or {}}
     eff = r["effective"]
-    text = "rates (device=rate, * = set externally): " + (
-        " ".join(f"{d}={float(v):.2f}{'*' if str(d) in external else ''}" for d, v in sorted(eff.items(), key=lambda kv: int(kv[0])))
+    text = "rates (device=rate, * = set externally, ? = not measured): " + (
+        " ".join(f"{d}={float(v):.2f}{'*' if str(d) in external else '?' if str(d) in unmeasured else ''}"
+                 for d, v in sorted(eff.items(), key=lambda kv: int(kv[0])))
         if eff else "(not calibrated yet: all devices count as healthy)")
     return _print(args, r, text)
 
@@ -123,8 +125,14 @@ def format_status(st: dict) -> str:
                  f"healthy {num(st.get('healthy_tokens_per_second'))})")
     ext = set(st.get("external_rates") or {})
     rates = st.get("rates") or {}
-    lines.append("  rates: " + (" ".join(f"{d}={v:.2f}{'*' if d in ext else ''}" for d, v in rates.items())
+    unmeasured = st.get("unmeasured") or {}
+    lines.append("  rates: " + (" ".join(f"{d}={v:.2f}{'*' if d in ext else '?' if d in unmeasured else ''}"
+                                         for d, v in rates.items())
                                 if rates else "not calibrated yet") + (" (* external)" if ext else ""))
+    if unmeasured:
+        lines.append("  not measured (? above; their ops missed the emulated device's pace, so their rates are "
+                     "the plan's): " + ", ".join(f"device {d} kept pace on {s:.0%} of its ops"
+                                                 for d, s in unmeasured.items()))
     if st.get("excluded"):
         lines.append(f"  excluded: {st['excluded']}")
     if st.get("planning"):
