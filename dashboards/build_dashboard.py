@@ -70,8 +70,9 @@ ROWS: list[tuple[str, list[dict]]] = [
               "Quantiles of the sequence lengths of each global batch.", **unit("none")),
         panel("timeseries", "Ops that kept pace per device", [q(f"malleus_pace_held_ratio{J}", "{{device}}")], 24, 6,
               "CPU workers only: the share of each device's ops in the rate window that kept its emulated "
-              "accelerator's pace. Below 95% its device time is the host's load, and its rate is not measured "
-              "(it starts no re-plan) until its ops keep pace again.", **unit("percentunit", min=0, max=1)),
+              "accelerator's pace. An op that overran was timed by the host's load; when most of a device's "
+              "iterations in the window had one, its rate is not measured (it starts no re-plan) until its "
+              "ops keep pace again.", **unit("percentunit", min=0, max=1)),
     ]),
     ("Plan", [
         panel("table", "Stages of the plan in force", [

@@ -209,8 +209,8 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
             if out is not None:
                 out.flush()
             # once, past the warm-up: a host too busy for its workers' pace (CPU workers)
-            if not warned and st.get("calibrated") and lines and pace_warning(lines[-1].get("pace_held")):
-                say(f"[{job.name}] {pace_warning(lines[-1]['pace_held'])}")
+            if not warned and st.get("calibrated") and lines and (warning := pace_warning(lines[-1].get("pace_held"))):
+                say(f"[{job.name}] {warning}")
                 warned = True
             for ev in st["events"]:
                 if ev["time"] > events_seen and ev["kind"] in ("planned", "applied", "kept", "failed", "error", "resumed"):

@@ -56,6 +56,7 @@ class FakeWorkers:
         return None      # device time is modelled directly
 
     def time_links(self, shape, boundary_tokens: int) -> LinkTimes:
+        self.links_timed = getattr(self, "links_timed", 0) + 1
         return LINKS
 
     def step(self, sample_ids, assignment=None) -> StepRecord:

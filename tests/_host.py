@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from malleus_svc.control.measure import PACE_FLOOR
+
 INCONCLUSIVE = "inconclusive: the host did not keep pace"
 
 
@@ -19,7 +21,7 @@ def inconclusive(measured: str) -> None:
     pytest.skip(f"{INCONCLUSIVE}: {measured}")
 
 
-def require_pace(on_pace: int, ops: int, floor: float = 0.95, what: str = "paced ops") -> None:
+def require_pace(on_pace: int, ops: int, floor: float = PACE_FLOOR, what: str = "paced ops") -> None:
     """Skip as inconclusive unless at least `floor` of `ops` kept their pace."""
     if ops <= 0 or on_pace < floor * ops:
         inconclusive(f"{on_pace}/{ops} {what} kept their pace (needs {floor:.0%})")

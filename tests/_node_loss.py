@@ -103,10 +103,10 @@ def grow(cluster, run: dict) -> dict:
     # that does not start within replace_timeout_s is taken back at a later iteration boundary.
     added = time.monotonic()
     while True:
+        st = ray.get(h.status.remote())         # before the history: a rejoin in between is still seen
         hist = ray.get(h.get_history.remote())
         if any("rejoined" in e["reason"] and e.get("gone") == [] for e in hist):
             break
-        st = ray.get(h.status.remote())
         assert st["state"] != "failed", st
         if st["state"] == "done":   # a host too slow to start a node within the job's slowed steps
             out["inconclusive"] = (f"the job ended {time.monotonic() - added:.0f} s after the node was added, "

@@ -43,7 +43,12 @@ def pytest_collection_modifyitems(items):
     """The node-loss tests last (after pytest-randomly's shuffle, which keeps its seed): their
     scenario runs in the background from the session's start, so by then it is over and they read
     its outcome; drawn early, the session would wait for it with nothing else to do."""
-    items.sort(key=lambda item: getattr(item, "module", None) is not None and item.module.__name__ == "test_node_loss")
+    def node_loss(item) -> bool:
+        try:
+            return getattr(item, "module", None) is not None and item.module.__name__ == "test_node_loss"
+        except (ImportError, pytest.Collector.CollectError):   # as pytest-randomly guards it
+            return False
+    items.sort(key=node_loss)
 
 
 def pytest_collection_finish(session):

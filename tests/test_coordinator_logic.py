@@ -184,14 +184,26 @@ def test_static_never_replans():
 
 
 def test_an_exclusion_plans_the_device_out_and_an_inclusion_back_in():
+    """And the links are timed again whenever the devices that talk change: the next round prices
+    the links the plan in force uses."""
     c = coordinator()
     run(c, 4)
+    assert c.group.links_timed == 1                   # at start
     c.exclude([2])
     settle(c)
     assert 2 in c.plan.excluded and c.get_history()[-1]["outcome"] == "applied", outcomes(c)
+    run(c, 1)
+    assert c.group.links_timed == 2 and not c.measurement.links_stale
+    assert any(e["kind"] == "links" and "timed again" in e["text"] for e in c.status()["events"])
     c.include([2])
     settle(c)
     assert 2 not in c.plan.excluded, outcomes(c)
+    run(c, 1)
+    assert c.group.links_timed == 3
+    c.replan("same devices", force=True)              # a plan over the same devices: nothing to re-time
+    settle(c)
+    run(c, 1)
+    assert c.group.links_timed == 3
 
 
 class _NodeComesBack(FakeWorkers):

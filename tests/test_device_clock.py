@@ -103,19 +103,20 @@ def test_the_cuda_clock_reads_once_per_step_and_leaves_collectives_out():
 def test_an_op_that_does_not_hold_the_wall_keeps_its_device_time(monkeypatch):
     from malleus_svc.runtime import device_clock
 
-    pace = Pace(flops_per_second=1e3, bytes_per_second=1e9)     # 50 flops: 50 ms of device time
+    slow = Pace(flops_per_second=1e-3, bytes_per_second=1e9)   # 1 flop: 1000 s, a deadline no stall reaches
     for hold in (True, False):
         waits = []
         monkeypatch.setattr(device_clock, "_sleep_until", lambda deadline: waits.append(deadline))
-        clock = PacedClock(pace=pace, hold=hold)
+        clock = PacedClock(pace=slow, hold=hold)
         t0 = time.perf_counter()
-        with clock.op("compute", flops=50):
+        with clock.op("compute", flops=1):
             pass
         t1 = time.perf_counter()
-        assert clock.read() == {"compute": pytest.approx(0.05)} and clock.pace_count.on_pace == 1
-        # held: the op waits until its deadline, 50 ms after it began; not held: it returns at once
-        assert len(waits) == hold and all(t0 + 0.05 <= w <= t1 + 0.05 for w in waits), (hold, t0, t1, waits)
+        assert clock.read() == {"compute": pytest.approx(1000)} and clock.pace_count.on_pace == 1
+        # held: the op waits until its deadline, 1000 s after it began; not held: it returns at once
+        assert len(waits) == hold and all(t0 + 1000 <= w <= t1 + 1000 for w in waits), (hold, t0, t1, waits)
     monkeypatch.undo()
+    pace = Pace(flops_per_second=1e3, bytes_per_second=1e9)     # 50 flops: 50 ms of device time
     clock = PacedClock(pace=pace)
     t0 = time.perf_counter()
     with clock.op("compute", flops=50):

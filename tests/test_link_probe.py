@@ -25,7 +25,7 @@ def test_the_probe_keeps_nccl_rules_in_order_unbuffered_one_batch_per_message():
 
 
 def _probe(rank: int, world: int, elements: int) -> dict:
-    return time_links(rank, [(0, 1), (1, 2)], [0, 2], 4096, elements, torch.float32, torch.device("cpu"), repeats=5)
+    return time_links(rank, [(0, 1), (1, 2)], [0, 2], 4096, elements, torch.float32, torch.device("cpu"), repeats=9)
 
 
 def test_links_are_timed_on_a_gloo_world_and_a_bigger_all_reduce_takes_longer():

@@ -81,7 +81,7 @@ class JobsAPI:
         """Ready when a trivial job runs: the Jobs API answers before its agent has registered."""
         def trivial_job() -> bool:
             sid = self.client.submit_job(entrypoint="true")
-            _wait("the trivial job", lambda: self.state(sid) in ("SUCCEEDED", "FAILED"), 120, 1)
+            _wait("the trivial job", lambda: self.state(sid) in ("SUCCEEDED", "FAILED"), 60, 1)
             return self.state(sid) == "SUCCEEDED"
         _wait("the Ray head's Jobs API", trivial_job, 240, 3)
 

@@ -278,6 +278,8 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
     def _iteration(self) -> None:
         self._maybe_rejoin()
         self._apply_decided()
+        if self.measurement.links_stale:
+            self._retime_links()
         step, plan, group = self.step, self.plan, self.group
         with self._lock:
             slowdowns = self.hooks.emulation.changes(step, self.job.num_devices)
@@ -309,6 +311,15 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
                 self._event("error", err)
         self._decide()
         self._grace_wait(rec.iteration_seconds)
+
+    def _retime_links(self) -> None:
+        """At an iteration boundary: the links among the devices the plan in force uses, timed again
+        (after a node left or came back, or devices were planned out or in), so that the next
+        round prices the links there are."""
+        links = self.group.time_links(self.job.shape, self.plan.micro_batch_size * self.job.data.seq_len)
+        with self._lock:
+            self.measurement.links, self.measurement.links_stale = links, False
+        self._event("links", f"timed again under plan {self.plan.plan_id}: {links.describe()}")
 
     def _record_step(self, line: dict, rec, plan: Plan, batch_lengths) -> None:
         """(lock held) The step's metrics line, exported; calibration once the warm-up is measured."""

@@ -336,8 +336,8 @@ def print_summary(s: dict) -> None:
     if pace:
         print(f"each worker emulated an accelerator of {pace['gflops']:.3g} GFLOP/s and {pace['gbps']:.3g} GB/s; "
               f"ops that kept pace: {f(s['pace_held'], '.1%')}")
-        if pace_warning(s["pace_held"]):
-            print(pace_warning(s["pace_held"]))
+        if warning := pace_warning(s["pace_held"]):
+            print(warning)
     print(f"healthy (warm-up) throughput   {f(s['healthy_tokens_per_second'])} tok/s")
     print(f"capacity bound                 {f(s['capacity_bound_tokens_per_second'])} tok/s"
           + (f": a perfect planner would reach {1 / s['static_over_bound']:.2f}x the static plan on this schedule"

@@ -67,7 +67,8 @@ class Delays:
     """A slow planner and a slow migration (tests only): each planning (migration) phase is held
     for `plan_s` (`migrate_s`) seconds, or until a test releases it (`release`), so that a test can
     act inside a phase however slow the host, and end it when it is done. A release made before the
-    phase starts ends the next one at once."""
+    phase starts ends the next one at once. Only the durations travel to a coordinator actor, not
+    releases made before it was launched."""
 
     PHASES = ("plan", "migrate")
 

@@ -17,11 +17,11 @@ with MAD rejection keeps ±20% timing noise well inside the re-plan hysteresis b
 
 A rate is used only where it was measured. A CPU worker's device time is its paced clock's only
 while the host keeps that pace; an op that overran reports the host's own time (device_clock.py),
-so a device whose ops overran is timed by the host's load, not by its speed. Over the same window
-as its rate, each device's share of ops that kept pace is kept (`PaceWindow`, from the counts the
-workers report); below `PACE_FLOOR` the device is *unmeasured*: it has no measured rate, starts no
-re-planning round, and is left out of calibration, until its ops keep pace again. (On a GPU every
-op counts as kept: CUDA events time the device itself.)
+which only ever adds. Over the same window as its rate, each device's iterations are kept as clean
+(every op kept its pace) or not (`PaceWindow`, from the counts the workers report). With most of
+them clean, the window's median unit time is a clean one, exact; otherwise the device is
+*unmeasured*: it has no measured rate, starts no re-planning round, and is left out of calibration,
+until its ops keep pace again. (On a GPU every op counts as kept: CUDA events time the device.)
 
 Common-mode correction (optional, `common_mode_quantile`): when the whole machine slows down for
 an iteration (other processes, thermal limits, cores shared by more workers than cores), every
@@ -43,7 +43,7 @@ from malleus_svc.config.job import ControlConfig
 from .workload import busy_seconds, device_work
 
 
-PACE_FLOOR = 0.95   # the share of a device's ops in the window that must keep pace for its rate to count
+PACE_FLOOR = 0.95   # below this share of a run's ops on pace, the run says its host was too busy
 
 
 def pace_warning(held: float | None) -> str | None:
@@ -58,8 +58,9 @@ def pace_warning(held: float | None) -> str | None:
 
 
 class PaceWindow:
-    """Per device, how many of its paced ops kept pace over its last `window` observed iterations,
-    from the cumulative counts a worker reports with each step or probe (`pace_ops`, `pace_on`)."""
+    """Per device, its paced ops and those that kept pace in each of its last `window` observed
+    iterations, from the cumulative counts a worker reports with each step or probe (`pace_ops`,
+    `pace_on`)."""
 
     def __init__(self, window: int = ControlConfig.window):
         self._last: dict[int, tuple[int, int]] = {}
@@ -70,7 +71,7 @@ class PaceWindow:
         if ops is None or on is None:     # a clock that paces nothing: no verdict
             return
         last, self._last[device] = self._last.get(device), (int(ops), int(on))
-        if last is not None and ops >= last[0]:   # else its first report, or a fresh worker's counts
+        if last is not None and ops >= last[0]:   # else its first report since a rebase, or a fresh worker's
             self._window[device].append((int(ops) - last[0], int(on) - last[1]))
 
     def shares(self) -> dict[int, float]:
@@ -83,11 +84,20 @@ class PaceWindow:
         return out
 
     def unmeasured(self) -> dict[int, float]:
-        """Devices whose ops kept pace less than PACE_FLOOR of the time, with their share."""
-        return {d: s for d, s in self.shares().items() if s < PACE_FLOOR}
+        """Devices most of whose iterations in the window had an op that overran, with their share
+        of ops that kept pace."""
+        shares = self.shares()
+        return {d: shares.get(d, 0.0) for d, win in self._window.items()
+                if win and 2 * sum(on == ops for ops, on in win) <= len(win)}
 
     def forget(self, device: int) -> None:
         self._window.pop(device, None)
+        self._last.pop(device, None)   # a fresh worker's counts start again
+
+    def rebase(self) -> None:
+        """Count from each device's next report: the iterations skipped since (new engines warming
+        up after a plan change) are not judged, as their times are not measured."""
+        self._last.clear()
 
 
 @dataclass(frozen=True)
@@ -157,8 +167,8 @@ class RateEstimator:
 
     def calibrate(self, exclude=frozenset()) -> float | None:
         """Freeze the healthy unit time at the current median (call while all devices are healthy),
-        of every device but those in `exclude` (not measured)."""
-        medians = {d: u for d, u in self._unit_medians().items() if d not in exclude} or self._unit_medians()
+        of every device but those in `exclude` (not measured); None if none is left."""
+        medians = {d: u for d, u in self._unit_medians().items() if d not in exclude}
         if medians:
             self._reference = statistics.median(medians.values())
         return self._reference
@@ -206,6 +216,7 @@ class Measurement:
         self.unit_seconds: deque[float] = deque(maxlen=5)
         self.device_pace = None   # the emulated accelerator's speed (device_clock.Pace), when CPU workers are paced
         self.links = None         # the job's links as its workers timed them (costmodel.profile.LinkTimes)
+        self.links_stale = False  # the devices that talk changed since: time them again
         self._start_step, self._measure_from = 0, skip
 
     def begin_at(self, step: int) -> None:
@@ -215,6 +226,7 @@ class Measurement:
     def restart_after(self, step: int, devices=()) -> None:
         """The plan or the workers changed at `step`: skip the warm-up, forget `devices`' history."""
         self._measure_from = max(self._measure_from, step + self.skip_after_migration)
+        self.pace.rebase()
         for d in devices:
             self.estimator.forget(d)
             self.pace.forget(d)
@@ -247,11 +259,14 @@ class Measurement:
         return statistics.median(self.unit_seconds) if self.unit_seconds else None
 
     def calibrate_if_due(self, next_step: int, records: list[dict]) -> bool:
-        """Freeze the healthy unit time once the warm-up iterations were measured, and the healthy
-        throughput over them (`records`: metrics lines); True when it did."""
+        """Freeze the healthy unit time once the warm-up iterations were measured, from the devices
+        measured (all of them if none was: a host too busy for its pace then leaves every rate low,
+        and unused until measured), and the healthy throughput over them (`records`: metrics
+        lines); True when it did."""
         if self.calibrated or next_step != self._start_step + self.skip + self.warmup:
             return False
-        self.estimator.calibrate(exclude=set(self.pace.unmeasured()))
+        if self.estimator.calibrate(exclude=set(self.pace.unmeasured())) is None:
+            self.estimator.calibrate()
         self.calibrated = True
         recent = records[-self.warmup:]
         secs = sum(r["iteration_seconds"] for r in recent)

@@ -16,10 +16,9 @@ directory. The endpoint binds to 127.0.0.1 unless the job's `metrics.host` says 
 """
 from __future__ import annotations
 
-import math
-
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -44,13 +43,14 @@ class JobMetrics:
     def __init__(self, job: str, gpus_per_node: int):
         self.job, self.gpus_per_node = job, max(1, int(gpus_per_node))
         disable_created_metrics()   # no *_created series: they double the output and no panel reads them
+        self._paced: set[int] = set()   # devices with a pace share exported
         self.registry = r = CollectorRegistry(auto_describe=True)
         dev = ("job", "device", "node")
         self.rate = Gauge("malleus_straggling_rate", "Effective straggling rate per device (1 = healthy; "
                           "external set_rates override measured; NaN while not measured)", dev, registry=r)
         self.pace_held = Gauge("malleus_pace_held_ratio", "Share of a CPU worker's ops in the rate window that "
-                               "kept its emulated device's pace (below 0.95 its rate is not measured)", dev,
-                               registry=r)
+                               "kept its emulated device's pace (when most of its iterations had an op that "
+                               "overran, its rate is not measured)", dev, registry=r)
         self.memory = Gauge("malleus_device_memory_bytes", "Memory in use per device at the end of the last "
                             "iteration (CUDA allocated on GPU, worker RSS on CPU)", dev, registry=r)
         self.peak_memory = Gauge("malleus_device_peak_memory_bytes", "Peak memory per device (CUDA max allocated "
@@ -138,8 +138,12 @@ class JobMetrics:
         unmeasured = set(unmeasured)
         for d in range(num_devices):
             self.rate.labels(*self._dev(d)).set(math.nan if d in unmeasured else float(rates.get(d, 1.0)))
-        for d, share in (pace_held or {}).items():
+        pace_held = pace_held or {}
+        for d in self._paced - set(pace_held):   # a device that left: no stale share
+            self.pace_held.remove(*self._dev(d))
+        for d, share in pace_held.items():
             self.pace_held.labels(*self._dev(d)).set(share)
+        self._paced = set(pace_held)
         if healthy_tokens_per_second and members:
             bound = sum(1.0 / max(float(rates.get(d, 1.0)), 1.0) for d in members) / num_devices
             self.capacity.labels(j).set(healthy_tokens_per_second * bound)

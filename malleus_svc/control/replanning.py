@@ -133,3 +133,5 @@ class Replanning:
             self.metrics_export.on_plan(new, self.history.plan_version)
         self.policy.last_change_step = self.step
         self.measurement.restart_after(self.step, set(old.roles()) ^ set(new.roles()))
+        if set(old.roles()) != set(new.roles()):   # other devices talk now (a device lost, back, in or out)
+            self.measurement.links_stale = True

@@ -48,8 +48,7 @@ def status(c) -> dict:
         "plan": plan_summary(plan) if plan else None,
         "excluded": sorted(c.excluded), "gone": sorted(c.gone()),
         "rates": {str(d): r for d, r in sorted(c.measurement.effective(c.basis).items())},
-        # devices whose ops did not keep their pace in the window: no rate measured (share kept)
-        "unmeasured": {str(d): round(s, 3) for d, s in sorted(c.measurement.pace.unmeasured().items())},
+        "unmeasured": unmeasured(c),
         "external_rates": {str(d): r for d, r in sorted(c.measurement.external.items())},
         "calibrated": c.measurement.calibrated,
         "planning": c.rounds.status(),
@@ -83,5 +82,10 @@ def summary(c) -> dict:
             "mean_iteration_seconds": secs / steps if steps else None,
             "migrations": c.history.migrations_total,
             "healthy_tokens_per_second": c.measurement.healthy_tokens_per_second,
-            "device_pace": device_pace(c.measurement.device_pace), "pace_held": recs[-1].get("pace_held") if recs else None,
-            "unmeasured": {str(d): round(s, 3) for d, s in sorted(c.measurement.pace.unmeasured().items())}}
+            "device_pace": device_pace(c.measurement.device_pace),
+            "pace_held": recs[-1].get("pace_held") if recs else None, "unmeasured": unmeasured(c)}
+
+
+def unmeasured(c) -> dict[str, float]:
+    """Devices without a measured rate (their ops missed their pace), with the share that kept it."""
+    return {str(d): round(s, 3) for d, s in sorted(c.measurement.pace.unmeasured().items())}

@@ -197,7 +197,7 @@ def check_length_sweep(device: torch.device, shape: ModelShape) -> Result:
     worst = max(r["test_max_abs_error"] for r in reports.values())
     tolerance = f"<= {SWEEP_HELDOUT_RTOL:g}"
     on_pace = min(r["on_pace"] for r in reports.values())
-    if on_pace < 1:   # some mix overran in every round: its time is the host's, not the device's
+    if on_pace < 1:   # some mix kept its pace in too few rounds: its time is the host's, not the device's
         return _inconclusive("length-sweep", f"{on_pace:.0%} of the mixes timed at their pace", tolerance)
     return Result("length-sweep", _verdict(worst <= SWEEP_HELDOUT_RTOL),
                   f"held-out max rel err {worst:.1%} (TP {', '.join(map(str, tps))}; "

@@ -225,9 +225,10 @@ def _on_pace(held: list[list[float]], stat: str) -> float:
 def _rank_times(mixes, shape, layers, repeats, warmup, seed, threads, clock, tp=None, place: Place | None = None):
     """Per mix, per round: (compute, communication) seconds of this process, or with a TP group
     (`tp`, a `TensorParallel`) the group's (module docstring), and whether the round kept its pace
-    (1.0, or 0.0 where the paced clock's op overran and its device time is the host's wall time). Every rank builds the same inputs
-    and round orders from `seed`, so they run the same mix at the same time. With a `place`, the
-    blocks and inputs live on its device in its dtype and a clock of its kind times them."""
+    (1.0, or 0.0 where the paced clock's op overran and its device time is the host's wall time).
+    Every rank builds the same inputs and round orders from `seed`, so they run the same mix at the
+    same time. With a `place`, the blocks and inputs live on its device in its dtype and a clock of
+    its kind times them."""
     import torch
     import torch.distributed as dist
 
@@ -474,8 +475,8 @@ def run_sweep(shape="tiny", *, layers: int = 2, repeats: int | None = None, warm
     report = {
         "shape": shape if isinstance(shape, str) else dataclasses.asdict(shape), "layers": layers, "tp": tp,
         "repeats": repeats, "threads": threads, "stat": stat, "clock": clock, "normalise_rounds": normalise_rounds,
-        # the share of mixes timed at their pace: below 1, the host overran the device clock in every
-        # round of some mix, and the fit holds host time, not the device's (`_on_pace`)
+        # the share of mixes timed at their pace: below 1, some mix kept its pace in too few rounds,
+        # and the fit holds host time, not the device's (`_on_pace`)
         "on_pace": on_pace if clock == "device" else None,
         "coeffs_per_layer": model.at(tp).to_dict(),
         "comm_share": sum(comm) / sum(measured),

@@ -263,8 +263,8 @@ def build_stage_model(shape: ModelShape, layers: tuple[int, int], *, has_embeddi
     `seed`, or left uninitialised (seed None) when state is about to be loaded into it."""
     with torch.device("meta"):
         model = StageModel(shape, layers, has_embedding=has_embedding, has_head=has_head, tp=tp)
-    # Module.to_empty does this too, but through torch._refs, which imports sympy: a second of CPU
-    # at every worker's start. The model holds parameters only, each a plain contiguous tensor.
+    # as Module.to_empty, without its import of sympy at every worker's start (NOTES.md, Runtime)
+    assert not list(model.buffers()), "a stage holds parameters only"
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
             setattr(module, name, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),

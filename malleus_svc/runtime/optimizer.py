@@ -1,13 +1,9 @@
-"""AdamW over one device's parameters: torch's own update (the functional `torch.optim.adamw.adamw`,
-which `torch.optim.AdamW.step` calls too), on state this module keeps.
-
-The state is torch's layout, per parameter: `step` (a float32 scalar on the host), `exp_avg` and
-`exp_avg_sq` (like the parameter), made at its first update. Updates equal `torch.optim.AdamW`'s
-bit for bit (the same kernel, the same foreach choice; a test holds them equal).
-
-Why not `torch.optim.AdamW` itself: its `step` and `zero_grad` import `torch._dynamo` on first use,
-for the compiler's sake. That is about a third of a CPU worker's start-up, and a job starts one
-worker per device, again after every lost device; nothing here compiles the optimizer.
+"""AdamW over one device's parameters: torch's own update (the functional `adamw`, torch's `adam`
+with decoupled weight decay: the kernel `torch.optim.AdamW.step` runs), on state kept here in
+torch's layout, per parameter: `step` (a float32 scalar on the host), `exp_avg` and `exp_avg_sq`
+(like the parameter), made at its first update. Updates equal `torch.optim.AdamW`'s bit for bit
+(a test). Not `torch.optim.AdamW` itself: it imports torch's compiler on first use, a third of a
+CPU worker's start-up (NOTES.md, Runtime).
 """
 from __future__ import annotations
 
@@ -36,7 +32,7 @@ class AdamW:
         params = [p for p in self.params if p.grad is not None]
         for p in params:
             if p not in self.state:
-                self.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32),
+                self.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32, device="cpu"),
                                  "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                                  "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
         states = [self.state[p] for p in params]

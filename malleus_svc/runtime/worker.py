@@ -175,16 +175,18 @@ class DeviceWorker:
         if self.dataset is None:
             raise RuntimeError(f"device {self.device_id}: set_data must run before train_step")
         t0 = time.perf_counter()
-        mbs = [collate(self.dataset, list(ids), self.mode, self.seq_len) for ids in micro_batch_ids]
-        collate_s = time.perf_counter() - t0
         try:
+            mbs = [collate(self.dataset, list(ids), self.mode, self.seq_len) for ids in micro_batch_ids]
+            collate_s = time.perf_counter() - t0
             stats = self.engine.train_step(mbs, int(loss_tokens), apply=False)
         except Exception:
-            # A failed step (a collective that lost a peer) ends in a recovery, which starts by every
-            # survivor leaving the world with its state (`close`). Leaving now closes this device's
-            # connections, so the peers still waiting on it fail at once instead of at their
-            # collective timeout: the failure crosses the world in moments.
-            self.close(keep_state=True)
+            # A failed step (a collective that lost a peer, data that would not collate) ends in a
+            # recovery, which starts by every survivor leaving the world with its state (`close`).
+            # Leaving now closes this device's connections, so the peers still waiting on it fail at
+            # once instead of at their collective timeout. gloo only: tearing down an NCCL
+            # communicator after a failed collective may block, and no GPU here has tried it.
+            if not self.use_gpu:
+                self.close(keep_state=True)
             raise
         out = _as_dict(stats)
         out.update(
