@@ -270,8 +270,9 @@ def test_requests_during_planning_and_migration_are_coalesced_and_applied_once(c
     assert sorted(served) == sorted([first, *during_plan, during_mig]), rounds
     assert len(served) == len(set(served))           # none served twice
     assert [r["id"] for r in rounds[0]["requests"]] == [first] and rounds[0]["outcome"] == "applied"
-    assert [r["id"] for r in rounds[1]["requests"]] == during_plan + [during_mig]
-    assert len(migrations(rounds)) == 1, [(h["outcome"], h["reason"]) for h in rounds]  # nothing new to apply
+    assert [r["id"] for r in rounds[1]["requests"]] == during_plan + [during_mig] and len(rounds) == 2
+    # the second round plans afresh, on the rates and links measured since: it may keep or move
+    assert rounds[1]["outcome"] in ("kept", "applied"), [(h["outcome"], h["reason"]) for h in rounds]
     ray.get(ctl.clear_rates.remote())
     drive(ray, ctl, idle, 120, "the round that clears the rates", released)
 
