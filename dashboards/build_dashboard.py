@@ -51,8 +51,8 @@ ROWS: list[tuple[str, list[dict]]] = [
               "efficiency")], 4, 5, "Wall-clock tokens/s over the capacity bound.", **unit("percentunit")),
         panel("stat", "Samples consumed", [q(f"malleus_samples_total{J}", "samples")], 4, 5,
               "Samples trained on so far; each is used exactly once per epoch.", **unit("none")),
-        panel("timeseries", "Loss", [q(f"malleus_loss{J}", "loss")], 8, 5, "Mean loss of each global batch.",
-              **unit("none")),
+        panel("timeseries", "Loss", [q(f"malleus_loss{J}", "loss"), q(f"malleus_eval_loss{J}", "eval loss")], 8, 5,
+              "Mean loss of each global batch, and on the held-out samples at each evaluation.", **unit("none")),
         panel("timeseries", "Iteration time", [
             q(f"histogram_quantile(0.5, sum by (le) (rate(malleus_iteration_seconds_bucket{J}[$__rate_interval])))",
               "p50"),
@@ -73,6 +73,15 @@ ROWS: list[tuple[str, list[dict]]] = [
               "accelerator's pace. An op that overran was timed by the host's load; when most of a device's "
               "iterations in the window had one, its rate is not measured (it starts no re-plan) until its "
               "ops keep pace again.", **unit("percentunit", min=0, max=1)),
+    ]),
+    ("Training", [
+        panel("timeseries", "Learning rate", [q(f"malleus_learning_rate{J}", "lr")], 8, 6,
+              "The learning rate of each update: the job's schedule (warm-up, then its decay).", **unit("none")),
+        panel("timeseries", "Gradient norm", [q(f"malleus_grad_norm{J}", "grad norm")], 8, 6,
+              "Global gradient norm of each step, before clipping.", **unit("none")),
+        panel("timeseries", "Model FLOPs utilization", [q(f"malleus_mfu{J}", "MFU")], 8, 6,
+              "The model's FLOPs per second over the peak of every device the job holds (suspended ones "
+              "too); on CPU workers over their emulated accelerator's pace.", **unit("percentunit", min=0)),
     ]),
     ("Plan", [
         panel("table", "Stages of the plan in force", [

@@ -11,7 +11,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from .config import ConfigError, load_scenario, validate_rates
+from .config import ConfigError, validate_rates
+from .config.job import load_scenario_of
 from .config.options import output_file_option
 from .config.scenario import DEFAULT_OBJECTIVE, OBJECTIVES, bundled_names, find_scenario, parse_rate_assignments
 from .plan import Plan, PlanError
@@ -30,7 +31,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .planner import plan as make_plan
     from .planner.describe import diff_summary, plan_table, summary_line
 
-    scenario = load_scenario(_scenario_path(args.scenario))
+    scenario = load_scenario_of(_scenario_path(args.scenario))
     rates = dict(scenario.rates)
     rates.update(validate_rates(parse_rate_assignments(args.rate, "--rate"), scenario.num_devices, field_name="--rate"))
     overrides = {"objective": args.objective} if args.objective else {}
@@ -61,7 +62,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
     from .planner import plan as make_plan
     from .service.memory import measured_profile, print_memory
 
-    scenario = load_scenario(_scenario_path(args.scenario))
+    scenario = load_scenario_of(_scenario_path(args.scenario))
     if args.profile and scenario.shape is not None:
         layer_mb, embedding_mb = measured_profile(scenario)
         print(f"  layer_memory_mb: {layer_mb}\n  embedding_memory_mb: {embedding_mb}")
@@ -160,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="plan a scenario (YAML/JSON) and print/write the plan")
-    p.add_argument("scenario", help="scenario file, or a bundled scenario name: "
+    p.add_argument("scenario", help="scenario or job file, or a bundled scenario name: "
                    + ", ".join(bundled_names()))
     p.add_argument("--previous", help="the plan in force now (JSON); prefer plans that move little state from it")
     output_file_option(p, "-o", "--output", help="write the plan as JSON here")
@@ -172,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("memory", help="per-device peak memory of a plan, measured on the modules built on the "
                        "meta device, beside the planner's memory model (exit 1 if a device is over)")
-    m.add_argument("scenario", help="scenario file, or a bundled scenario name")
+    m.add_argument("scenario", help="scenario or job file, or a bundled scenario name")
     m.add_argument("--plan", help="the plan (JSON) to measure; default: plan the scenario as `malleus plan` does")
     m.add_argument("--json", action="store_true", help="also print the rows as JSON")
     m.add_argument("--profile", action="store_true", help="print measured layer_memory_mb and embedding_memory_mb "

@@ -120,22 +120,40 @@ def _run(job, plan: Plan, args) -> int:
     else:
         start_local_ray(job.num_devices)
     signal.signal(signal.SIGTERM, _on_sigterm)     # after ray.init, which sets its own (a bare exit)
+    interrupt = Interrupt()
+    signal.signal(signal.SIGINT, interrupt)
     try:
         say(f"[{job.name}] plan {plan.plan_id}: {len(plan.pipelines)} pipelines, "
             f"suspended {list(plan.suspended)}, excluded {list(plan.excluded)}, global batch {plan.global_batch}"
             + (" (static)" if args.static else ""))
         return run_through_coordinator(job, plan, args.steps or job.train.steps, static=args.static,
-                                       metrics_out=args.metrics_out, say=say, submission_id=submission_id())
+                                       metrics_out=args.metrics_out, say=say, interrupt=interrupt,
+                                       submission_id=submission_id())
     finally:
         ray.shutdown()
 
 
+class Interrupt:
+    """Ctrl-C (SIGINT) at the driver: the first stops the job at the next step boundary, where its
+    final checkpoint is written; a second aborts at once."""
+
+    def __init__(self):
+        self.requested = False
+
+    def __call__(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+
 def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool = False,
                             metrics_out: str | None = None, say=print, poll_s: float = 0.25,
-                            restart_wait_s: float = 300.0, **coordinator_kwargs) -> int:
-    """Launch the job's coordinator, train `steps`, stream metrics lines and progress; 0 on success.
-    However the run ends once the coordinator is up (done, failed, stopped, an error here, SIGTERM),
-    its outcome is recorded on the cluster for `malleus status` (control/outcome.py)."""
+                            restart_wait_s: float = 300.0, interrupt: Interrupt | None = None,
+                            **coordinator_kwargs) -> int:
+    """Launch the job's coordinator, train `steps`, stream metrics lines and progress; 0 on success,
+    130 when `interrupt` stopped it. However the run ends once the coordinator is up (done, failed,
+    stopped, an error here, SIGTERM), its outcome is recorded on the cluster for `malleus status`
+    (control/outcome.py)."""
     import json
     import time
 
@@ -143,6 +161,7 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
 
     from malleus_svc.control.coordinator import NAMESPACE, MalleusError, actor_name, launch
     from malleus_svc.control.measure import pace_warning
+    from malleus_svc.control.tensorboard import TensorBoardLog
     from malleus_svc.runtime.cluster import WorkerGroupError
     from malleus_svc.runtime.data import DataError
 
@@ -152,6 +171,7 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = open(metrics_out, "a") if metrics_out else None
+    tensorboard = TensorBoardLog(job.logging.tensorboard) if job.logging.tensorboard else None
     st: dict = {}
     seen = Progress(job.name)            # what this driver read, should the coordinator not answer
     ended: dict = {}                     # how the run ended where the coordinator cannot tell
@@ -176,7 +196,15 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
         every = max(1, steps // 50)
         events_seen, t_start, warned = 0.0, time.perf_counter(), False
         lost_since: float | None = None
+        interrupt, stopping = interrupt or Interrupt(), False
         while True:
+            if interrupt.requested and not stopping:
+                stopping, ended = True, {"ended_by": "Ctrl-C (SIGINT) at the driver"}
+                say(f"[{job.name}] interrupted: stopping at the next step boundary (Ctrl-C again to abort)")
+                try:
+                    ray.get(handle.stop.remote())
+                except ray.exceptions.RayTaskError:   # it had already ended
+                    pass
             try:
                 st = ray.get(handle.status.remote())
                 lines = ray.get(handle.metrics.remote(seen.steps))
@@ -201,6 +229,8 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
                 seen.add(line)
                 if out is not None:
                     out.write(json.dumps(line) + "\n")
+                if tensorboard is not None:
+                    tensorboard.line(line)
                 if i % every == 0 or i == steps - 1:
                     elapsed = time.perf_counter() - t_start
                     say(f"[{job.name}] step {i + 1}/{steps} loss {line['loss']:.4f} "
@@ -215,6 +245,8 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
             for ev in st["events"]:
                 if ev["time"] > events_seen and ev["kind"] in ("planned", "applied", "kept", "failed", "error", "resumed"):
                     say(f"[{job.name}] {ev['kind']} at step {ev['step']}: {ev['text'].splitlines()[0]}")
+                    if tensorboard is not None:
+                        tensorboard.event(ev)
             if st["events"]:
                 events_seen = max(events_seen, max(ev["time"] for ev in st["events"]))
             if st["state"] in ("done", "failed", "stopped"):   # lines were read after the status: all are in
@@ -224,6 +256,11 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
         if st["state"] == "failed":
             print(f"error: {st['error']}", file=sys.stderr)
             return 1
+        if stopping:
+            ckpt = st.get("last_checkpoint")
+            say(f"[{job.name}] interrupted after {summ['steps']} of {steps} steps; last checkpoint: "
+                + (f"{ckpt['path']} (step {ckpt['step']})" if ckpt else "none (the job has no checkpoint.dir)"))
+            return 130
         if st["state"] == "stopped":
             say(f"[{job.name}] stopped on request after {summ['steps']} of {steps} steps")
         say(f"[{job.name}] done: {summ}")
@@ -240,6 +277,8 @@ def run_through_coordinator(job, plan: Plan | None, steps: int, *, static: bool 
             _record_outcome(handle, seen, st, steps, ended, say)
         if out is not None:
             out.close()
+        if tensorboard is not None:
+            tensorboard.close()
         try:
             ray.get(handle.shutdown.remote(owner=owner), timeout=120)
         except Exception:  # already gone

@@ -59,7 +59,7 @@ class FakeWorkers:
         self.links_timed = getattr(self, "links_timed", 0) + 1
         return LINKS
 
-    def step(self, sample_ids, assignment=None) -> StepRecord:
+    def step(self, sample_ids, assignment=None, lr=None) -> StepRecord:
         unit = t0_flops(self.job.scenario, self.plan)
         devices = {d: {"compute_seconds": UNIT * w * self.slowdown.get(d, 1.0) * self.overrun.get(d, (0, 1.0))[1],
                        "flops": w * unit, **self._paced(d)}
@@ -67,7 +67,7 @@ class FakeWorkers:
         return StepRecord(step=0, plan_id=self.plan.plan_id, loss=1.0, loss_tokens=len(sample_ids),
                           tokens=len(sample_ids) * self.job.data.seq_len, samples=len(sample_ids),
                           iteration_seconds=max(s["compute_seconds"] for s in devices.values()), grad_norm=None,
-                          devices=devices)
+                          lr=lr, devices=devices)
 
     def probe(self, devices):
         out = [{"device": d, "compute_seconds": PROBE * self.slowdown.get(d, 1.0), **self._paced(d)} for d in devices]

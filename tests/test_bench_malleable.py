@@ -42,7 +42,7 @@ def _micro_batches(seed: int) -> list[MicroBatch]:
 def _train(clock: PacedClock) -> dict:
     """STEPS DDP steps of the tiny model on the same micro-batches on every rank."""
     model = DistributedDataParallel(full_model(SHAPE, seed=0))
-    optimizer = OptimConfig(lr=1e-2, grad_clip=1.0).make(model.module.parameters())
+    optimizer = OptimConfig(lr=1e-2, grad_clip=1.0).make(dict(model.module.named_parameters()))
     mbs, losses, spans, device = _micro_batches(0), [], [], []
     loss_tokens = dist.get_world_size() * sum(mb.num_loss_tokens for mb in mbs)
     for _ in range(STEPS):

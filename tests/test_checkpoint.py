@@ -568,9 +568,13 @@ K_BEFORE, N_AFTER = 2, 3
 
 
 def _optim():
+    """With a schedule: the learning rate changes at every step of the runs below, so a resume that
+    lost the step would train on other rates."""
+    from malleus_svc.config.lr_schedule import LrSchedule
     from malleus_svc.runtime.engine import OptimConfig
 
-    return OptimConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=0.5)
+    return OptimConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=0.5,
+                       schedule=LrSchedule(warmup_steps=2, decay="cosine", decay_steps=K_BEFORE + N_AFTER + 1))
 
 
 @contextlib.contextmanager
@@ -602,15 +606,15 @@ def runs(ray_cluster, tmp_path_factory):
         n = a.set_data(SPEC, "pack", 32)
         a.apply_plan(PLAN_A, TINY, seed=4, optim=_optim())
         sampler = GlobalSampler(n, PLAN_A.global_batch, seed=3)
-        for _ in range(K_BEFORE):
-            a.step(sampler.next_global_batch())
+        for step in range(K_BEFORE):
+            a.step(sampler.next_global_batch(), lr=_optim().lr_at(step))
         out["state_at_save"] = a.full_state()
         writer = CheckpointWriter(root, keep_last=2, on_file_written=hold_first_write)
         path = save_group(writer, a, sampler, K_BEFORE)
         out["busy_at_return"] = reached.wait(30) and writer.busy and not path.exists()
         ids, losses = [], []
-        for _ in range(N_AFTER):   # training goes on while the write is held open
-            rec = a.step(sampler.next_global_batch())
+        for step in range(K_BEFORE, K_BEFORE + N_AFTER):   # training goes on while the write is held open
+            rec = a.step(sampler.next_global_batch(), lr=_optim().lr_at(step))
             ids.append([s for p in rec.sample_ids for s in p])
             losses.append(rec.loss)
         out["busy_after_training"] = writer.busy and not path.exists()
@@ -639,8 +643,8 @@ def runs(ray_cluster, tmp_path_factory):
         out["restored_step"] = restore_group(b, ckpt, sampler)
         out["b_loaded"] = b.full_state()
         ids, losses = [], []
-        for _ in range(N_AFTER):
-            rec = b.step(sampler.next_global_batch())
+        for step in range(out["restored_step"], out["restored_step"] + N_AFTER):   # the rate of the step resumed
+            rec = b.step(sampler.next_global_batch(), lr=_optim().lr_at(step))
             ids.append([s for p in rec.sample_ids for s in p])
             losses.append(rec.loss)
         out["b_losses"], out["b_ids"], out["b_final"] = losses, ids, b.full_state()

@@ -342,12 +342,12 @@ class _NodeLeaves(FakeWorkers):
         super().__init__(job)
         self.steps = 0
 
-    def step(self, sample_ids, assignment=None):
+    def step(self, sample_ids, assignment=None, lr=None):
         from malleus_svc.runtime.cluster import WorkerGroupError
         self.steps += 1
         if self.steps == 4:
             raise WorkerGroupError("devices [2, 3] lost (injected)")
-        return super().step(sample_ids, assignment)
+        return super().step(sample_ids, assignment, lr)
 
     def recover(self, plan_for=None):
         from malleus_svc.runtime.cluster import RecoveryReport

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from malleus_svc.plan import Pipeline, Plan, Stage
 from malleus_svc.runtime.batch import IGNORE_INDEX
-from malleus_svc.runtime.data import DataError, GlobalSampler, split_for_plan
+from malleus_svc.runtime.data import DataError, GlobalSampler, holdout_split, split_for_plan
 from malleus_svc.runtime.datasets import (PythonSourceCorpus, SyntheticVarLen, TokenDataset, build_dataset,
                                           collate, length_stats)
 
@@ -120,6 +120,22 @@ def test_epochs_give_different_permutations():
         assert sorted(e) == list(range(64))
     assert e0 != e1 and e1 != e2 and e0 != e2
     assert s.epoch == 3
+
+
+def test_held_out_samples_are_seeded_disjoint_and_never_sampled():
+    train, held = holdout_split(200, 0.05, seed=3)
+    assert len(held) == 10 and len(train) == 190 and not set(train) & set(held)
+    assert sorted([*train, *held]) == list(range(200))
+    again, other = holdout_split(200, 0.05, seed=3), holdout_split(200, 0.05, seed=4)
+    assert np.array_equal(again[1], held) and not np.array_equal(other[1], held)
+    assert len(holdout_split(200, 0.001, seed=0)[1]) == 1 and len(holdout_split(200, 0.0, seed=0)[1]) == 0
+    sampler = GlobalSampler(len(train), 19, seed=3, ids=train)
+    for _ in range(3):     # three epochs: every training sample once per epoch, no held-out one ever
+        epoch = [i for _ in range(10) for i in sampler.next_global_batch()]
+        assert sorted(epoch) == sorted(train.tolist())
+    # without a holdout the stream is the one a sampler over range(n) gives
+    plain, over_ids = GlobalSampler(50, 7, seed=1), GlobalSampler(50, 7, seed=1, ids=holdout_split(50, 0.0, 1)[0])
+    assert [plain.next_global_batch() for _ in range(9)] == [over_ids.next_global_batch() for _ in range(9)]
 
 
 def test_sampler_and_split_errors_are_specific():

@@ -19,7 +19,7 @@ from malleus_svc.runtime.batch import IGNORE_INDEX, MicroBatch
 from malleus_svc.runtime.engine import (GRAD_BUCKET_BYTES, STEP, Engine, OptimConfig, _buckets, assemble_full,
                                         full_shard_states)
 from malleus_svc.runtime.model import Block, StageModel, full_model, init_part, take_shard
-from malleus_svc.runtime.reference import reference_train
+from malleus_svc.runtime.reference import reference_loss, reference_train
 from malleus_svc.runtime.tensor_parallel import TensorParallel
 
 TINY = preset("tiny")
@@ -72,7 +72,7 @@ def _pipeline_share(plan: Plan, pipeline: int, batch: list[MicroBatch]) -> list[
 
 
 def _train_on_plan(rank: int, world: int, plan: Plan, batches: list[list[MicroBatch]], dtype: torch.dtype,
-                   bucket_bytes: int = GRAD_BUCKET_BYTES):
+                   bucket_bytes: int = GRAD_BUCKET_BYTES, held_out: list[MicroBatch] | None = None):
     if rank not in plan.roles():
         return None  # suspended: builds nothing, joins no group
     engine = Engine(TINY, plan, rank, seed=SEED, optim=OPTIM, dtype=dtype)
@@ -83,7 +83,11 @@ def _train_on_plan(rank: int, world: int, plan: Plan, batches: list[list[MicroBa
         loss_tokens = sum(mb.num_loss_tokens for mb in batch)
         stats.append(asdict(engine.train_step(_pipeline_share(plan, role.pipeline, batch), loss_tokens)))
     buckets = sum(len(list(_buckets([sync._view(it) for it in items], bucket_bytes))) for items in sync.buckets.values())
-    return {"role": role, "stats": stats, "state": engine.export_state(), "buckets": (buckets, len(sync.buckets))}
+    state = engine.export_state()
+    evaluated = None if held_out is None else engine.eval_step(_pipeline_share(plan, role.pipeline, held_out),
+                                                               sum(mb.num_loss_tokens for mb in held_out))
+    assert all(torch.equal(st.param, engine.export_state()[n].param) for n, st in state.items())   # eval changes nothing
+    return {"role": role, "stats": stats, "state": state, "buckets": (buckets, len(sync.buckets)), "eval": evaluated}
 
 
 def test_heterogeneous_plan_matches_single_process_training():
@@ -91,11 +95,16 @@ def test_heterogeneous_plan_matches_single_process_training():
     # have a rounding-level gradient difference that Adam's g / sqrt(v) normalisation blows up to
     # ~1e-6 in the parameter; in fp64 every element must agree, so any weighting error shows.
     dtype = torch.float64
-    batches = global_batches(steps=3, micro_batches=HETERO.num_micro_batches, micro_batch_size=2)
+    batches = global_batches(steps=4, micro_batches=HETERO.num_micro_batches, micro_batch_size=2)
+    batches, held_out = batches[:3], batches[3]
     # Gradients reduced in buckets of 512 bytes: several per group, and views alone in theirs in place.
-    results = run_on_gloo(_train_on_plan, HETERO.num_devices, HETERO, batches, dtype, 512)
+    results = run_on_gloo(_train_on_plan, HETERO.num_devices, HETERO, batches, dtype, 512, held_out)
     ref_losses, ref_params, ref_optim = reference_train(TINY, SEED, OPTIM, batches, dtype)
     assert any(r["buckets"][0] > r["buckets"][1] for r in results if r)
+    # An evaluation forward only through the pipelines == one process's loss on the trained weights.
+    evaluated = {r["eval"] for r in results if r}
+    assert len(evaluated) == 1 and evaluated.pop() == pytest.approx(reference_loss(TINY, ref_params, held_out),
+                                                                   rel=1e-9)
 
     # Losses: the sum of the pipelines' shares (reported by each last stage's TP rank 0).
     last = [r for r in results if r and r["role"].is_last and r["role"].tp_rank == 0]

@@ -196,28 +196,34 @@ def _train_under_rules(rank: int, world: int, plan: Plan, batches, hub):
     engine = Engine(TINY, plan, rank, seed=SEED, optim=OPTIM, dtype=torch.float64,
                     transport=functools.partial(RulesTransport, hub=hub, rank=rank))
     stats = []
-    for batch in batches:
+    for batch in batches[:-1]:
         loss_tokens = sum(mb.num_loss_tokens for mb in batch)
         stats.append(asdict(engine.train_step(_pipeline_share(plan, engine.role.pipeline, batch), loss_tokens)))
-    return {"role": engine.role, "stats": stats, "state": engine.export_state()}
+    # the last batch evaluated: the forward-only program's posts under the same rules
+    held_out = batches[-1]
+    evaluated = engine.eval_step(_pipeline_share(plan, engine.role.pipeline, held_out),
+                                 sum(mb.num_loss_tokens for mb in held_out))
+    return {"role": engine.role, "stats": stats, "state": engine.export_state(), "eval": evaluated}
 
 
 @pytest.mark.parametrize("plan", [RULES_PLAN, DEEP_PLAN, PLAN_A], ids=["uneven-tp", "deep", "suspended-cross-node"])
 def test_engine_over_the_rules_transport_matches_the_reference(plan):
     from malleus_svc.runtime.engine import assemble_full
     from malleus_svc.runtime.nccl_rules import serve_hub
-    from malleus_svc.runtime.reference import reference_train
+    from malleus_svc.runtime.reference import reference_loss, reference_train
     from test_engine import OPTIM, SEED, global_batches
 
-    batches = global_batches(steps=2, micro_batches=plan.num_micro_batches, micro_batch_size=plan.micro_batch_size)
+    batches = global_batches(steps=3, micro_batches=plan.num_micro_batches, micro_batch_size=plan.micro_batch_size)
     manager, hub = serve_hub(plan.num_devices, timeout=60)
     try:
         results = [r for r in run_on_gloo(_train_under_rules, plan.num_devices, plan, batches, hub) if r is not None]
     finally:
         manager.shutdown()
-    ref_losses, ref_params, _ = reference_train(TINY, SEED, OPTIM, batches, torch.float64)
+    ref_losses, ref_params, _ = reference_train(TINY, SEED, OPTIM, batches[:-1], torch.float64)
+    ref_eval = reference_loss(TINY, ref_params, batches[-1])
     for r in results:
         assert [s["global_loss"] for s in r["stats"]] == pytest.approx(ref_losses, rel=1e-9)
+        assert r["eval"] == pytest.approx(ref_eval, rel=1e-9)
         assert all(s["comm_seconds"] >= 0 and s["compute_seconds"] > 0 for s in r["stats"])
     full = assemble_full(r["state"] for r in results)
     for name, ref in ref_params.items():

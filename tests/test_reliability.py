@@ -1,7 +1,8 @@
 """Fault injection on a real local Ray cluster: the job's coordinator is killed (mid-iteration,
 and in the middle of a live migration); Ray restarts it, it resumes from its newest checkpoint,
 and the job ends with the same losses, step for step, as a run that was never interrupted, with
-every global batch of the data order used exactly once in the history that counts."""
+every global batch of the data order used exactly once in the history that counts, and the
+learning rate of its schedule at every step."""
 from __future__ import annotations
 
 import json
@@ -21,7 +22,8 @@ def job(name: str, ckpt_dir=None, every: int = 0, parallel=None) -> JobConfig:
     d = {"name": name, "cluster": {"nodes": 1, "gpus_per_node": 4, "gpu_memory_mb": 16000}, "model": "tiny",
          "parallel": parallel or {"dp": 2, "tp": 1, "pp": 2}, "batch": {"global": GLOBAL, "micro": 2},
          "data": {"source": "synthetic", "seq_len": 64, "num_samples": SAMPLES, "vocab": 256},
-         "train": {"steps": STEPS, "lr": 1e-3}, "metrics": {"enabled": False}}
+         "train": {"steps": STEPS, "lr": 1e-3, "warmup_steps": 3, "decay": "cosine", "min_lr": 1e-4},
+         "metrics": {"enabled": False}}
     if ckpt_dir is not None:
         d["checkpoint"] = {"dir": str(ckpt_dir), "every": every, "keep": 2}
     return JobConfig.from_dict(d)
@@ -75,7 +77,9 @@ def reference(ray_cluster, tmp_path_factory):
 
 def check_history(lines: list[dict], reference: list[dict], rtol: float) -> None:
     assert [x["step"] for x in lines] == list(range(STEPS)), "each step once in the metrics, in order"
+    schedule = job("any").train      # the learning rate is a function of the step, whoever ran it
     for x, r in zip(lines, reference):
+        assert x["lr"] == schedule.lr_at(x["step"]) == r["lr"], x["step"]
         assert x["loss"] == pytest.approx(r["loss"], rel=rtol), (x["step"], x["loss"], r["loss"])
         # the data order: step i consumed the i-th global batch, so none was skipped or repeated
         assert (x["epoch"], x["sampler_position"]) == (r["epoch"], r["sampler_position"]), x["step"]

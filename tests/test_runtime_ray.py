@@ -129,16 +129,20 @@ def test_group_placement_and_world(group):
 
 @pytest.mark.ray
 def test_exact_against_reference_on_bundled_data(group):
-    """Heterogeneous plan on Ray == single-process reference: per-step losses and final state."""
+    """Heterogeneous plan on Ray == single-process reference: per-step losses and final state, with
+    the learning rate of each step from a schedule (warm-up, then cosine) and no decay of norm gains."""
     import torch
 
+    from malleus_svc.config.lr_schedule import LrSchedule
     from malleus_svc.runtime.data import GlobalSampler, split_for_plan
     from malleus_svc.runtime.datasets import build_dataset, collate
     from malleus_svc.runtime.engine import OptimConfig
-    from malleus_svc.runtime.reference import reference_train
+    from malleus_svc.runtime.reference import reference_loss, reference_train
 
     shape, seed, steps = _shape(), 3, 3
-    optim = OptimConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=0.5)
+    optim = OptimConfig(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=0.5,
+                        schedule=LrSchedule(warmup_steps=2, decay="cosine", decay_steps=4, min_lr=1e-4))
+    assert len({optim.lr_at(step) for step in range(steps)}) == steps
     spec = {"source": "python-stdlib", "seq_len": 64, "mode": "documents", "max_files": 40}
     n = group.set_data(spec, "pack", 64)
     group.apply_plan(HETERO, shape, seed=seed, optim=optim)
@@ -146,15 +150,23 @@ def test_exact_against_reference_on_bundled_data(group):
     dataset = build_dataset(spec)
 
     losses, batches = [], []
-    for _ in range(steps):
+    for step in range(steps):
         ids = sampler.next_global_batch()
-        rec = group.step(ids)
+        rec = group.step(ids, lr=optim.lr_at(step))
+        assert rec.lr == optim.lr_at(step)
         losses.append(rec.loss)
         batches.append([collate(dataset, mb, "pack", 64) for pipe in split_for_plan(ids, HETERO) for mb in pipe])
         assert [s for pipe in rec.sample_ids for s in pipe] == ids
     ref_losses, ref_params, ref_optim = reference_train(shape, seed, optim, batches)
     assert losses == pytest.approx(list(ref_losses), rel=1e-5)
     assert losses[-1] < losses[0]  # it learns (sanity)
+    # Two batches it never trained on, evaluated through the pipelines == one process on the weights.
+    held_out = [sampler.next_global_batch() for _ in range(2)]
+    collated = [[collate(dataset, mb, "pack", 64) for pipe in split_for_plan(ids, HETERO) for mb in pipe]
+                for ids in held_out]
+    expected_eval = (sum(reference_loss(shape, ref_params, b) * sum(mb.num_loss_tokens for mb in b) for b in collated)
+                     / sum(mb.num_loss_tokens for b in collated for mb in b))
+    assert group.evaluate(held_out) == pytest.approx(expected_eval, rel=1e-5)
 
     # Parameters and Adam state, assembled from the workers' slices (flat: name, name:exp_avg, ...).
     full = group.full_state()
@@ -284,19 +296,57 @@ def test_a_straggler_is_a_rate_on_the_paced_device_clock(group):
 
 @pytest.mark.ray
 def test_train_entry_point_against_the_shared_cluster(ray_cluster, tmp_path):
-    out = tmp_path / "metrics.jsonl"
-    cmd = [sys.executable, "-m", "malleus_svc.train", str(TINY_JOB), "--steps", "3",
+    """The CLI against a running cluster: a metrics line per step, with the schedule's learning rate,
+    and the same figures in TensorBoard's event files; Ctrl-C stops the job at a step boundary,
+    writes its checkpoint there, says so and exits 130."""
+    import signal
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    job = yaml.safe_load(TINY_JOB.read_text())
+    job["train"].update(warmup_steps=3, decay="linear", min_lr=1e-4)      # to min_lr at the file's steps
+    job["checkpoint"] = {"dir": str(tmp_path / "ckpt"), "every": 1000}
+    job["logging"] = {"tensorboard": str(tmp_path / "tb")}
+    job["metrics"] = {"enabled": False}
+    path, out = tmp_path / "job.yaml", tmp_path / "metrics.jsonl"
+    path.write_text(yaml.safe_dump(job))
+    cmd = [sys.executable, "-m", "malleus_svc.train", str(path), "--steps", "100000",
            "--metrics-out", str(out), "--address", ray_cluster]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=150)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 150
+        while not (out.exists() and len(out.read_text().splitlines()) >= 6):
+            assert proc.poll() is None and time.monotonic() < deadline, "the job did not reach step 6"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
     lines = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [x["step"] for x in lines] == [0, 1, 2]
+    steps, schedule = len(lines), load_job_config(path).train
+    assert [x["step"] for x in lines] == list(range(steps))
     for x in lines:
-        for key in ("loss", "tokens", "samples", "iteration_seconds", "plan_id", "compute_seconds"):
+        for key in ("loss", "tokens", "samples", "iteration_seconds", "plan_id", "compute_seconds", "grad_norm"):
             assert key in x, key
         assert x["samples"] == 8 and x["tokens"] > 0 and x["iteration_seconds"] > 0
         assert len(x["compute_seconds"]) >= 1
-    assert "step 3/3" in proc.stderr
+        assert x["lr"] == schedule.lr_at(x["step"])
+        assert ("eval_loss" in x) == ((x["step"] + 1) % 5 == 0) and x.get("eval_loss", 1.0) > 0   # eval.every: 5
+    ckpt = tmp_path / "ckpt" / f"step-{steps:08d}"
+    assert f"interrupted after {steps} of 100000 steps; last checkpoint: {ckpt} (step {steps})" in err, err[-3000:]
+    assert (ckpt / "manifest.json").exists()
+    events = EventAccumulator(str(tmp_path / "tb")).Reload()
+    for key, tag in (("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"),
+                     ("mfu", "throughput/mfu")):
+        scalars = events.Scalars(tag)
+        assert [e.step for e in scalars] == list(range(steps)), tag
+        assert [e.value for e in scalars] == pytest.approx([x[key] for x in lines], rel=1e-6), tag
+    assert 0 < lines[-1]["mfu"] <= 1
+    evaluated = [x for x in lines if "eval_loss" in x]
+    assert [e.step for e in events.Scalars("eval/loss")] == [x["step"] for x in evaluated] != []
+    assert [e.value for e in events.Scalars("eval/loss")] == pytest.approx([x["eval_loss"] for x in evaluated], rel=1e-6)
+    assert {f"rates/device_{d}" for d in range(4)} <= set(events.Tags()["scalars"])
 
 
 def test_train_cli_rejects_a_plan_that_does_not_fit(tmp_path, capsys):

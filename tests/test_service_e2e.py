@@ -275,6 +275,7 @@ def test_ray_job_is_controllable_and_observed(head, prometheus, tmp_path):
     assert [x["step"] for x in lines] == list(range(len(lines))) and len(lines) >= 10
     assert len({x["plan_id"] for x in lines}) >= 2
     assert all(x["tokens"] > 0 and x["samples"] > 0 and x["iteration_seconds"] > 0 for x in lines)
+    assert all(("eval_loss" in x) == ((x["step"] + 1) % 5 == 0) for x in lines)   # the example's eval.every
 
     # Prometheus scraped it: the operator's request is counted, and every dashboard query has data.
     end = time.time()

@@ -7,17 +7,29 @@ Format (YAML or JSON); every scenario section (see scenario.py) plus:
              # python-stdlib also takes corpus_split (pack | documents) and max_files
              # tokens (files from `malleus prepare-data`, Megatron .bin/.idx or plain .bin) takes
              # files: [PREFIX, {path: PREFIX, weight: 2.0}, {path: F.bin, dtype: uint16, offsets: F.npy}]
-    train:   {steps: 10, seed: 0, lr: 3.0e-4, weight_decay: 0.0, grad_clip: 1.0, betas: [0.9, 0.95], eps: 1.0e-8}
+    train:   {steps: 10, seed: 0, lr: 3.0e-4, warmup_steps: 0, decay: constant, decay_steps: null, min_lr: 0.0,
+              decay_fraction: 0.2, weight_decay: 0.1, decay_embeddings: true, grad_clip: 1.0,
+              betas: [0.9, 0.95], eps: 1.0e-8}
+             # lr: the peak; the schedule (lr_schedule.py): constant | linear | cosine | wsd, reaching
+             # min_lr at update decay_steps (null: the job's steps). Weight decay never applies to
+             # norm weights, and to the embedding only with decay_embeddings
+    eval:    {every: 0, batches: 1, holdout: 0.0}
+             # every `every` steps (0: never) the loss on `batches` global batches of held-out samples,
+             # forward only under the plan in force; `holdout`: the share of the dataset's samples held
+             # out (a seeded choice, never trained on)
     emulate: [{device: 3, factor: 3.0, at_step: 2, until_step: 6}]   # demos/tests only, default none
     ray:     {address: null}          # null: start a local Ray cluster; "auto" or host:port: join one
     metrics: {enabled: true, host: 127.0.0.1, port: 0, sd_dir: null}
              # Prometheus endpoint of the job's coordinator; port 0 = any free port; sd_dir: where the
              # file-SD target is written (null: <Ray temp dir>/malleus/metrics_sd)
+    logging: {tensorboard: null}
+             # a directory for TensorBoard event files (loss, eval loss, lr, grad norm, tokens/s, MFU,
+             # straggling rates, plan changes), written by the job's driver
     checkpoint: {dir: null, every: 0, keep: 3}
              # plan-agnostic checkpoints every `every` steps under `dir` (null/0: none); a job that finds
              # one there resumes from it, and its coordinator restarts from it if it dies. Each worker
              # writes its own files there: `dir` must be on a file system every node sees
-    control: {window: 5, skip: 3, warmup: 3, skip_after_migration: 2, band: 0.3, threshold: 1.2,
+    control: {window: 5, skip: 3, calibrate: 3, skip_after_migration: 2, band: 0.3, threshold: 1.2,
               confirm: 2, min_interval: 3, grace: 0.1, migration_overhead_s: 2.0,
               seconds_per_byte: 2.0e-8, bucket_mb: 64, collective_timeout_s: 120, replace_timeout_s: 60,
               rejoin_check_s: 5, length_window: 50}
@@ -34,11 +46,12 @@ from typing import Any
 
 from .errors import ConfigError
 from .fields import Section, key_name
+from .lr_schedule import DECAYS, LrSchedule
 from .limits import MAX_MEMORY_MB, MAX_PORT, MAX_RATE, MAX_SAMPLES, MAX_SECONDS, MAX_TOKEN_FILES, MAX_WEIGHT
 from .files import read_mapping
 from .scenario import SCENARIO_KEYS, Scenario
 
-JOB_KEYS = ("data", "train", "emulate", "ray", "metrics", "checkpoint", "control")
+JOB_KEYS = ("data", "train", "eval", "emulate", "ray", "metrics", "logging", "checkpoint", "control")
 DATA_SOURCES = ("synthetic", "python-stdlib", "tokens")
 TOKEN_DTYPES = ("uint16", "uint32")   # a plain .bin's ids (Megatron files say theirs)
 # How samples become a micro-batch (datasets.collate): "pack" concatenates variable-length samples
@@ -89,13 +102,30 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
+    """A run's optimisation: its defaults are the project's (the runtime's OptimConfig takes them)."""
     steps: int = 10
     seed: int = 0
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    grad_clip: float | None = 1.0
+    lr: float = 3e-4                  # the peak learning rate
+    schedule: LrSchedule = LrSchedule()
+    weight_decay: float = 0.1
+    decay_embeddings: bool = True     # norm weights are never decayed
+    grad_clip: float | None = 1.0     # max global grad norm; None: no clipping
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
+
+    def lr_at(self, step: int) -> float:
+        return self.schedule.lr_at(step, self.lr)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    every: int = 0          # steps between evaluations; 0: none
+    batches: int = 1        # global batches of held-out samples per evaluation
+    holdout: float = 0.0    # the share of the dataset's samples held out, never trained on
+
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0
 
 
 @dataclass(frozen=True)
@@ -139,6 +169,11 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class LoggingConfig:
+    tensorboard: str | None = None     # a directory for TensorBoard event files
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     dir: str | None = None
     every: int = 0          # steps between checkpoints; 0: none (a dir alone still resumes)
@@ -154,7 +189,7 @@ class ControlConfig:
     """The coordinator's knobs; these defaults are the only ones."""
     window: int = 5                      # iterations in a device's rate window (median of them)
     skip: int = 3                        # first iterations not measured (allocator, caches warm up)
-    warmup: int = 3                      # measured iterations that calibrate the healthy unit time
+    calibrate: int = 3                   # measured iterations that calibrate the healthy unit time
     skip_after_migration: int = 2        # new engines warm up too: their first iterations are not measured
     band: float = 0.3                    # a rate must move this much to trigger a re-plan
     threshold: float = 1.2               # rates below it are healthy (1.0) for the planner
@@ -180,11 +215,13 @@ class JobConfig:
     scenario: Scenario
     data: DataConfig
     train: TrainConfig
+    eval: EvalConfig = EvalConfig()
     emulate: tuple[EmulateEntry, ...] = ()          # emulated stragglers
     emulated_device: EmulatedDevice = EmulatedDevice()
     emulation_allowed: bool = False                 # the file has an `emulate` section: the `emulate` call works
     ray: RayConfig = RayConfig()
     metrics: MetricsConfig = MetricsConfig()
+    logging: LoggingConfig = LoggingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     control: ControlConfig = ControlConfig()
     source: str | None = None
@@ -213,19 +250,30 @@ class JobConfig:
                               "layers, hidden, heads, ffn, vocab, seq_len), not only `layers`", source)
         data = _parse_data(Section(d.get("data"), "data", source), shape)
         train = _parse_train(Section(d.get("train"), "train", source))
+        evaluation = _parse_eval(Section(d.get("eval"), "eval", source))
         emulate, emulated_device = _parse_emulate(d.get("emulate"), scenario.num_devices, source)
         ray_cfg = _parse_ray(Section(d.get("ray"), "ray", source))
         metrics = parse_metrics(Section(d.get("metrics"), "metrics", source))
+        logging = _parse_logging(Section(d.get("logging"), "logging", source))
         checkpoint = parse_checkpoint(Section(d.get("checkpoint"), "checkpoint", source))
         control = parse_control(Section(d.get("control"), "control", source))
         return cls(name=scenario.name if "name" in d else "job", scenario=scenario, data=data, train=train,
+                   eval=evaluation,
                    emulate=emulate, emulated_device=emulated_device, emulation_allowed="emulate" in d,
-                   ray=ray_cfg, metrics=metrics,
+                   ray=ray_cfg, metrics=metrics, logging=logging,
                    checkpoint=checkpoint, control=control, source=source)
 
 
 def load_job_config(path: str | Path) -> JobConfig:
     return JobConfig.from_dict(read_mapping(path), source=str(path))
+
+
+def load_scenario_of(path: str | Path) -> Scenario:
+    """The scenario of a scenario file, or of a job file (checked whole, as `malleus train` would)."""
+    d = read_mapping(path)
+    if isinstance(d, dict) and set(map(str, d)) & set(JOB_KEYS):
+        return JobConfig.from_dict(d, source=str(path)).scenario
+    return Scenario.from_dict(d, source=str(path))
 
 
 # ---------------------------------------------------------------------- sections
@@ -304,17 +352,37 @@ def _parse_train(s: Section) -> TrainConfig:
     betas = s.float_list("betas", list(d.betas), minimum=0)
     if betas is None or len(betas) != 2 or not all(b < 1.0 for b in betas):
         raise s.error("betas", None if betas is None else list(betas), "expected two numbers in [0, 1), e.g. [0.9, 0.95]")
+    steps = s.int("steps", d.steps, minimum=1)
+    lr = s.float("lr", d.lr, minimum=0, exclusive=True)
     cfg = TrainConfig(
-        steps=s.int("steps", d.steps, minimum=1),
+        steps=steps,
         seed=s.int("seed", d.seed, minimum=0),
-        lr=s.float("lr", d.lr, minimum=0, exclusive=True),
+        lr=lr,
+        schedule=_parse_schedule(s, steps, lr),
         weight_decay=s.float("weight_decay", d.weight_decay, minimum=0),
+        decay_embeddings=s.bool("decay_embeddings", d.decay_embeddings),
         grad_clip=clip,
         betas=(betas[0], betas[1]),
         eps=s.float("eps", d.eps, minimum=0, exclusive=True),
     )
     s.done()
     return cfg
+
+
+def _parse_schedule(s: Section, steps: int, lr: float) -> LrSchedule:
+    d = LrSchedule()
+    warmup = s.int("warmup_steps", d.warmup_steps, minimum=0)
+    decay = s.choice("decay", DECAYS, d.decay)
+    decay_steps = s.int("decay_steps", steps, minimum=1)
+    if decay != "constant" and decay_steps <= warmup:
+        raise s.error("decay_steps", decay_steps, f"expected more steps than warmup_steps ({warmup}) "
+                                                  f"for a {decay} decay")
+    min_lr = s.float("min_lr", d.min_lr, minimum=0)
+    if min_lr > lr:
+        raise s.error("min_lr", min_lr, f"expected at most lr ({lr:g})")
+    fraction = s.float("decay_fraction", d.decay_fraction, minimum=0, exclusive=True, maximum=1.0)
+    return LrSchedule(warmup_steps=warmup, decay=decay, decay_steps=None if decay == "constant" else decay_steps,
+                      min_lr=min_lr, decay_fraction=fraction)
 
 
 def _parse_emulate(v: Any, num_devices: int, source: str | None) -> tuple[tuple[EmulateEntry, ...], EmulatedDevice]:
@@ -398,12 +466,34 @@ def parse_checkpoint(s: Section) -> CheckpointConfig:
     return cfg
 
 
+def _parse_eval(s: Section) -> EvalConfig:
+    d = EvalConfig()
+    cfg = EvalConfig(every=s.int("every", d.every, minimum=0), batches=s.int("batches", d.batches, minimum=1),
+                     holdout=s.float("holdout", d.holdout, minimum=0, maximum=0.5))
+    if cfg.every and not cfg.holdout:
+        raise s.error("holdout", cfg.holdout, "a share of the samples above 0 (at most 0.5) when eval.every is set: "
+                                              "the evaluation needs samples the job never trains on")
+    s.done()
+    return cfg
+
+
+def _parse_logging(s: Section) -> LoggingConfig:
+    tensorboard = s.raw("tensorboard", None)
+    if tensorboard is not None and (not isinstance(tensorboard, str) or not tensorboard.strip()):
+        raise s.error("tensorboard", tensorboard, "a directory path for TensorBoard event files, or null")
+    s.done()
+    return LoggingConfig(tensorboard=tensorboard)
+
+
 def parse_control(s: Section) -> ControlConfig:
     d = ControlConfig()
+    if s.has("warmup"):
+        raise s.error("warmup", s.raw("warmup"), "renamed control.calibrate (the iterations that calibrate the "
+                                                 "healthy unit time); train.warmup_steps is the learning-rate warm-up")
     cfg = ControlConfig(
         window=s.int("window", d.window, minimum=1),
         skip=s.int("skip", d.skip, minimum=0),
-        warmup=s.int("warmup", d.warmup, minimum=1),
+        calibrate=s.int("calibrate", d.calibrate, minimum=1),
         skip_after_migration=s.int("skip_after_migration", d.skip_after_migration, minimum=0),
         band=s.float("band", d.band, minimum=0, exclusive=True),
         threshold=s.float("threshold", d.threshold, minimum=1.0, maximum=MAX_RATE),

@@ -39,6 +39,11 @@ class JobCheckpoints:
             self._writer = CheckpointWriter(self.cfg.dir, keep_last=self.cfg.keep)
         return self._writer
 
+    def last_written(self) -> dict | None:
+        """The newest checkpoint this run wrote: {path, step}, or None."""
+        results = self._writer.results if self._writer is not None else []
+        return {"path": str(results[-1].path), "step": results[-1].step} if results else None
+
     def latest(self, on_error):
         """The newest checkpoint that verifies (None without checkpoints); damaged ones are skipped,
         a wrong model raises. `on_error(text)` hears of a failed last write."""

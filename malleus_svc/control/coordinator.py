@@ -38,6 +38,7 @@ from malleus_svc.runtime.cluster import WorkerGroupError
 from . import requests as check
 from .api import ClientAPI
 from .checkpoints import RECORDS_KEPT, JobCheckpoints, first_plan
+from .evaluation import Evaluation
 from .failure import FailurePolicy
 from .history import History
 from .hooks import Delays, Emulation, Hooks
@@ -82,7 +83,7 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
         knobs = job.control
         self.policy = (StaticPolicy if static else ReplanPolicy).from_config(knobs)
         self.failure = FailurePolicy(knobs.rejoin_check_s)
-        self.measurement = Measurement(knobs.window, knobs.skip, knobs.warmup, knobs.skip_after_migration)
+        self.measurement = Measurement(knobs.window, knobs.skip, knobs.calibrate, knobs.skip_after_migration)
         self.hooks = Hooks(workers or (lambda j: ray_workers(j, knobs, cpus_per_worker)), planner or Planner.default(),
                            emulation or Emulation(job.emulate), delays or Delays())
         self.rounds = Rounds()
@@ -90,6 +91,7 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
         self.history = History(job.name)
         self.lengths = LengthView(job, knobs.length_window)
         self.checkpoints = JobCheckpoints(job.checkpoint, job.shape)
+        self.evaluation = Evaluation(job.eval, job.train.seed)
         self.steps_total = int(steps if steps is not None else job.train.steps)
         self.origin = {"ray_job_id": driver_job_id, "submission_id": submission_id, "restarted": _was_restarted(),
                        "resumed_from": None}   # the checkpoint this run started from, once resumed
@@ -122,7 +124,6 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
                 if self.group is not None:
                     return self.status()
                 self.state = JobState.STARTING
-            from malleus_svc.runtime.data import GlobalSampler
             from malleus_svc.runtime.trainer import optim_config
             job = self.job
             ckpt = self.checkpoints.latest(lambda text: self._event("error", text))
@@ -135,7 +136,7 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
                                               "be placed; they join when Ray can place them")
                     plan = self._plan_after_loss(frozenset(group.gone))
                 n = group.set_data(job.data.spec(), job.data.mode, job.data.seq_len)
-                sampler = GlobalSampler(n, plan.global_batch, seed=job.train.seed)
+                sampler = self.evaluation.sampler(n, plan.global_batch)
                 pretrained = job.scenario.pretrained if ckpt is None else None   # a Hugging Face LLaMA folder
                 if pretrained:
                     from malleus_svc.runtime.pretrained import check_pretrained
@@ -292,7 +293,7 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
         last = self.history.records[-1]["iteration_seconds"] if self.history.records else None
         assignment = self.lengths.assignment(group, self.sampler, plan, ids, self.effective_rates(), last)
         try:
-            rec = group.step(ids, assignment)
+            rec = group.step(ids, assignment, lr=self.job.train.lr_at(step))
         except WorkerGroupError as e:
             self._recover(e, before)     # the batch is given back to the sampler and the step redone
             return
@@ -303,6 +304,11 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
             self._measure(plan, rec, probe_res, batch_lengths)
         line = rec.metrics()
         line.update(epoch=self.sampler.epoch, sampler_position=self.sampler.position, time=time.time())
+        if self.evaluation.due(step):
+            try:
+                line["eval_loss"] = self.evaluation.run(group, step)
+            except WorkerGroupError as e:     # the next step fails too, and recovers
+                self._event("error", f"evaluation after step {step} failed: {str(e).splitlines()[0]}")
         with self._lock:
             self._record_step(line, rec, plan, batch_lengths)
         if self.checkpoints.due(self.step):
@@ -325,6 +331,9 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
         """(lock held) The step's metrics line, exported; calibration once the warm-up is measured."""
         rates, stats = self.effective_rates(), self.lengths.last_stats or {}
         line["rates"] = {str(d): round(r, 3) for d, r in sorted(rates.items())}
+        peak = self.job.num_devices * self.measurement.peak_flops_per_second(self.job.scenario.device)
+        secs = line["iteration_seconds"]
+        line["mfu"] = line["model_flops"] / (secs * peak) if secs > 0 else None   # over every device the job holds
         line["length_stats"] = {k: v for k, v in stats.items() if k != "histogram"}
         self.history.add_record(line, rec.tokens)
         if self.metrics_export is not None:

@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 MODEL = {"layers": 8, "hidden": 128, "heads": 4, "ffn": 384, "vocab": 256, "seq_len": 32}
 SHOWN_EVENTS = ("links", "calibrated", "planned", "applied", "kept", "failed", "error")   # in the live view
 # warm-up, calibration and 3 measured healthy steps before the first shift
-HEALTHY_STEPS = ControlConfig.skip + ControlConfig.warmup + 3
+HEALTHY_STEPS = ControlConfig.skip + ControlConfig.calibrate + 3
 MIN_PHASE = 4
 
 

@@ -38,6 +38,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Mapping
 
+from malleus_svc.config.device import DeviceSpec
 from malleus_svc.config.job import ControlConfig
 
 from .workload import busy_seconds, device_work
@@ -197,7 +198,7 @@ class Measurement:
     """The coordinator's measuring, fed once per iteration and asked for rates.
 
     Skips the first `skip` iterations (and `skip_after_migration` after every plan change: new
-    engines warm up too), calibrates the healthy unit time over the next `warmup`, keeps the
+    engines warm up too), calibrates the healthy unit time over the next `calibrate`, keeps the
     seconds per planner objective unit (to turn a plan's objective into seconds), and lets
     external rates (set_rates) take precedence over measured ones, device by device. Emulation
     factors are never read: rates come from timings only. What setup measured of the devices
@@ -205,11 +206,11 @@ class Measurement:
     """
 
     def __init__(self, window: int = ControlConfig.window, skip: int = ControlConfig.skip,
-                 warmup: int = ControlConfig.warmup, skip_after_migration: int = ControlConfig.skip_after_migration):
+                 calibrate: int = ControlConfig.calibrate, skip_after_migration: int = ControlConfig.skip_after_migration):
         # common-mode correction: a machine-wide slowdown of one iteration is not a straggler
         self.estimator = RateEstimator(window=window, common_mode_quantile=0.25)
         self.pace = PaceWindow(window)
-        self.skip, self.warmup, self.skip_after_migration = skip, warmup, skip_after_migration
+        self.skip, self.calibrate, self.skip_after_migration = skip, calibrate, skip_after_migration
         self.calibrated = False
         self.healthy_tokens_per_second: float | None = None   # throughput over the calibration iterations
         self.external: dict[int, float] = {}
@@ -258,17 +259,23 @@ class Measurement:
     def seconds_per_unit(self) -> float | None:
         return statistics.median(self.unit_seconds) if self.unit_seconds else None
 
+    def peak_flops_per_second(self, device: DeviceSpec) -> float:
+        """One device's peak for MFU: the emulated accelerator's pace on CPU workers, else the
+        scenario's `device.peak_tflops`."""
+        pace = self.device_pace
+        return pace.flops_per_second if pace is not None else device.peak_tflops * 1e12
+
     def calibrate_if_due(self, next_step: int, records: list[dict]) -> bool:
-        """Freeze the healthy unit time once the warm-up iterations were measured, from the devices
+        """Freeze the healthy unit time once the calibrating iterations were measured, from the devices
         measured (all of them if none was: a host too busy for its pace then leaves every rate low,
         and unused until measured), and the healthy throughput over them (`records`: metrics
         lines); True when it did."""
-        if self.calibrated or next_step != self._start_step + self.skip + self.warmup:
+        if self.calibrated or next_step != self._start_step + self.skip + self.calibrate:
             return False
         if self.estimator.calibrate(exclude=set(self.pace.unmeasured())) is None:
             self.estimator.calibrate()
         self.calibrated = True
-        recent = records[-self.warmup:]
+        recent = records[-self.calibrate:]
         secs = sum(r["iteration_seconds"] for r in recent)
         self.healthy_tokens_per_second = sum(r["tokens"] for r in recent) / secs if secs > 0 else None
         return True

@@ -69,6 +69,15 @@ class JobMetrics:
                                registry=r)
         self.iterations = Counter("malleus_iterations", "Training iterations completed", ("job",), registry=r)
         self.loss = Gauge("malleus_loss", "Mean loss of the last global batch", ("job",), registry=r)
+        self.lr = Gauge("malleus_learning_rate", "Learning rate of the last update (the job's schedule)", ("job",),
+                        registry=r)
+        self.grad_norm = Gauge("malleus_grad_norm", "Global gradient norm of the last step, before clipping",
+                               ("job",), registry=r)
+        self.eval_loss = Gauge("malleus_eval_loss", "Mean loss on the held-out samples at the last evaluation",
+                               ("job",), registry=r)
+        self.mfu = Gauge("malleus_mfu", "Model FLOPs utilization of the last iteration: the model's FLOPs per "
+                         "second over the peak of every device the job holds (CPU workers: their emulated pace)",
+                         ("job",), registry=r)
         self.plan_version = Gauge("malleus_plan_version", "Plans applied so far (0 = the initial plan)", ("job",),
                                   registry=r)
         self.plan_info = Gauge("malleus_plan_info", "The plan in force (value 1)", ("job", "plan_id"), registry=r)
@@ -130,6 +139,10 @@ class JobMetrics:
         self.tokens.labels(j).inc(line["tokens"])
         self.samples.labels(j).inc(line["samples"])
         self.loss.labels(j).set(line["loss"])
+        for gauge, key in ((self.lr, "lr"), (self.grad_norm, "grad_norm"), (self.mfu, "mfu"),
+                           (self.eval_loss, "eval_loss")):
+            if line.get(key) is not None:
+                gauge.labels(j).set(line[key])
         if secs > 0:
             self.tokens_per_second.labels(j).set(line["tokens"] / secs)
             self.samples_per_second.labels(j).set(line["samples"] / secs)

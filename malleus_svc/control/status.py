@@ -44,6 +44,8 @@ def status(c) -> dict:
         "job": c.job.name, "state": c.state.value, "error": c.error, "static": not c.policy.replans,
         "step": c.step, "steps": c.steps_total, "submission_id": c.origin["submission_id"],
         "resumed_from": c.origin["resumed_from"], "restarted": c.origin["restarted"], "failures": list(hist.failures),
+        "last_checkpoint": last_checkpoint(c), "eval": c.evaluation.last,
+        "lr": last.get("lr") if last else None,
         "plan_id": plan.plan_id if plan else None, "plan_version": hist.plan_version,
         "plan": plan_summary(plan) if plan else None,
         "excluded": sorted(c.excluded), "gone": sorted(c.gone()),
@@ -67,6 +69,12 @@ def status(c) -> dict:
     }
 
 
+def last_checkpoint(c) -> dict | None:
+    """{path, step} of the newest checkpoint of this job: written by this run, or resumed from."""
+    resumed = c.origin["resumed_from"]
+    return c.checkpoints.last_written() or (resumed and {"path": resumed["path"], "step": resumed["step"]})
+
+
 def device_pace(pace) -> dict | None:
     """The accelerator CPU workers emulate (None on GPUs, or before they are paced)."""
     return None if pace is None else {"gflops": pace.flops_per_second / 1e9, "gbps": pace.bytes_per_second / 1e9}
@@ -83,7 +91,8 @@ def summary(c) -> dict:
             "migrations": c.history.migrations_total,
             "healthy_tokens_per_second": c.measurement.healthy_tokens_per_second,
             "device_pace": device_pace(c.measurement.device_pace),
-            "pace_held": recs[-1].get("pace_held") if recs else None, "unmeasured": unmeasured(c)}
+            "pace_held": recs[-1].get("pace_held") if recs else None, "unmeasured": unmeasured(c),
+            "eval": c.evaluation.last}
 
 
 def unmeasured(c) -> dict[str, float]:

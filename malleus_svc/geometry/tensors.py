@@ -133,6 +133,16 @@ def split_dim(name: str) -> int | None:
     return _row(name)[1]
 
 
+def decayed(name: str, embedding: bool) -> bool:
+    """Whether AdamW's weight decay applies to tensor `name`: never to a norm's gain (a scale, not a
+    weight: as Megatron, nanoGPT and Hugging Face's Trainer do), to the embedding only if `embedding`,
+    to every other matrix always."""
+    local = _row(name)[0]
+    if local.endswith("norm.weight"):
+        return False
+    return embedding or local != "embedding.weight"
+
+
 def tensor_spec(shape: ModelShape, name: str) -> TensorSpec:
     _, dim, full = _row(name)
     return TensorSpec(name, full(shape), dim)

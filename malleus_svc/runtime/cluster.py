@@ -74,6 +74,7 @@ class StepRecord:
     samples: int
     iteration_seconds: float
     grad_norm: float | None
+    lr: float | None = None                                            # of this step's update
     devices: dict[int, dict[str, Any]] = field(default_factory=dict)   # device -> its StepStats + extras
     sample_ids: list[list[int]] = field(default_factory=list)          # per pipeline, as the workers saw them
 
@@ -85,7 +86,8 @@ class StepRecord:
             "step": self.step, "plan_id": self.plan_id, "loss": self.loss, "loss_tokens": self.loss_tokens,
             "tokens": self.tokens, "samples": self.samples, "iteration_seconds": self.iteration_seconds,
             "tokens_per_second": self.tokens / self.iteration_seconds if self.iteration_seconds > 0 else None,
-            "grad_norm": self.grad_norm,
+            "grad_norm": self.grad_norm, "lr": self.lr,
+            "model_flops": sum(s.get("model_flops") or 0.0 for s in self.devices.values()),
             "compute_seconds": per("compute_seconds"), "wall_seconds": per("wall_seconds"),
             "comm_seconds": per("comm_seconds"), "slowdown": per("slowdown"),
             "pace_held": pace_held(self.devices.values()),
@@ -442,9 +444,10 @@ class WorkerGroup:
         tokens = len(ids) * seq_len if mode == "pad" else loss
         return tokens, loss
 
-    def step(self, sample_ids: Sequence[int], assignment=None) -> StepRecord:
+    def step(self, sample_ids: Sequence[int], assignment=None, lr: float | None = None) -> StepRecord:
         """One iteration on the global batch `sample_ids` under the applied plan: the plan's fixed
-        split, or `assignment` (per pipeline, per micro-batch, sample ids; checked exactly-once)."""
+        split, or `assignment` (per pipeline, per micro-batch, sample ids; checked exactly-once); the
+        update at learning rate `lr` (None: the optimizer's peak)."""
         if self.plan is None or self.dataset is None:
             raise WorkerGroupError("apply_plan and set_data must run before step")
         plan = self.plan
@@ -470,9 +473,26 @@ class WorkerGroup:
         # train_step a loss could leave the survivors at different steps, which only a checkpoint
         # could reconcile. Not waited for: Ray runs one caller's calls to an actor in order (the
         # worker allows no out-of-order execution), so every later call sees the update applied.
-        self._updates = {self.workers[d].apply_update.remote(): d for d in devices}
+        self._updates = {self.workers[d].apply_update.remote(lr): d for d in devices}
         self._longest_step_s = max(self._longest_step_s, time.perf_counter() - t0)
-        return self._record(plan, per, sample_ids, time.perf_counter() - t0)
+        rec = self._record(plan, per, sample_ids, time.perf_counter() - t0)
+        rec.lr = self.optim.lr if lr is None else lr
+        return rec
+
+    def evaluate(self, batches: Sequence[Sequence[int]]) -> float:
+        """The mean token loss over global batches of held-out samples, under the applied plan and
+        its fixed split, forward only, on the weights after the last step's update."""
+        if self.plan is None or self.dataset is None:
+            raise WorkerGroupError("apply_plan and set_data must run before evaluate")
+        plan, roles = self.plan, self.plan.roles()
+        devices = sorted(roles)
+        loss_tokens = sum(self.count_tokens(ids)[1] for ids in batches)   # every batch's share of one mean
+        total = 0.0
+        for ids in batches:
+            splits = split_for_plan(ids, plan)
+            refs = [self.workers[d].eval_step.remote(splits[roles[d].pipeline], loss_tokens) for d in devices]
+            total += self._get(refs, "eval_step", devices=devices)[0]["loss"]
+        return total
 
     def _take_updates(self) -> dict[int, dict]:
         """The answers of the last step's apply_update calls, {device: answer}; a failure is left for

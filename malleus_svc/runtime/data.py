@@ -16,6 +16,11 @@ positions ``[e * num_samples, (e + 1) * num_samples)``.
 The global batch size may change between steps (a new plan may change it):
 ``next_global_batch(size)`` takes a batch of ``size`` and makes it the size from then on.
 
+Held-out samples
+----------------
+`holdout_split` sets a seeded share of the samples apart for evaluation; a sampler given the
+rest (`ids`) streams only those: its permutations are of them, its positions count them.
+
 Per-plan slicing
 ----------------
 `split_for_plan` hands pipeline ``i`` the contiguous slice ``plan.sample_slices()[i]`` of each
@@ -46,15 +51,33 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
+HOLDOUT_STREAM = 0x4E1D   # the holdout's random stream, apart from the epochs' (seed, epoch) streams
+
+
+def holdout_split(num_samples: int, share: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the samples to train on, the held-out ones), both sorted: round(share x num_samples) samples
+    (at least one when share > 0) drawn by a function of (seed, share) only, never trained on."""
+    num_samples = _check_int("num_samples", num_samples, 1)
+    held = max(1, round(share * num_samples)) if share > 0 else 0
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, HOLDOUT_STREAM])))
+    chosen = np.zeros(num_samples, dtype=bool)
+    chosen[rng.permutation(num_samples)[:held]] = True
+    return np.flatnonzero(~chosen), np.flatnonzero(chosen)
+
+
 class GlobalSampler:
-    """Seeded, per-epoch permutation of ``range(num_samples)``, cut into global batches.
+    """Seeded, per-epoch permutation of ``range(num_samples)`` (or of `ids`, the samples to train
+    on), cut into global batches.
 
     ``position`` is the number of samples consumed since the start, counted in the stream of
     concatenated epochs; ``epoch == position // num_samples`` is the epoch the next sample of the
     stream belongs to.
     """
 
-    def __init__(self, num_samples: int, global_batch: int, seed: int = 0):
+    def __init__(self, num_samples: int, global_batch: int, seed: int = 0, ids: Sequence[int] | None = None):
+        self.ids = None if ids is None else np.asarray(ids, dtype=np.int64)
+        if self.ids is not None and len(self.ids) != num_samples:
+            raise DataError(f"num_samples {num_samples} must count the {len(self.ids)} ids given")
         self.num_samples = _check_int("num_samples", num_samples, 1)
         self.seed = _check_int("seed", seed, 0)
         self.global_batch = self._check_size(global_batch)
@@ -80,6 +103,8 @@ class GlobalSampler:
         if perm is None:
             rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, epoch])))
             perm = rng.permutation(self.num_samples)
+            if self.ids is not None:
+                perm = self.ids[perm]
             perm.setflags(write=False)
             if len(self._perms) >= 3:  # keep the current epoch and a couple of neighbours (peek)
                 self._perms.pop(max(self._perms, key=lambda e: (abs(e - epoch), e)))

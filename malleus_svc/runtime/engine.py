@@ -19,8 +19,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from malleus_svc.config.job import TrainConfig
+from malleus_svc.config.lr_schedule import LrSchedule
 from malleus_svc.config.presets import ModelShape
-from malleus_svc.geometry import part_tensors, split_dim, tensor_spec, tp_divisibility_error
+from malleus_svc.geometry import decayed, part_tensors, split_dim, tensor_spec, tp_divisibility_error
 from malleus_svc.plan import Plan
 from malleus_svc.runtime.batch import IGNORE_INDEX, MicroBatch
 from malleus_svc.runtime.device_clock import DeviceClock, make_clock
@@ -35,16 +37,32 @@ from malleus_svc.runtime.transport import P2PTransport, StageTransport
 EXP_AVG, EXP_AVG_SQ, STEP = ":exp_avg", ":exp_avg_sq", ":step"
 
 
+_TRAIN = TrainConfig()
+
+
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 3e-4
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    grad_clip: float | None = 1.0   # max global grad norm; None or <= 0: no clipping
+    """AdamW, its schedule and clipping; the defaults are the job file's (config.job.TrainConfig)."""
+    lr: float = _TRAIN.lr                 # the peak
+    betas: tuple[float, float] = _TRAIN.betas
+    eps: float = _TRAIN.eps
+    weight_decay: float = _TRAIN.weight_decay
+    grad_clip: float | None = _TRAIN.grad_clip   # max global grad norm; None or <= 0: no clipping
+    decay_embeddings: bool = _TRAIN.decay_embeddings
+    schedule: LrSchedule = _TRAIN.schedule
 
-    def make(self, params: Iterable[torch.nn.Parameter]) -> AdamW:
-        return AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+    @classmethod
+    def of(cls, train: TrainConfig) -> "OptimConfig":
+        return cls(lr=train.lr, betas=train.betas, eps=train.eps, weight_decay=train.weight_decay,
+                   grad_clip=train.grad_clip, decay_embeddings=train.decay_embeddings, schedule=train.schedule)
+
+    def lr_at(self, step: int) -> float:
+        return self.schedule.lr_at(step, self.lr)
+
+    def make(self, named: Mapping[str, torch.nn.Parameter]) -> AdamW:
+        """AdamW over the model's parameters by their full-model names (weight decay by `decayed`)."""
+        return AdamW(named.values(), lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
+                     no_decay=[p for name, p in named.items() if not decayed(name, self.decay_embeddings)])
 
 
 @dataclass
@@ -54,6 +72,7 @@ class StepStats:
     grad_norm: float         # global gradient norm before clipping
     compute_seconds: float   # device time of this device's forward/backward ops (its DeviceClock)
     flops: float             # of those ops: the work the device time was spent on
+    model_flops: float       # this device's share of the model's FLOPs (the devices' shares sum to the step's)
     wall_seconds: float
     comm_seconds: float      # wall time waiting in p2p and collectives
     global_loss: float = 0.0  # the whole global batch's mean loss, the same on every active device
@@ -229,16 +248,17 @@ class Engine:
                                        has_head=self.role.is_last, tp=self.groups.tp, device=self.device,
                                        seed=seed if init else None).to(dtype=dtype)
         self.params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
-        self.optimizer = optim.make(self.params.values())
+        self.optimizer = optim.make(self.params)
         self.working = WorkingWeights(self.params, compute_dtype or compute_dtype_for(self.device, dtype))
         self.grad_sync = GradientSync(self.groups, self.params, shape)
         self.transport = transport(self.groups.peers, self.device, self.working.dtype)
         self._update_pending = False
 
     # ------------------------------------------------------------------ one step
-    def train_step(self, micro_batches: list[MicroBatch], loss_tokens: int, *, apply: bool = True) -> StepStats:
+    def train_step(self, micro_batches: list[MicroBatch], loss_tokens: int, *, apply: bool = True,
+                   lr: float | None = None) -> StepStats:
         """Forward and backward over the micro-batches (1F1B), the gradient reductions, clipping, and
-        (with `apply`) the optimizer update. `apply=False` leaves the update pending until
+        (with `apply`) the optimizer update at `lr` (None: the peak). `apply=False` leaves the update pending until
         `apply_update()`: a worker group applies it only once every device has finished the step,
         so a device lost inside a collective cannot leave the survivors at different steps."""
         # The plan's count is the fixed assignment's; a length-aware one may use more or fewer micro-
@@ -275,7 +295,7 @@ class Engine:
         self._clip(grad_norm)
         self._update_pending = True
         if apply:
-            self.apply_update()
+            self.apply_update(lr)
 
         return StepStats(
             loss=float(self._loss) if self.role.is_last else 0.0,
@@ -283,18 +303,20 @@ class Engine:
             grad_norm=grad_norm,
             compute_seconds=self.clock.read().get("compute", 0.0),
             flops=self._flops,
+            model_flops=3.0 * sum(self.model.forward_flops(mb.cu_seqlens, model_share=True) for mb in micro_batches),
             wall_seconds=time.perf_counter() - wall0,
             comm_seconds=comm + self.transport.comm_seconds + self.groups.tp.comm_seconds,
             global_loss=float(totals[1]),
         )
 
-    def apply_update(self) -> float:
-        """The optimizer step of the last `train_step(apply=False)`; returns its seconds."""
+    def apply_update(self, lr: float | None = None) -> float:
+        """The optimizer step of the last `train_step(apply=False)` at `lr` (None: the peak); returns
+        its seconds."""
         if not self._update_pending:
             raise RuntimeError(f"rank {self.rank}: no finished train_step whose update is pending")
         t0 = time.perf_counter()
         with self.clock.op("update", nbytes=update_bytes(self.params.values())):
-            self.optimizer.step()
+            self.optimizer.step(lr)
             self.working.refresh()
         self._update_pending = False
         return time.perf_counter() - t0
@@ -310,7 +332,7 @@ class Engine:
         scratch = [torch.nn.Parameter(p.detach().clone()) for p in self.params.values()]
         for p in scratch:
             p.grad = torch.randn(p.shape, generator=g).to(p)
-        update = self.optim.make(scratch)
+        update = self.optim.make(dict(zip(self.params, scratch)))
         nbytes = update_bytes(scratch)
         for _ in range(repeats):
             x = (torch.randint(self.shape.vocab, (tokens,), generator=g).to(self.device) if self.role.is_first
@@ -326,12 +348,28 @@ class Engine:
         for p in self.params.values():
             p.grad = None
 
-    def _run_program(self, micro_batches: list[MicroBatch], loss_tokens: int) -> None:
-        """The stage's computations with its posts between them (schedule.stage_program): each post
-        sends what the previous computation produced and receives what the next one needs."""
+    @torch.no_grad()
+    def eval_step(self, micro_batches: list[MicroBatch], loss_tokens: int) -> float:
+        """The loss of the micro-batches on the weights as they are: forward only through the
+        pipeline, no gradient, no update, no training state touched. Each pipeline's summed token
+        cross-entropy over `loss_tokens`, summed over the pipelines: the same on every active device."""
+        if loss_tokens < 1:
+            raise ValueError(f"loss_tokens must count the evaluated batch's loss tokens (>= 1), got {loss_tokens}")
+        self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._run_program(micro_batches, loss_tokens, train=False)
+        self.transport.finish()
+        loss = self._loss if (self.role.is_last and self.role.tp_rank == 0) else torch.zeros_like(self._loss)
+        if self.groups.active is not None:
+            dist.all_reduce(loss, group=self.groups.active)
+        return float(loss)
+
+    def _run_program(self, micro_batches: list[MicroBatch], loss_tokens: int, train: bool = True) -> None:
+        """The stage's computations with its posts between them (schedule.stage_program; forward
+        only unless `train`): each post sends what the previous computation produced and receives
+        what the next one needs."""
         outgoing: dict[Transfer, torch.Tensor] = {}
         incoming: dict[Transfer, torch.Tensor] = {}
-        for ins in stage_program(self.num_stages, self.role.stage, len(micro_batches)):
+        for ins in stage_program(self.num_stages, self.role.stage, len(micro_batches), forward_only=not train):
             if isinstance(ins, Post):
                 sends = {t: outgoing.pop(t) for t in ins.sends}
                 # every boundary tensor, either way, is one row of hidden per token of its micro-batch
@@ -339,7 +377,8 @@ class Engine:
                 incoming.update(self.transport.post(ins, sends, shapes))
             elif ins.kind == "F":
                 x = incoming.pop(Transfer("recv", "activation", ins.micro), None)
-                out = self._forward(ins.micro, micro_batches[ins.micro], loss_tokens, x)
+                forward = self._forward if train else self._evaluate
+                out = forward(ins.micro, micro_batches[ins.micro], loss_tokens, x)
                 if not self.role.is_last:
                     outgoing[Transfer("send", "activation", ins.micro)] = out
             else:
@@ -354,15 +393,29 @@ class Engine:
         x = received.requires_grad_(True) if received is not None else mb.tokens.to(self.device)
         flops = self.model.forward_flops(mb.cu_seqlens)
         with self.clock.op("compute", flops=flops):
-            out = self.working(self.model, x, positions, mb.cu_seqlens)
-            if self.role.is_last:
-                # summed over tokens, divided by the GLOBAL count: sums to the global mean (fault 7)
-                logits = out.to(torch.promote_types(out.dtype, torch.float32))
-                out = F.cross_entropy(logits, mb.targets.to(self.device), ignore_index=IGNORE_INDEX,
-                                      reduction="sum") / loss_tokens
-                self._loss += out.detach().double()
+            out = self._stage_forward(mb, loss_tokens, x, positions)
         self._flops += flops
         self._inflight[i] = (x, out, flops)
+        return out
+
+    def _evaluate(self, i: int, mb: MicroBatch, loss_tokens: int, received: torch.Tensor | None) -> torch.Tensor:
+        """Forward of micro-batch i for an evaluation (device time the next step's reading drops)."""
+        positions = mb.positions().to(self.device)
+        x = received if received is not None else mb.tokens.to(self.device)
+        with self.clock.op("eval", flops=self.model.forward_flops(mb.cu_seqlens)):
+            return self._stage_forward(mb, loss_tokens, x, positions)
+
+    def _stage_forward(self, mb: MicroBatch, loss_tokens: int, x: torch.Tensor, positions: torch.Tensor
+                       ) -> torch.Tensor:
+        """The stage's output on input x: the boundary activation, or on the last stage the loss
+        (added to the step's), summed over tokens and divided by the GLOBAL count, so that it sums
+        to the global mean (Malleus fault 7)."""
+        out = self.working(self.model, x, positions, mb.cu_seqlens)
+        if self.role.is_last:
+            logits = out.to(torch.promote_types(out.dtype, torch.float32))
+            out = F.cross_entropy(logits, mb.targets.to(self.device), ignore_index=IGNORE_INDEX,
+                                  reduction="sum") / loss_tokens
+            self._loss += out.detach().double()
         return out
 
     def _backward(self, i: int, received: torch.Tensor | None) -> torch.Tensor | None:

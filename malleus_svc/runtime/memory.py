@@ -175,10 +175,11 @@ def _adam_state_bytes(model: StageModel) -> tuple[int, int]:
     on meta tensors."""
     from malleus_svc.runtime.engine import OptimConfig
 
-    params = list(model.parameters())
+    named = dict(model.named_parameters())
+    params = list(named.values())
     for p in params:
         p.grad = torch.zeros_like(p)
-    opt = OptimConfig().make(params)
+    opt = OptimConfig().make(named)
     opt.step()
     state = sum(t.untyped_storage().nbytes() for s in opt.state.values() for t in s.values()
                 if isinstance(t, torch.Tensor) and t.device == params[0].device)

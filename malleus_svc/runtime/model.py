@@ -230,14 +230,17 @@ class StageModel(nn.Module):
                 span[spec.split_dim] = shard_rows(spec.shape[spec.split_dim], self.tp.rank, self.tp.size)
             init_block(self.shape, spec, seed, *span, out=param.data)
 
-    def forward_flops(self, cu_seqlens: torch.Tensor) -> float:
+    def forward_flops(self, cu_seqlens: torch.Tensor, model_share: bool = False) -> float:
         """FLOPs of this stage's forward over one micro-batch (its backward costs twice as much): 2 per
         weight per token for the matrix multiplies (the embedding is a lookup), and 4 per attended
-        (query, key) pair per attention channel, causal and within each packed sequence."""
+        (query, key) pair per attention channel, causal and within each packed sequence. With
+        `model_share`, a matrix every rank of a TP group computes whole (the head) counts 1/t on
+        each: the rank's share of the model's FLOPs, which the group's ranks sum to (for MFU)."""
         bounds = cu_seqlens.tolist()
         lengths = [b - a for a, b in zip(bounds, bounds[1:])]
         pairs = sum(n * (n + 1) // 2 for n in lengths)
-        weights = sum(p.numel() for name, p in self.named_parameters()
+        whole = self.tp.size if model_share else 1
+        weights = sum(p.numel() / (whole if split_dim(name) is None else 1) for name, p in self.named_parameters()
                       if p.dim() == 2 and not name.startswith("embedding."))
         channels = sum(block.attn.wq.shape[0] for block in self.blocks.values())
         return 2.0 * weights * bounds[-1] + 4.0 * channels * pairs

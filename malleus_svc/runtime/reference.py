@@ -3,7 +3,8 @@ attention over a packed row as one masked square.
 
 No pipelines, no tensor parallelism, no gradient plumbing: one model from the same per-part
 initialisation, each global batch's loss = its summed token cross-entropy / its loss-token count,
-torch's own grad-norm clipping and AdamW. The engine's tests compare against this. Varlen
+torch's own grad-norm clipping and AdamW (its parameter groups: weight decay by `geometry.decayed`;
+the learning rate of each step set on them from the schedule). The engine's tests compare against this. Varlen
 attention (flash-attn's kernel or the SDPA fallback) compares against `masked_attention`.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from malleus_svc.config.presets import ModelShape
+from malleus_svc.geometry import decayed
 from malleus_svc.runtime.batch import IGNORE_INDEX, MicroBatch
 from malleus_svc.runtime.engine import EXP_AVG, EXP_AVG_SQ, STEP, OptimConfig
 from malleus_svc.runtime.model import full_model
@@ -24,10 +26,12 @@ def reference_train(shape: ModelShape, seed: int, optim: OptimConfig,
     state as ``name:exp_avg``, ``name:exp_avg_sq``, ``name:step``)."""
     model = full_model(shape, seed, dtype)
     params = dict(model.named_parameters())
-    optimizer = torch.optim.AdamW(list(params.values()), lr=optim.lr, betas=optim.betas, eps=optim.eps,
-                                  weight_decay=optim.weight_decay)
+    decays = {name: decayed(name, optim.decay_embeddings) for name in params}
+    groups = [{"params": [p for n, p in params.items() if decays[n] == d], "weight_decay": wd}
+              for d, wd in ((True, optim.weight_decay), (False, 0.0))]
+    optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps)
     losses = []
-    for batch in global_batches:
+    for step, batch in enumerate(global_batches):
         loss_tokens = sum(mb.num_loss_tokens for mb in batch)
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
@@ -39,6 +43,8 @@ def reference_train(shape: ModelShape, seed: int, optim: OptimConfig,
         losses.append(total)
         if optim.grad_clip is not None and optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(list(params.values()), optim.grad_clip)
+        for group in optimizer.param_groups:
+            group["lr"] = optim.lr_at(step)
         optimizer.step()
 
     final = {name: p.detach().clone() for name, p in params.items()}
@@ -49,6 +55,16 @@ def reference_train(shape: ModelShape, seed: int, optim: OptimConfig,
         state[name + EXP_AVG_SQ] = st["exp_avg_sq"].clone()
         state[name + STEP] = torch.tensor(int(st["step"]))
     return losses, final, state
+
+
+@torch.no_grad()
+def reference_loss(shape: ModelShape, params: dict[str, torch.Tensor], batch: list[MicroBatch]) -> float:
+    """The mean token cross-entropy of the whole model with `params` over one global batch."""
+    model = full_model(shape, seed=0, dtype=next(iter(params.values())).dtype)
+    model.load_full(params)
+    total = sum(float(F.cross_entropy(model(mb.tokens, mb.positions(), mb.cu_seqlens), mb.targets,
+                                      ignore_index=IGNORE_INDEX, reduction="sum")) for mb in batch)
+    return total / sum(mb.num_loss_tokens for mb in batch)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:

@@ -27,12 +27,14 @@ class StageStep:
     send: bool      # F: the output to the next stage; B: the input's gradient to the previous one
 
 
-def stage_steps(num_stages: int, stage: int, num_micro: int) -> list[StageStep]:
-    """The steps of `stage` of a pipeline of `num_stages` running `num_micro` micro-batches."""
+def stage_steps(num_stages: int, stage: int, num_micro: int, forward_only: bool = False) -> list[StageStep]:
+    """The steps of `stage` of a pipeline of `num_stages` running `num_micro` micro-batches: 1F1B,
+    or (`forward_only`, an evaluation) the forwards in order."""
     has_prev, has_next = stage > 0, stage < num_stages - 1
+    order = [("F", i) for i in range(num_micro)] if forward_only else one_f_one_b(num_stages, stage, num_micro)
     return [StageStep(kind, i, receive=has_prev if kind == "F" else has_next,
                       send=has_next if kind == "F" else has_prev)
-            for kind, i in one_f_one_b(num_stages, stage, num_micro)]
+            for kind, i in order]
 
 
 @dataclass(frozen=True)
@@ -79,11 +81,12 @@ def _boundary(step: StageStep, direction: str) -> Transfer:
     return Transfer(direction, tensor, step.micro)  # type: ignore[arg-type]
 
 
-def stage_program(num_stages: int, stage: int, num_micro: int) -> list[Instruction]:
-    """The stage's computations in 1F1B order with one post between each two (and one before the
+def stage_program(num_stages: int, stage: int, num_micro: int, forward_only: bool = False) -> list[Instruction]:
+    """The stage's computations (`stage_steps`) with one post between each two (and one before the
     first and after the last), each post holding the previous step's send and the next step's
-    receive. Empty posts are left out."""
-    steps = stage_steps(num_stages, stage, num_micro)
+    receive. Empty posts are left out. Forward only, post k of stage s pairs with post k - 1 of
+    stage s + 1 (the same activation), so neighbours' posts match one for one as in 1F1B."""
+    steps = stage_steps(num_stages, stage, num_micro, forward_only)
     program: list[Instruction] = []
     previous: StageStep | None = None
     for step in [*steps, None]:

@@ -12,8 +12,7 @@ from malleus_svc.planner.search import check_plan_fits
 def optim_config(job: JobConfig):
     from .engine import OptimConfig
 
-    t = job.train
-    return OptimConfig(lr=t.lr, betas=t.betas, eps=t.eps, weight_decay=t.weight_decay, grad_clip=t.grad_clip)
+    return OptimConfig.of(job.train)
 
 
 def check_plan_for_job(plan: Plan, job: JobConfig, where: str = "plan") -> Plan:

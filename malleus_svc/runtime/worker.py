@@ -202,11 +202,27 @@ class DeviceWorker:
         )
         return out
 
-    def apply_update(self) -> dict[str, Any]:
-        """The optimizer update of the last train_step, and its seconds."""
+    def eval_step(self, micro_batch_ids: Sequence[Sequence[int]], loss_tokens: int) -> dict[str, Any]:
+        """The loss of this pipeline's share of held-out samples on the weights as they are (after
+        the last update: Ray runs one caller's calls in order), forward only; see Engine.eval_step."""
+        from .datasets import collate
+
+        if self.engine is None:
+            raise RuntimeError(f"device {self.device_id} has no work under plan {self.plan_id}: nothing to evaluate")
+        try:
+            mbs = [collate(self.dataset, list(ids), self.mode, self.seq_len) for ids in micro_batch_ids]
+            loss = self.engine.eval_step(mbs, int(loss_tokens))
+        except Exception:
+            if not self.use_gpu:      # as a failed training step: leave the world, peers fail at once
+                self.close(keep_state=True)
+            raise
+        return {"device": self.device_id, "loss": loss}
+
+    def apply_update(self, lr: float | None = None) -> dict[str, Any]:
+        """The optimizer update of the last train_step at `lr` (None: the peak), and its seconds."""
         if self.engine is None:
             raise RuntimeError(f"device {self.device_id} has no work under plan {self.plan_id}: no update to apply")
-        return {"update_seconds": self.engine.apply_update()}
+        return {"update_seconds": self.engine.apply_update(lr)}
 
     def _memory(self) -> dict[str, int]:
         """Memory of this device now and at its peak over this step: CUDA allocations on GPU, the

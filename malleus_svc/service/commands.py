@@ -123,6 +123,12 @@ def format_status(st: dict) -> str:
         lines.append(f"  plan {st['plan_id']} (version {st.get('plan_version', 0)}): {describe_plan(st['plan'])}")
     lines.append(f"  throughput: {num(st.get('tokens_per_second'))} tok/s (average {num(st.get('avg_tokens_per_second'))}, "
                  f"healthy {num(st.get('healthy_tokens_per_second'))})")
+    if st.get("lr") is not None or st.get("eval"):
+        ev = st.get("eval")
+        lines.append(f"  learning rate: {num(st.get('lr'), '{:.3g}')}; eval loss: "
+                     + (f"{ev['loss']:.4f} (after step {ev['step']})" if ev else "not evaluated yet"))
+    if st.get("last_checkpoint"):
+        lines.append(f"  last checkpoint: {st['last_checkpoint']['path']} (step {st['last_checkpoint']['step']})")
     ext = set(st.get("external_rates") or {})
     rates = st.get("rates") or {}
     unmeasured = st.get("unmeasured") or {}
