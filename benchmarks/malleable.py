@@ -127,7 +127,7 @@ def ddp_worker(rank: int, world: int, config: dict, wrap=lambda m: m) -> dict:
     sampler = GlobalSampler(len(dataset), gb, seed=job.train.seed)
     model = wrap(full_model(job.shape, job.train.seed))
     opt = optim_config(job)
-    optimizer = opt.make(getattr(model, "module", model).parameters())
+    optimizer = opt.make(dict(getattr(model, "module", model).named_parameters()))
     pace = config.get("pace")
     clock = PacedClock(Pace(pace["flops_per_second"], pace["bytes_per_second"]) if pace else None)
     records, device = [], torch.zeros(world, dtype=torch.float64)

@@ -69,6 +69,10 @@ class FakeWorkers:
                           iteration_seconds=max(s["compute_seconds"] for s in devices.values()), grad_norm=None,
                           lr=lr, devices=devices)
 
+    def evaluate(self, batches) -> float:
+        self.evaluated = getattr(self, "evaluated", 0) + 1
+        return 1.0
+
     def probe(self, devices):
         out = [{"device": d, "compute_seconds": PROBE * self.slowdown.get(d, 1.0), **self._paced(d)} for d in devices]
         return lambda: out

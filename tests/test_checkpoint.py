@@ -101,6 +101,18 @@ def test_format_shard_files_and_a_complete_manifest(tmp_path):
     assert_same(ckpt.state, state)
 
 
+def test_a_llama3_shape_round_trips_and_another_rotary_base_is_another_model(tmp_path):
+    from malleus_svc.config.presets import RopeScaling
+
+    llama3 = dataclasses.replace(TINY, norm_eps=1e-6, rope_theta=500000.0, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 16))
+    with CheckpointWriter(tmp_path) as w:
+        w.save(make_state(step=2), meta(2, shape=llama3))
+    ckpt = load_latest(tmp_path, llama3)
+    assert ckpt.manifest.shape == llama3 and ckpt.step == 2
+    with pytest.raises(CheckpointError, match="rope_theta"):
+        load_latest(tmp_path, dataclasses.replace(llama3, rope_theta=10000.0))
+
+
 def test_a_manifest_of_the_older_format_is_refused_in_one_line(tmp_path):
     write_steps(tmp_path, [1])
     f = tmp_path / "step-00000001" / "manifest.json"
@@ -467,7 +479,7 @@ CRASH_SCRIPT = textwrap.dedent("""
     from malleus_svc.runtime.model import init_part
 
     root, mode = Path(sys.argv[1]), sys.argv[2]
-    shape = ModelShape(**__import__("json").loads(sys.argv[3]))
+    shape = ModelShape.from_dict(__import__("json").loads(sys.argv[3]))
 
     def state(step):
         out = {}

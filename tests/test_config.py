@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from malleus_svc.config import ConfigError, PRESETS, Scenario, load_scenario
+from malleus_svc.config.presets import ModelShape
 from malleus_svc.costmodel import analytic
 from malleus_svc.config.scenario import BUNDLED
 from malleus_svc.planner.build import build_problem
@@ -74,6 +75,12 @@ def test_model_overrides_and_layers_only():
     d["model"] = {"layers": 30}
     with pytest.raises(ConfigError, match="profile.tp_alpha"):
         Scenario.from_dict(d)
+    # a Llama 3 preset with another rotary base and no scaling; its numbers survive to_dict/from_dict
+    d["model"] = {"preset": "llama3.1-8b", "layers": 16, "rope_theta": 1e6, "rope_scaling": None, "norm_eps": 1e-6}
+    shape = Scenario.from_dict(d).shape
+    assert (shape.rope_theta, shape.rope_scaling, shape.norm_eps, shape.vocab) == (1e6, None, 1e-6, 128256)
+    llama3 = PRESETS["llama3.2-1b"]
+    assert ModelShape.from_dict(llama3.to_dict()) == llama3 and llama3.rope_scaling.factor == 32.0
 
 
 def bad(path, value):
@@ -105,6 +112,13 @@ def bad(path, value):
     (bad(["cluster", "gpu_mem"], 1), "cluster.gpu_mem", "unknown field"),
     (bad(["profile"], {"tp_alpha": [1, 2]}), "profile.tp_alpha", "needs 3 values"),
     (bad(["profile"], {"tp_alpha": [2, 3, 4]}), "profile.tp_alpha", "must be 1"),
+    (bad(["model"], {"preset": "llama3.1-8b", "rope_theta": 0}), "model.rope_theta", "> 0"),
+    (bad(["model"], {"preset": "llama3.1-8b", "rope_scaling": {"factor": 8, "low_freq_factor": 4,
+                                                                "high_freq_factor": 1,
+                                                                "original_max_position_embeddings": 8192}}),
+     "model.rope_scaling.high_freq_factor", "> 4"),
+    (bad(["model"], {"preset": "llama3.1-8b", "rope_scaling": {"factor": 8}}), "model.rope_scaling.low_freq_factor",
+     "required"),
 ])
 def test_bad_scenarios_name_the_field_and_what_is_accepted(scenario, field, hint):
     with pytest.raises(ConfigError) as e:

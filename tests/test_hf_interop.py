@@ -4,6 +4,7 @@ import then export is bitwise; a job starts from such a folder; what is not a LL
 can train is refused in one line."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from malleus_svc.checkpoint import CheckpointWriter
 from malleus_svc.checkpoint.hf import WEIGHTS_FILE, pretrained_state, read_pretrained, write_hf
 from malleus_svc.cli import main
 from malleus_svc.config import ConfigError
-from malleus_svc.config.presets import PRESETS, ModelShape
+from malleus_svc.config.presets import PRESETS, ModelShape, RopeScaling
 from malleus_svc.config.scenario import Scenario
 from malleus_svc.runtime.model import full_model
 
@@ -59,24 +60,29 @@ def test_import_then_export_is_bitwise(tmp_path):
     assert all(float(state[k].abs().sum()) == 0 for k in state if k.endswith((":exp_avg", ":exp_avg_sq")))
 
 
-def test_a_folder_saved_by_transformers_itself_imports_with_its_logits_and_exports_bitwise(tmp_path):
-    """Not our own export: a random GQA `LlamaForCausalLM` (random norm weights too, so no tensor
-    is left at its default) saved by `save_pretrained`; the project reads it, gives transformers'
-    logits, and writes the same tensors back, bit for bit."""
-    from malleus_svc.config.presets import NORM_EPS, ROPE_BASE
-
-    torch.manual_seed(11)
+def _saved_by_transformers(folder: Path, seed: int, **config):
+    """A random GQA `LlamaForCausalLM` of `config` (random norm weights too, so no tensor is left at
+    its default), saved by `save_pretrained` into `folder`."""
+    torch.manual_seed(seed)
     config = transformers.LlamaConfig(vocab_size=GQA.vocab, hidden_size=GQA.hidden, intermediate_size=GQA.ffn,
                                       num_hidden_layers=GQA.layers, num_attention_heads=GQA.heads,
                                       num_key_value_heads=GQA.kv_heads, max_position_embeddings=GQA.seq_len,
-                                      rms_norm_eps=NORM_EPS, rope_theta=ROPE_BASE, tie_word_embeddings=False)
+                                      tie_word_embeddings=False, **config)
     hf = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
-    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    hf.save_pretrained(folder, safe_serialization=True)
+    return hf
 
+
+def test_a_folder_saved_by_transformers_itself_imports_with_its_logits_and_exports_bitwise(tmp_path):
+    """Not our own export: a `LlamaForCausalLM` saved by `save_pretrained`; the project reads it,
+    gives transformers' logits, and writes the same tensors back, bit for bit."""
+    from malleus_svc.config.presets import NORM_EPS, ROPE_BASE
+
+    hf = _saved_by_transformers(tmp_path / "hf", 11, rms_norm_eps=NORM_EPS, rope_theta=ROPE_BASE)
     shape, state = read_pretrained(tmp_path / "hf")
     assert shape == GQA
     ours = full_model(shape, seed=0).eval()
@@ -92,6 +98,45 @@ def test_a_folder_saved_by_transformers_itself_imports_with_its_logits_and_expor
     again = safetensors_torch.load_file(str(tmp_path / "out" / WEIGHTS_FILE))
     assert set(saved) == set(again) and len(saved) == 3 + 9 * GQA.layers
     assert all(again[k].dtype == saved[k].dtype == torch.float32 and torch.equal(again[k], saved[k]) for k in saved)
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+
+
+def test_a_llama3_folder_with_its_rotary_scaling_imports_with_its_logits_and_exports_bitwise(tmp_path):
+    """A Llama 3 class model (rotary base 500,000, Llama 3's rotary scaling, another RMSNorm epsilon)
+    saved by `transformers`: the same logits from the project's model, the same files written back;
+    the config as `transformers` 4 wrote it (rope_theta, rope_scaling) reads to the same shape."""
+    hf = _saved_by_transformers(tmp_path / "hf", 12, rms_norm_eps=1e-6,
+                                rope_parameters={"rope_theta": 500000.0, **LLAMA3})
+    shape, state = read_pretrained(tmp_path / "hf")
+    assert (shape.rope_theta, shape.norm_eps) == (500000.0, 1e-6)
+    assert shape.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 16)
+    ours = full_model(shape, seed=0).eval()
+    ours.load_state_dict({n: state[n] for n, _ in ours.named_parameters()})
+    plain = full_model(dataclasses.replace(shape, rope_scaling=None), seed=0).eval()
+    plain.load_state_dict(ours.state_dict())
+    tokens = torch.randint(0, shape.vocab, (shape.seq_len,), generator=torch.Generator().manual_seed(1))
+    args = (tokens, torch.arange(shape.seq_len), torch.tensor([0, shape.seq_len], dtype=torch.int32))
+    with torch.no_grad():
+        theirs, mine, unscaled = hf(tokens[None]).logits[0], ours(*args), plain(*args)
+    assert torch.allclose(theirs, mine, atol=1e-4, rtol=0), (theirs - mine).abs().max()
+    assert (theirs - unscaled).abs().max() > 1e-2          # the scaling matters at these positions
+
+    write_hf(state, shape, tmp_path / "out")
+    saved = safetensors_torch.load_file(str(tmp_path / "hf" / WEIGHTS_FILE))
+    again = safetensors_torch.load_file(str(tmp_path / "out" / WEIGHTS_FILE))
+    assert set(saved) == set(again) and all(torch.equal(again[k], saved[k]) for k in saved)
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens[None]).logits[0], theirs)
+
+    v4 = json.loads((tmp_path / "hf" / "config.json").read_text())
+    v4.pop("rope_parameters", None)
+    v4.update(rope_theta=500000.0, rope_scaling=LLAMA3)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(v4))
+    assert read_pretrained(tmp_path / "hf")[0] == shape
 
 
 def test_malleus_export_writes_a_checkpoint_transformers_loads(tmp_path, capsys):
@@ -128,9 +173,11 @@ def _scenario(folder, **model) -> dict:
 
 @pytest.mark.parametrize("edit, field", [
     ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "architectures"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}, "rope_theta"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0}}, "rope_parameters"),
-    ({"rms_norm_eps": 1e-6}, "rms_norm_eps"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}}, "rope_theta"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0}}, "rope_parameters"),    # no factors
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}, "rope_parameters"),
+    ({"rope_parameters": None, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ({"rms_norm_eps": 0}, "rms_norm_eps"),
     ({"attention_bias": True}, "attention_bias"),
     ({"num_key_value_heads": 5}, "num_key_value_heads"),
     ({"hidden_act": "gelu"}, "hidden_act"),

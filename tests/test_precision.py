@@ -110,13 +110,13 @@ def _plain_rmsnorm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def test_rmsnorm_keeps_its_input_and_one_rms_per_token_and_differentiates_exactly():
     x = torch.randn(6, 10, dtype=torch.float64, requires_grad=True)
     w = torch.randn(10, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(_RMSNormFunction.apply, (x, w))
+    assert torch.autograd.gradcheck(_RMSNormFunction.apply, (x, w, NORM_EPS))
     for dtype in (torch.float32, BF16):
         x = torch.randn(64, 96).to(dtype).requires_grad_(True)
         w = (1 + torch.randn(96) / 10).to(dtype).requires_grad_(True)
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-            y = _RMSNormFunction.apply(x, w)
+            y = _RMSNormFunction.apply(x, w, NORM_EPS)
         assert torch.equal(y, _plain_rmsnorm(x, w))
         assert sorted(tuple(t.shape) for t in saved) == [(64, 1), (64, 96), (96,)]
         g = torch.randn(64, 96).to(dtype)

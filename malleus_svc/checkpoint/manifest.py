@@ -21,14 +21,14 @@ from malleus_svc.config.errors import ConfigError, shorten
 from malleus_svc.config.fields import Section
 from malleus_svc.config.files import parse_document
 from malleus_svc.config.limits import MAX_LAYERS, MAX_MODEL_DIM
-from malleus_svc.config.presets import ModelShape
+from malleus_svc.config.presets import SIZE_FIELDS, ModelShape, RopeScaling
+from malleus_svc.config.scenario import parse_shape_variant
 from malleus_svc.plan import Plan
 
 from .errors import CheckpointError
 
 FORMAT = "malleus-checkpoint"
 FORMAT_VERSION = 2      # 1: one torch.save file of whole tensors per part, no longer read
-_SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelShape))
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class Manifest:
 
     @property
     def shape(self) -> ModelShape:
-        return ModelShape(**self.model_shape)
+        return ModelShape.from_dict(self.model_shape)
 
     @property
     def sampler_state(self) -> Mapping[str, Any]:
@@ -130,7 +130,9 @@ def _parse(d: Mapping[str, Any]) -> Manifest:
     optional = {k: _mapping(root, k, optional=True) for k in ("plan", "optim", "extra")}
     sh = Section(mappings["model_shape"], "model_shape")
     shape = {f: None if f == "kv_heads" and sh.raw(f, None) is None     # None: as many as heads
-             else sh.int(f, minimum=1, maximum=MAX_LAYERS if f == "layers" else MAX_MODEL_DIM) for f in _SHAPE_FIELDS}
+             else sh.int(f, minimum=1, maximum=MAX_LAYERS if f == "layers" else MAX_MODEL_DIM) for f in SIZE_FIELDS}
+    shape.update({k: dataclasses.asdict(v) if isinstance(v, RopeScaling) else v
+                  for k, v in parse_shape_variant(sh).items()})
     sh.done()
     _mapping(Section(mappings["data"], "data"), "sampler")
     files = {}

@@ -1,22 +1,24 @@
 """A Hugging Face LLaMA `config.json` and the model shape it describes, both ways.
 
 The project's decoder is LLaMA's (RMSNorm, rotary positions in the rotate-half layout, SwiGLU,
-grouped-query attention, untied LM head), so a `LlamaForCausalLM` folder maps onto a `ModelShape`
-when it uses the same architecture constants (`presets.NORM_EPS`, `presets.ROPE_BASE`) and none of
-the variants the model does not have (biases, rope scaling, another activation). Anything else is
-refused in one line naming the field. A tied LM head is accepted: the head starts as a copy of
-the embedding and trains untied from there (an export writes it untied).
+grouped-query attention, untied LM head), so a `LlamaForCausalLM` folder of any LLaMA generation
+maps onto a `ModelShape`: its RMSNorm epsilon, rotary base and Llama 3 rotary scaling are read
+from the config as `transformers` 4 writes them (`rope_theta`, `rope_scaling`) and as 5 does
+(`rope_parameters`). Variants the model does not have (biases, another activation, another rotary
+scaling) are refused in one line naming the field. A tied LM head is accepted: the head starts as
+a copy of the embedding and trains untied from there (an export writes it untied).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import ConfigError
 from .files import read_document
 from .limits import MAX_LAYERS, MAX_MODEL_DIM
-from .presets import NORM_EPS, ROPE_BASE, ModelShape
+from .presets import NORM_EPS, ROPE_BASE, ModelShape, RopeScaling
 
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 CONFIG_FILE = "config.json"
@@ -68,20 +70,39 @@ def shape_from_hf_config(cfg: Mapping[str, Any], source: str, seq_len: int | Non
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key):
             raise bad(key, "false: the model's projections have no bias")
-    eps = cfg.get("rms_norm_eps")
-    if not isinstance(eps, (int, float)) or not math.isclose(eps, NORM_EPS, rel_tol=1e-6):
-        raise bad("rms_norm_eps", f"{NORM_EPS} (the model's RMSNorm epsilon)")
-    rope = cfg.get("rope_parameters") or {}
+    eps = cfg.get("rms_norm_eps", NORM_EPS)
+    if not _positive(eps) or eps >= 1:
+        raise bad("rms_norm_eps", "a number in (0, 1)")
+    # transformers 5 keeps the rotary settings in rope_parameters; 4 in rope_theta and rope_scaling
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    if not isinstance(rope, Mapping):
+        raise bad(key, "a mapping of the rotary settings")
     theta = rope.get("rope_theta", cfg.get("rope_theta", ROPE_BASE))
-    if not isinstance(theta, (int, float)) or not math.isclose(theta, ROPE_BASE, rel_tol=1e-9):
-        raise bad("rope_theta", f"{ROPE_BASE:g} (the model's rotary base)")
-    if rope.get("rope_type", "default") != "default" or cfg.get("rope_scaling"):
-        raise bad("rope_parameters", "plain rotary positions (rope_type \"default\", no rope_scaling)")
+    if not _positive(theta):
+        raise bad("rope_theta", "a positive number (the rotary base)")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise bad(key, f"rope_type \"default\" or \"llama3\", not {kind!r}: the rotary scalings the model has")
+    scaling = None
+    if kind == "llama3":
+        fields = {f: rope.get(f) for f in ("factor", "low_freq_factor", "high_freq_factor",
+                                            "original_max_position_embeddings")}
+        if not all(_positive(v) for v in fields.values()) or fields["high_freq_factor"] <= fields["low_freq_factor"]:
+            raise bad(key, "llama3 scaling with positive factor, low_freq_factor < high_freq_factor and "
+                           "original_max_position_embeddings")
+        fields["original_max_position_embeddings"] = int(fields["original_max_position_embeddings"])
+        scaling = RopeScaling(**fields)
     if seq_len is None:
         seq_len = cfg.get("max_position_embeddings")
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 1 <= seq_len <= MAX_MODEL_DIM:
             raise bad("max_position_embeddings", f"an integer in 1..{MAX_MODEL_DIM} (or give model.seq_len)")
-    return ModelShape(seq_len=seq_len, kv_heads=None if kv == dims["heads"] else kv, **dims)
+    return ModelShape(seq_len=seq_len, kv_heads=None if kv == dims["heads"] else kv, norm_eps=float(eps),
+                      rope_theta=float(theta), rope_scaling=scaling, **dims)
+
+
+def _positive(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
 def hf_config(shape: ModelShape) -> dict:
@@ -90,7 +111,15 @@ def hf_config(shape: ModelShape) -> dict:
             "num_hidden_layers": shape.layers, "hidden_size": shape.hidden, "num_attention_heads": shape.heads,
             "num_key_value_heads": shape.n_kv_heads, "intermediate_size": shape.ffn, "vocab_size": shape.vocab,
             "head_dim": shape.head_dim, "max_position_embeddings": shape.seq_len, "hidden_act": "silu",
-            "rms_norm_eps": NORM_EPS, "rope_theta": ROPE_BASE,
-            "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_BASE},
+            "rms_norm_eps": shape.norm_eps, "rope_theta": shape.rope_theta, **_rope(shape),
             "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
             "torch_dtype": "float32", "dtype": "float32"}
+
+
+def _rope(shape: ModelShape) -> dict:
+    """The rotary settings as both `transformers` 4 (rope_scaling) and 5 (rope_parameters) read them."""
+    params = {"rope_type": "default", "rope_theta": shape.rope_theta}
+    if shape.rope_scaling is None:
+        return {"rope_parameters": params}
+    scaling = {"rope_type": "llama3", **asdict(shape.rope_scaling)}
+    return {"rope_scaling": scaling, "rope_parameters": {**params, **scaling}}

@@ -1,16 +1,33 @@
 """Model shapes, shared by the cost model (FLOPs, bytes) and the runtime (the torch model).
 
 A LLaMA-style decoder: token embedding, `layers` blocks of (RMSNorm, causal attention with
-rotary positions, RMSNorm, SwiGLU MLP), a final RMSNorm and an untied LM head.
+rotary positions, RMSNorm, SwiGLU MLP), a final RMSNorm and an untied LM head. Beside the sizes,
+a shape carries the numbers that make it one LLaMA generation or another: the RMSNorm epsilon,
+the rotary base and Llama 3's rotary scaling.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any, Mapping
 
-# Constants of the architecture itself (every shape shares them; a checkpoint of another value is
-# another model): the RMSNorm epsilon and the rotary base.
+# The defaults (LLaMA 1 and 2): the RMSNorm epsilon and the rotary base.
 NORM_EPS = 1e-5
 ROPE_BASE = 10000.0
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3's rotary scaling (`rope_type: llama3`): wavelengths longer than the original context
+    over `low_freq_factor` are stretched `factor`-fold, those shorter than it over
+    `high_freq_factor` kept, and the band between interpolated smoothly."""
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+# A shape's sizes: integers (kv_heads may be None); its other fields are its LLaMA generation's numbers.
+SIZE_FIELDS = ("layers", "hidden", "heads", "ffn", "vocab", "seq_len", "kv_heads")
 
 
 @dataclass(frozen=True)
@@ -22,6 +39,15 @@ class ModelShape:
     vocab: int
     seq_len: int
     kv_heads: int | None = None  # grouped-query attention; None means kv_heads == heads
+    norm_eps: float = NORM_EPS
+    rope_theta: float = ROPE_BASE
+    rope_scaling: RopeScaling | None = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelShape":
+        """The inverse of `to_dict` (a manifest's or a file's shape)."""
+        scaling = d.get("rope_scaling")
+        return cls(**{**d, "rope_scaling": RopeScaling(**scaling) if scaling else None})
 
     @property
     def n_kv_heads(self) -> int:
@@ -60,7 +86,12 @@ class ModelShape:
         return asdict(self)
 
 
-# The Malleus paper's evaluation shapes and a few small GPT shapes that run on a CPU.
+# Llama 3.x (Meta's configs; trained here at the original 8,192-token context). The 3.2 models tie
+# their head to the embedding, which the project trains untied (a copy of it at the start).
+LLAMA3_SHAPES = (("llama3.2-1b", 16, 2048, 32, 8192, 32.0), ("llama3.2-3b", 28, 3072, 24, 8192, 32.0),
+                 ("llama3.1-8b", 32, 4096, 32, 14336, 8.0), ("llama3.1-70b", 80, 8192, 64, 28672, 8.0))
+
+# The Malleus paper's evaluation shapes, a few small GPT shapes that run on a CPU, and Llama 3.
 PRESETS: dict[str, ModelShape] = {
     "tiny": ModelShape(layers=4, hidden=64, heads=4, ffn=128, vocab=256, seq_len=64),
     "small": ModelShape(layers=8, hidden=256, heads=8, ffn=704, vocab=256, seq_len=128),
@@ -70,6 +101,9 @@ PRESETS: dict[str, ModelShape] = {
     "llama-32b": ModelShape(layers=60, hidden=6656, heads=64, ffn=17920, vocab=32000, seq_len=4096),
     "llama-70b": ModelShape(layers=80, hidden=8192, heads=64, ffn=28672, vocab=32000, seq_len=4096, kv_heads=8),
     "llama-110b": ModelShape(layers=80, hidden=8192, heads=64, ffn=49152, vocab=32000, seq_len=4096, kv_heads=8),
+    **{name: ModelShape(layers=layers, hidden=hidden, heads=heads, ffn=ffn, vocab=128256, seq_len=8192, kv_heads=8,
+                        rope_theta=500000.0, rope_scaling=RopeScaling(factor, 1.0, 4.0, 8192))
+       for name, layers, hidden, heads, ffn, factor in LLAMA3_SHAPES},
 }
 
 

@@ -36,11 +36,10 @@ from .files import read_mapping
 from .hf_config import shape_of_folder
 from .limits import (MAX_DEVICES, MAX_GLOBAL_BATCH, MAX_LAYERS, MAX_MEMORY_MB, MAX_MODEL_DIM, MAX_NAME,
                      MAX_RATE, MAX_SECONDS)
-from .presets import PRESETS, ModelShape
+from .presets import PRESETS, SIZE_FIELDS, ModelShape, RopeScaling
 
 SCENARIO_KEYS = ("name", "cluster", "model", "parallel", "batch", "profile", "device", "rates",
                  "excluded", "planner")
-_SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelShape))
 NAME_PATTERN = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_NAME}}}")   # safe in actor names, paths, logs
 Objective = Literal["paper", "bubble", "full"]   # the planner's objectives (planner.problem)
 OBJECTIVES: tuple[str, ...] = get_args(Objective)
@@ -197,6 +196,28 @@ class Scenario:
                    rates=rates, excluded=frozenset(excluded), planner=planner, device=dev, pretrained=pretrained)
 
 
+def parse_shape_variant(s: Section) -> dict[str, Any]:
+    """A shape's optional generation numbers: `norm_eps`, `rope_theta`, `rope_scaling` (Llama 3's:
+    factor, low_freq_factor, high_freq_factor, original_max_position_embeddings; null: none)."""
+    out: dict[str, Any] = {}
+    if s.has("norm_eps"):
+        out["norm_eps"] = s.float("norm_eps", minimum=0, exclusive=True, maximum=1.0)
+    if s.has("rope_theta"):
+        out["rope_theta"] = s.float("rope_theta", minimum=0, exclusive=True)
+    if s.has("rope_scaling"):
+        out["rope_scaling"] = None
+        if s.raw("rope_scaling") is not None:
+            r = s.section("rope_scaling")
+            low = r.float("low_freq_factor", minimum=0, exclusive=True)
+            high = r.float("high_freq_factor", minimum=low, exclusive=True)
+            out["rope_scaling"] = RopeScaling(
+                factor=r.float("factor", minimum=0, exclusive=True), low_freq_factor=low, high_freq_factor=high,
+                original_max_position_embeddings=r.int("original_max_position_embeddings", minimum=1,
+                                                       maximum=MAX_MODEL_DIM))
+            r.done()
+    return out
+
+
 def _parse_model(root: Section, source: str | None) -> tuple[ModelShape | None, int, str | None]:
     """(shape, layers, the pretrained folder or None): a preset name, an explicit shape, or
     `from_pretrained: DIR` (the shape from its config.json; `seq_len` may be given beside it)."""
@@ -222,19 +243,20 @@ def _parse_model(root: Section, source: str | None) -> tuple[ModelShape | None, 
         if name not in PRESETS:
             raise m.error("preset", name, f"unknown preset; known presets: {', '.join(sorted(PRESETS))}")
         base = PRESETS[name].to_dict()
-    for f in _SHAPE_FIELDS:
+    for f in SIZE_FIELDS:
         if m.has(f):
             top = MAX_LAYERS if f == "layers" else MAX_MODEL_DIM
             base[f] = None if (f == "kv_heads" and m.raw(f) is None) else m.int(f, minimum=1, maximum=top)
+    base.update(parse_shape_variant(m))
     m.done()
     if "layers" not in base:
         raise ConfigError("model.layers", None, "required (or name a preset)", source)
-    missing = [f for f in _SHAPE_FIELDS if f not in base and f != "kv_heads"]
+    missing = [f for f in SIZE_FIELDS if f not in base and f != "kv_heads"]
     if missing:
-        if len(missing) == len(_SHAPE_FIELDS) - 2:  # only `layers`: the profile must carry the numbers
+        if len(missing) == len(SIZE_FIELDS) - 2:  # only `layers`: the profile must carry the numbers
             return None, base["layers"], None
         raise ConfigError(f"model.{missing[0]}", None,
-                          f"required with an explicit shape (give all of {', '.join(_SHAPE_FIELDS[:-1])}, or only layers plus a full profile)", source)
+                          f"required with an explicit shape (give all of {', '.join(SIZE_FIELDS[:-1])}, or only layers plus a full profile)", source)
     shape = ModelShape(**base)
     if shape.hidden % shape.heads:
         raise ConfigError("model.hidden", shape.hidden, f"must be divisible by heads = {shape.heads}", source)

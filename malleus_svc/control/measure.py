@@ -206,7 +206,8 @@ class Measurement:
     """
 
     def __init__(self, window: int = ControlConfig.window, skip: int = ControlConfig.skip,
-                 calibrate: int = ControlConfig.calibrate, skip_after_migration: int = ControlConfig.skip_after_migration):
+                 calibrate: int = ControlConfig.calibrate,
+                 skip_after_migration: int = ControlConfig.skip_after_migration):
         # common-mode correction: a machine-wide slowdown of one iteration is not a straggler
         self.estimator = RateEstimator(window=window, common_mode_quantile=0.25)
         self.pace = PaceWindow(window)
@@ -266,8 +267,8 @@ class Measurement:
         return pace.flops_per_second if pace is not None else device.peak_tflops * 1e12
 
     def calibrate_if_due(self, next_step: int, records: list[dict]) -> bool:
-        """Freeze the healthy unit time once the calibrating iterations were measured, from the devices
-        measured (all of them if none was: a host too busy for its pace then leaves every rate low,
+        """Freeze the healthy unit time once the calibrating iterations were measured, from the
+        devices measured (all of them if none was: a host too busy for its pace then leaves every rate low,
         and unused until measured), and the healthy throughput over them (`records`: metrics
         lines); True when it did."""
         if self.calibrated or next_step != self._start_step + self.skip + self.calibrate:

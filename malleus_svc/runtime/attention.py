@@ -14,12 +14,13 @@ is made once per micro-batch (`StageModel.forward`) and handed to each layer.
 """
 from __future__ import annotations
 
+import math
 from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 
-from malleus_svc.config.presets import ROPE_BASE
+from malleus_svc.config.presets import ROPE_BASE, RopeScaling
 
 try:  # optional, GPU only
     from flash_attn import flash_attn_varlen_func as _flash_varlen
@@ -28,13 +29,28 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
 
 
 
-def rotary_tables(positions: torch.Tensor, head_dim: int, device: torch.device | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [T, head_dim/2] (fp64, cast where used) for per-token positions."""
+def rotary_frequencies(head_dim: int, theta: float = ROPE_BASE, scaling: RopeScaling | None = None,
+                       device: torch.device | None = None) -> torch.Tensor:
+    """The rotary angle per position of each pair of channels [head_dim/2] (fp64), with Llama 3's
+    scaling where given (as `transformers` computes it for rope_type "llama3")."""
     if head_dim % 2:
         raise ValueError(f"rotary positions need an even head_dim, got {head_dim}")
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
+    if scaling is None:
+        return inv_freq
+    context = scaling.original_max_position_embeddings
+    wavelength = 2 * math.pi / inv_freq
+    stretched = torch.where(wavelength > context / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
+    smooth = (context / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    between = (wavelength >= context / scaling.high_freq_factor) & (wavelength <= context / scaling.low_freq_factor)
+    return torch.where(between, (1 - smooth) * stretched / scaling.factor + smooth * stretched, stretched)
+
+
+def rotary_tables(positions: torch.Tensor, head_dim: int, device: torch.device | None = None,
+                  theta: float = ROPE_BASE, scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [T, head_dim/2] (fp64, cast where used) for per-token positions."""
     device = device or positions.device
-    inv_freq = ROPE_BASE ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
+    inv_freq = rotary_frequencies(head_dim, theta, scaling, device)
     angles = positions.to(device=device, dtype=torch.float64)[:, None] * inv_freq[None, :]
     return angles.cos(), angles.sin()
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from malleus_svc.config.presets import NORM_EPS, ModelShape
+from malleus_svc.config.presets import ModelShape
 from malleus_svc.geometry import (EMBEDDING, HEAD, Part, TensorSpec, part_tensors, shard_rows, split_dim,
                                   tp_divisibility_error)
 from malleus_svc.runtime.attention import Packing, apply_rotary, rotary_tables, varlen_causal_attention
@@ -96,9 +96,9 @@ class _RMSNormFunction(torch.autograd.Function):
     expression would keep two fp32 copies of the input per norm."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + NORM_EPS)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
         return (xf * rstd * weight).to(x.dtype)
 
@@ -110,16 +110,17 @@ class _RMSNormFunction(torch.autograd.Function):
         grad_weight = (g * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
         gx = g * weight
         grad_x = rstd * (gx - xhat * (gx * xhat).mean(-1, keepdim=True))
-        return grad_x.to(x.dtype), grad_weight
+        return grad_x.to(x.dtype), grad_weight, None
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, spec: TensorSpec):
+    def __init__(self, spec: TensorSpec, eps: float):
         super().__init__()
+        self.eps = eps
         self.weight = nn.Parameter(torch.ones(spec.shape))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNormFunction.apply(x, self.weight)
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -158,9 +159,9 @@ class Block(nn.Module):
     def __init__(self, shape: ModelShape, tp: TensorParallel):
         super().__init__()
         specs = _by_local_name(shape, 0)   # every block has the same tensors; names say which block
-        self.attn_norm = RMSNorm(specs["attn_norm.weight"])
+        self.attn_norm = RMSNorm(specs["attn_norm.weight"], shape.norm_eps)
         self.attn = Attention(shape, tp, specs)
-        self.mlp_norm = RMSNorm(specs["mlp_norm.weight"])
+        self.mlp_norm = RMSNorm(specs["mlp_norm.weight"], shape.norm_eps)
         self.mlp = SwiGLU(tp, specs)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], packing: Packing) -> torch.Tensor:
@@ -202,7 +203,7 @@ class StageModel(nn.Module):
         self.embedding = Embedding(_by_local_name(shape, EMBEDDING)["embedding.weight"]) if has_embedding else None
         self.blocks = nn.ModuleDict({str(i): Block(shape, tp) for i in range(*layers)})
         head = _by_local_name(shape, HEAD) if has_head else None
-        self.final_norm = RMSNorm(head["final_norm.weight"]) if head else None
+        self.final_norm = RMSNorm(head["final_norm.weight"], shape.norm_eps) if head else None
         self.head = LMHead(head["head.weight"]) if head else None
 
     @property
@@ -250,7 +251,7 @@ class StageModel(nn.Module):
         if self.embedding is not None:
             x = self.embedding(x)
         # what every layer's attention needs of the positions and the boundaries, made once
-        rope = rotary_tables(positions, self.shape.head_dim, device=x.device)
+        rope = rotary_tables(positions, self.shape.head_dim, x.device, self.shape.rope_theta, self.shape.rope_scaling)
         packing = Packing(cu_seqlens, x.device)
         for block in self.blocks.values():
             x = block(x, rope, packing)
