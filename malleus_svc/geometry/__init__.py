@@ -11,5 +11,5 @@ from .tensors import (EMBEDDING, HEAD, Part, TensorSpec, decayed, hf_name, model
                       split_dim, tensor_spec, tp_divisibility_error)
 
 __all__ = ["one_f_one_b", "WHOLE", "Cuts", "Span", "finest_partition", "holder_at", "rows_of", "shard_map",
-           "shard_of", "shard_rows", "EMBEDDING", "HEAD", "Part", "TensorSpec", "decayed", "hf_name", "model_parts", "part_of",
-           "part_tensors", "split_dim", "tensor_spec", "tp_divisibility_error"]
+           "shard_of", "shard_rows", "EMBEDDING", "HEAD", "Part", "TensorSpec", "decayed", "hf_name", "model_parts",
+           "part_of", "part_tensors", "split_dim", "tensor_spec", "tp_divisibility_error"]

@@ -258,9 +258,10 @@ class Engine:
     def train_step(self, micro_batches: list[MicroBatch], loss_tokens: int, *, apply: bool = True,
                    lr: float | None = None) -> StepStats:
         """Forward and backward over the micro-batches (1F1B), the gradient reductions, clipping, and
-        (with `apply`) the optimizer update at `lr` (None: the peak). `apply=False` leaves the update pending until
-        `apply_update()`: a worker group applies it only once every device has finished the step,
-        so a device lost inside a collective cannot leave the survivors at different steps."""
+        (with `apply`) the optimizer update at `lr` (None: the peak). `apply=False` leaves the
+        update pending until `apply_update()`: a worker group applies it only once every device has
+        finished the step, so a device lost inside a collective cannot leave the survivors at
+        different steps."""
         # The plan's count is the fixed assignment's; a length-aware one may use more or fewer micro-
         # batches per step (every rank of the pipeline gets the same list), but never none.
         if not micro_batches:
@@ -303,7 +304,8 @@ class Engine:
             grad_norm=grad_norm,
             compute_seconds=self.clock.read().get("compute", 0.0),
             flops=self._flops,
-            model_flops=3.0 * sum(self.model.forward_flops(mb.cu_seqlens, model_share=True) for mb in micro_batches),
+            model_flops=3.0 * sum(self.model.forward_flops(mb.cu_seqlens, model_share=True)
+                                  for mb in micro_batches),
             wall_seconds=time.perf_counter() - wall0,
             comm_seconds=comm + self.transport.comm_seconds + self.groups.tp.comm_seconds,
             global_loss=float(totals[1]),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from functools import cached_property
 from typing import Mapping
 
 import torch
@@ -240,11 +241,18 @@ class StageModel(nn.Module):
         bounds = cu_seqlens.tolist()
         lengths = [b - a for a, b in zip(bounds, bounds[1:])]
         pairs = sum(n * (n + 1) // 2 for n in lengths)
-        whole = self.tp.size if model_share else 1
-        weights = sum(p.numel() / (whole if split_dim(name) is None else 1) for name, p in self.named_parameters()
-                      if p.dim() == 2 and not name.startswith("embedding."))
+        weights, share, channels = self._flop_counts
+        return 2.0 * (share if model_share else weights) * bounds[-1] + 4.0 * channels * pairs
+
+    @cached_property
+    def _flop_counts(self) -> tuple[int, float, int]:
+        """(weights of the stage's matrix multiplies, this rank's share of them in the model's, its
+        attention channels): fixed for the stage, counted once (every micro-batch asks)."""
+        matrices = [(name, p.numel()) for name, p in self.named_parameters()
+                    if p.dim() == 2 and not name.startswith("embedding.")]
+        share = sum(n / (self.tp.size if split_dim(name) is None else 1) for name, n in matrices)
         channels = sum(block.attn.wq.shape[0] for block in self.blocks.values())
-        return 2.0 * weights * bounds[-1] + 4.0 * channels * pairs
+        return sum(n for _, n in matrices), share, channels
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Tokens [T] (first stage) or hidden states [T, hidden] -> hidden states, or logits (last stage)."""

@@ -3,8 +3,8 @@ with decoupled weight decay: the kernel `torch.optim.AdamW.step` runs), on state
 torch's layout, per parameter: `step` (a float32 scalar on the host), `exp_avg` and `exp_avg_sq`
 (like the parameter), made at its first update. Updates equal `torch.optim.AdamW`'s bit for bit
 (a test), with weight decay per parameter (torch's parameter groups) and the learning rate given
-per update (the job's schedule). Not `torch.optim.AdamW` itself: it imports torch's compiler on first use, a third of a
-CPU worker's start-up (NOTES.md, Runtime).
+per update (the job's schedule). Not `torch.optim.AdamW` itself: it imports torch's compiler on
+first use, a third of a CPU worker's start-up (NOTES.md, Runtime).
 """
 from __future__ import annotations
 

@@ -4,8 +4,9 @@ attention over a packed row as one masked square.
 No pipelines, no tensor parallelism, no gradient plumbing: one model from the same per-part
 initialisation, each global batch's loss = its summed token cross-entropy / its loss-token count,
 torch's own grad-norm clipping and AdamW (its parameter groups: weight decay by `geometry.decayed`;
-the learning rate of each step set on them from the schedule). The engine's tests compare against this. Varlen
-attention (flash-attn's kernel or the SDPA fallback) compares against `masked_attention`.
+the learning rate of each step set on them from the schedule). The engine's tests compare against
+this. Varlen attention (flash-attn's kernel or the SDPA fallback) compares against
+`masked_attention`.
 """
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ gives it a pace (`rehearse`, then `set_pace`). An emulated straggler is a rate o
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -167,27 +168,12 @@ class DeviceWorker:
         returned from this step (a step that fails anywhere is applied nowhere). On GPU the peak
         memory read here covers the previous step's update, which ran after the last reading.
         """
-        from .datasets import collate
-
-        if self.engine is None:
-            raise RuntimeError(f"device {self.device_id} has no work under plan {self.plan_id} "
-                               "(suspended, excluded, or no plan applied yet)")
-        if self.dataset is None:
-            raise RuntimeError(f"device {self.device_id}: set_data must run before train_step")
+        self._check_ready("train")
         t0 = time.perf_counter()
-        try:
-            mbs = [collate(self.dataset, list(ids), self.mode, self.seq_len) for ids in micro_batch_ids]
+        with self._leaving_world_on_failure():
+            mbs = self._collate(micro_batch_ids)
             collate_s = time.perf_counter() - t0
             stats = self.engine.train_step(mbs, int(loss_tokens), apply=False)
-        except Exception:
-            # A failed step (a collective that lost a peer, data that would not collate) ends in a
-            # recovery, which starts by every survivor leaving the world with its state (`close`).
-            # Leaving now closes this device's connections, so the peers still waiting on it fail at
-            # once instead of at their collective timeout. gloo only: tearing down an NCCL
-            # communicator after a failed collective may block, and no GPU here has tried it.
-            if not self.use_gpu:
-                self.close(keep_state=True)
-            raise
         out = _as_dict(stats)
         out.update(
             device=self.device_id,
@@ -205,18 +191,36 @@ class DeviceWorker:
     def eval_step(self, micro_batch_ids: Sequence[Sequence[int]], loss_tokens: int) -> dict[str, Any]:
         """The loss of this pipeline's share of held-out samples on the weights as they are (after
         the last update: Ray runs one caller's calls in order), forward only; see Engine.eval_step."""
+        self._check_ready("evaluate")
+        with self._leaving_world_on_failure():
+            loss = self.engine.eval_step(self._collate(micro_batch_ids), int(loss_tokens))
+        return {"device": self.device_id, "loss": loss}
+
+    def _check_ready(self, what: str) -> None:
+        if self.engine is None:
+            raise RuntimeError(f"device {self.device_id} has no work under plan {self.plan_id} "
+                               f"(suspended, excluded, or no plan applied yet): nothing to {what}")
+        if self.dataset is None:
+            raise RuntimeError(f"device {self.device_id}: set_data must run before it can {what}")
+
+    def _collate(self, micro_batch_ids: Sequence[Sequence[int]]) -> list:
         from .datasets import collate
 
-        if self.engine is None:
-            raise RuntimeError(f"device {self.device_id} has no work under plan {self.plan_id}: nothing to evaluate")
+        return [collate(self.dataset, list(ids), self.mode, self.seq_len) for ids in micro_batch_ids]
+
+    @contextlib.contextmanager
+    def _leaving_world_on_failure(self):
+        """A failed step (a collective that lost a peer, data that would not collate) ends in a
+        recovery, which starts by every survivor leaving the world with its state (`close`). Leaving
+        now closes this device's connections, so the peers still waiting on it fail at once instead
+        of at their collective timeout. gloo only: tearing down an NCCL communicator after a failed
+        collective may block, and no GPU here has tried it."""
         try:
-            mbs = [collate(self.dataset, list(ids), self.mode, self.seq_len) for ids in micro_batch_ids]
-            loss = self.engine.eval_step(mbs, int(loss_tokens))
+            yield
         except Exception:
-            if not self.use_gpu:      # as a failed training step: leave the world, peers fail at once
+            if not self.use_gpu:
                 self.close(keep_state=True)
             raise
-        return {"device": self.device_id, "loss": loss}
 
     def apply_update(self, lr: float | None = None) -> dict[str, Any]:
         """The optimizer update of the last train_step at `lr` (None: the peak), and its seconds."""
