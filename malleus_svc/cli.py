@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .config import ConfigError, validate_rates
 from .config.job import load_scenario_of
+from .config.locations import location
 from .config.options import output_file_option
 from .config.scenario import DEFAULT_OBJECTIVE, OBJECTIVES, bundled_names, find_scenario, parse_rate_assignments
 from .plan import Plan, PlanError
@@ -77,12 +78,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .checkpoint import CheckpointError
     from .checkpoint.hf import export_checkpoint
 
-    if Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
+    try:
+        out = location(args.out_dir)
+    except ValueError as e:
+        raise ConfigError("out_dir", args.out_dir, str(e)) from None
+    if isinstance(out, Path) and out.exists() and not out.is_dir():
         raise ConfigError("out_dir", args.out_dir, "a folder to write (or to create), not a file")
     try:
-        out, shape, step = export_checkpoint(args.checkpoint, args.out_dir)
+        out, shape, step = export_checkpoint(args.checkpoint, out)
     except CheckpointError as e:
         raise ConfigError("checkpoint", args.checkpoint, e.reason) from None
+    except OSError as e:       # the destination: a permission, a full disk, an unreachable store
+        raise ConfigError("out_dir", args.out_dir, f"cannot be written: {e}") from None
     print(f"exported step {step} of a {shape.layers}-layer model ({shape.hidden} hidden, vocab {shape.vocab}) to "
           f"{out}: config.json and model.safetensors for transformers' LlamaForCausalLM")
     return 0

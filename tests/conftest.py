@@ -35,6 +35,41 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-compatible server (moto's) on loopback for the session; yields the environment a
+    client reads (endpoint, credentials, region), as a user's shell would hold it."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)    # not a line per request
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "malleus-test",
+               "AWS_SECRET_ACCESS_KEY": "malleus-test", "AWS_DEFAULT_REGION": "us-east-1"}
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch, request):
+    """A fresh bucket on that server, with its settings in this process's environment; yields
+    ``s3://<bucket>``."""
+    import re
+    import uuid
+
+    import boto3
+
+    for key, value in s3_server.items():
+        monkeypatch.setenv(key, value)
+    bucket = f"{re.sub('[^a-z0-9]+', '-', request.node.name.lower())[:40].strip('-')}-{uuid.uuid4().hex[:8]}"
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    return f"s3://{bucket}"
+
+
+@pytest.fixture(scope="session")
 def python_exe() -> str:
     return sys.executable
 

@@ -564,6 +564,143 @@ def test_sigkill_at_a_random_moment_of_repeated_writes(tmp_path):
     assert torch.equal(ckpt.state["blocks.1.attn.wo"], init_part(shape, 1, ckpt.step)["blocks.1.attn.wo"])
 
 
+# --------------------------------------------------------------------------- object storage: a real S3 server on loopback
+def _objects(s3: str, prefix: str) -> dict[str, bytes]:
+    """What the server holds under `prefix`, read by a client of its own (boto3, not pyarrow); the
+    empty markers pyarrow leaves for a prefix emptied under it are not objects of ours."""
+    import boto3
+
+    client, bucket = boto3.client("s3"), s3.removeprefix("s3://")
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
+            if not o["Key"].endswith("/")]
+    return {k: client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys}
+
+
+def _put(s3: str, key: str, data: bytes) -> None:
+    import boto3
+
+    boto3.client("s3").put_object(Bucket=s3.removeprefix("s3://"), Key=key, Body=data)
+
+
+def test_checkpoints_in_an_object_store_round_trip_with_retention_and_export(s3, tmp_path):
+    from malleus_svc.checkpoint.hf import export_checkpoint
+
+    root = f"{s3}/runs/a"
+    write_steps(root, [2, 4, 6], keep_last=2)
+    assert [str(p) for p in list_checkpoints(root)] == [f"{root}/step-00000006", f"{root}/step-00000004"]
+    stored = _objects(s3, "runs/a/")
+    assert sorted({k.split("/")[2] for k in stored}) == ["step-00000004", "step-00000006"]   # step 2 retired
+    local = tmp_path / "local"
+    write_steps(local, [6])
+    # The same files, byte for byte, as a local checkpoint of the same state: only the place differs.
+    for f in (local / "step-00000006").iterdir():
+        if f.name != "manifest.json":
+            assert stored[f"runs/a/step-00000006/{f.name}"] == f.read_bytes(), f.name
+    ckpt = load_latest(root, TINY)
+    assert ckpt.step == 6 and str(ckpt.path) == f"{root}/step-00000006" and ckpt.skipped == []
+    assert_same(ckpt.state, make_state(seed=6, step=6))
+    with CheckpointWriter(root, keep_last=2) as w:      # a step written again (resumed from an older one)
+        w.save(make_state(seed=60, step=6), meta(6))
+    assert_same(load_latest(root, TINY).state, make_state(seed=60, step=6))
+    # Export, from the store into the store and into a folder: the same bytes.
+    out, shape, step = export_checkpoint(root, f"{s3}/hf/a")
+    assert (str(out), step) == (f"{s3}/hf/a", 6)
+    export_checkpoint(f"{root}/step-00000006", tmp_path / "hf")
+    exported = _objects(s3, "hf/a/")
+    assert exported.keys() == {"hf/a/config.json", "hf/a/model.safetensors"}
+    for name in ("config.json", "model.safetensors"):
+        assert exported[f"hf/a/{name}"] == (tmp_path / "hf" / name).read_bytes(), name
+
+
+def test_a_failed_or_partial_upload_is_never_taken_for_a_checkpoint(s3, caplog):
+    root = f"{s3}/run"
+    write_steps(root, [2])
+
+    def connection_lost(name, path):
+        if name != "manifest.json":
+            raise OSError("connection reset by peer")
+
+    w = CheckpointWriter(root, on_file_written=connection_lost)
+    w.save_async(make_state(seed=4, step=4), meta(4))
+    with pytest.raises(CheckpointError, match="step 4 failed: OSError: connection reset by peer"):
+        w.wait()
+    assert not _objects(s3, "run/step-00000004/"), "the failed upload's pieces were not removed"
+    # A writer killed mid-upload removes nothing: its pieces stay, without the manifest.
+    for key, data in _objects(s3, "run/step-00000002/").items():
+        if not key.endswith("manifest.json"):
+            _put(s3, key.replace("step-00000002", "step-00000008"), data)
+    with caplog.at_level(logging.WARNING, logger="malleus_svc.checkpoint"):
+        ckpt = load_latest(root, TINY)
+    assert ckpt.step == 2
+    assert [(p.name, why) for p, why in ckpt.skipped] == [("step-00000008", "no manifest.json (an incomplete checkpoint)")]
+
+
+@pytest.mark.parametrize("damage, reason", [
+    ("flip", r"block-0001.safetensors sha256 mismatch: expected [0-9a-f]{64}, actual [0-9a-f]{64}"),
+    ("truncate", r"head.safetensors has \d+ bytes, the manifest says \d+ \(truncated"),
+    ("delete_file", r"embedding.safetensors is missing"),
+    ("edit_manifest", r"manifest checksum mismatch"),
+    ("huge_manifest", r"manifest.json cannot be read: at most \d+ bytes"),
+    ("pickle", r"embedding.safetensors is not a readable safetensors file"),
+])
+def test_a_damaged_object_is_refused_and_the_previous_checkpoint_used(s3, tmp_path, damage, reason):
+    """The checkpoint reader's rules hold for objects: size before a byte is read, sha256 before a
+    byte is used, the manifest's own checksum and size cap, data and never code."""
+    from malleus_svc.config.limits import MAX_FILE_BYTES
+
+    root = f"{s3}/run"
+    write_steps(root, [1, 2, 3])
+    d3 = "run/step-00000003/"
+    objects = _objects(s3, d3)
+    if damage == "flip":
+        data = bytearray(objects[d3 + "block-0001.safetensors"])
+        data[int(len(data) * 0.6)] ^= 0x40
+        _put(s3, d3 + "block-0001.safetensors", bytes(data))
+    elif damage == "truncate":
+        _put(s3, d3 + "head.safetensors", objects[d3 + "head.safetensors"][:100])
+    elif damage == "delete_file":
+        import boto3
+        boto3.client("s3").delete_object(Bucket=s3.removeprefix("s3://"), Key=d3 + "embedding.safetensors")
+    elif damage == "edit_manifest":
+        text = objects[d3 + "manifest.json"].decode()
+        _put(s3, d3 + "manifest.json", text.replace('"position": 24', '"position": 25').encode())
+    elif damage == "huge_manifest":
+        _put(s3, d3 + "manifest.json", b" " * (MAX_FILE_BYTES + 1))
+    else:   # a pickle with a valid entry: only the format stands in the way
+        marker = tmp_path / "code-ran"
+        torch.save({"embedding.weight": Payload(str(marker))}, tmp_path / "payload")
+        data = (tmp_path / "payload").read_bytes()
+        doc = json.loads(objects[d3 + "manifest.json"])
+        doc["files"]["embedding.safetensors"].update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+        doc.pop("manifest_sha256")
+        doc["manifest_sha256"] = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+        _put(s3, d3 + "embedding.safetensors", data)
+        _put(s3, d3 + "manifest.json", json.dumps(doc).encode())
+    ckpt = load_latest(root, TINY)
+    assert ckpt.step == 2 and [p.name for p, _ in ckpt.skipped] == ["step-00000003"]
+    assert re.search(reason, ckpt.skipped[0][1]), ckpt.skipped
+    assert_same(ckpt.state, make_state(seed=2, step=2))
+    if damage == "pickle":
+        assert not marker.exists()
+
+
+@pytest.mark.parametrize("where", ["ftp://host/ckpt", "s3://key:secret@bucket/ckpt", "s3:///no-bucket"])
+def test_a_location_that_is_not_a_directory_or_object_store_is_one_line(where, tmp_path, capsys):
+    from malleus_svc.cli import main
+    from malleus_svc.config.fields import Section
+    from malleus_svc.config.job import parse_checkpoint
+
+    with pytest.raises(CheckpointError) as e:
+        CheckpointWriter(where)
+    assert "object store" in str(e.value) and len(str(e.value).splitlines()) == 1
+    with pytest.raises(ConfigError, match=r"checkpoint.dir.*object store"):
+        parse_checkpoint(Section({"dir": where}, "checkpoint"))
+    write_steps(tmp_path, [1])
+    assert main(["export", str(tmp_path), where]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "out_dir" in err and len(err.splitlines()) == 1, err
+
+
 # --------------------------------------------------------------------------- Ray: resume under another plan
 # A: 4 devices, 2 logical nodes of 2. Pipeline 0 = TP2 stage (layers 0-1) + TP1 stage (2-3);
 # pipeline 1 = one device with the whole model. Global batch 2 x (2 + 2) = 8.

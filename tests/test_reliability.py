@@ -13,6 +13,8 @@ import pytest
 
 from malleus_svc.config.job import JobConfig
 
+from _plans import make_plan
+
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 STEPS, GLOBAL, SAMPLES = 12, 8, 512
@@ -29,7 +31,7 @@ def job(name: str, ckpt_dir=None, every: int = 0, parallel=None) -> JobConfig:
     return JobConfig.from_dict(d)
 
 
-def run(cfg: JobConfig, out, fault=None, plan=None, **kwargs) -> tuple[int, list[dict]]:
+def run(cfg: JobConfig, out, fault=None, plan=None, steps: int = STEPS, **kwargs) -> tuple[int, list[dict]]:
     """Train through the coordinator on a thread, from `plan` (default: the planner's); `fault(handle)`
     runs beside it."""
     import ray
@@ -39,7 +41,7 @@ def run(cfg: JobConfig, out, fault=None, plan=None, **kwargs) -> tuple[int, list
 
     rc: list[int] = []
     t = threading.Thread(target=lambda: rc.append(run_through_coordinator(
-        cfg, plan, STEPS, metrics_out=str(out), say=lambda m: None, **kwargs)))
+        cfg, plan, steps, metrics_out=str(out), say=lambda m: None, **kwargs)))
     t.start()
     if fault is not None:
         deadline = time.monotonic() + 120
@@ -138,6 +140,56 @@ def test_coordinator_killed_during_a_migration_never_loads_a_torn_state(referenc
         done.set()
     assert rc == 0
     check_history(lines, reference, rtol=1e-4)     # plans may differ after the restart: fp32 sums reorder
+
+
+# DP 2 x PP 2, and one pipeline of 4 stages over the same 4 devices, the same global batch (4 x 2 = 8).
+DP_PP = make_plan([([((0,), (0, 2)), ((1,), (2, 4))], 2), ([((2,), (0, 2)), ((3,), (2, 4))], 2)],
+                  num_devices=4, layers=4, gpn=4, mbs=2)
+PP4 = make_plan([([((3,), (0, 1)), ((2,), (1, 2)), ((1,), (2, 3)), ((0,), (3, 4))], 4)],
+                num_devices=4, layers=4, gpn=4, mbs=2)
+
+
+def test_a_run_resumed_from_object_storage_under_another_plan_continues_it(ray_cluster, s3, tmp_path):
+    """A real run's trainer: warm-up over 5 steps, a cosine decay to min_lr at step 40, evaluation
+    every 10 steps on a held-out 5%, checkpoints every 10 steps to an S3 server (the workers upload
+    their own pieces and read their own rows back). The run as it stood at step 20 (its later
+    checkpoint removed), resumed under another plan, goes on with the uninterrupted run's learning
+    rates, samples, losses and eval losses."""
+    import boto3
+
+    steps, root = 30, f"{s3}/real-run"
+    cfg = JobConfig.from_dict({
+        "name": "rel-s3", "cluster": {"nodes": 1, "gpus_per_node": 4, "gpu_memory_mb": 16000}, "model": "tiny",
+        "parallel": {"dp": 2, "tp": 1, "pp": 2},
+        "batch": {"global": GLOBAL, "micro": 2},
+        "data": {"source": "synthetic", "seq_len": 64, "num_samples": SAMPLES, "vocab": 256},
+        "train": {"steps": steps, "lr": 1e-3, "warmup_steps": 5, "decay": "cosine", "decay_steps": 40, "min_lr": 1e-4},
+        "eval": {"every": 10, "batches": 2, "holdout": 0.05},
+        "checkpoint": {"dir": root, "every": 10, "keep": 3}, "metrics": {"enabled": False}})
+    rc, full = run(cfg, tmp_path / "full.jsonl", plan=DP_PP, static=True, steps=steps)
+    assert rc == 0 and [x["step"] for x in full] == list(range(steps))
+    assert all(x["lr"] == cfg.train.lr_at(x["step"]) for x in full)
+    assert full[4]["lr"] == 1e-3 and full[-1]["lr"] > 1e-4           # warmed up; mid-decay at the end
+    assert [x["step"] for x in full if "eval_loss" in x] == [9, 19, 29]
+    client, bucket = boto3.client("s3"), s3.removeprefix("s3://")
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="real-run/")["Contents"]]
+    assert {k for k in keys if k.endswith("manifest.json")} == {
+        f"real-run/step-{n:08d}/manifest.json" for n in (10, 20, 30)}
+    assert {k.rsplit("/", 1)[1] for k in keys if k.startswith("real-run/step-00000020/")} == {   # each worker's own
+        "embedding.d0000.safetensors", "block-0000.d0002.safetensors", "block-0001.d0000.safetensors",
+        "block-0002.d0003.safetensors", "block-0003.d0001.safetensors", "head.d0003.safetensors", "manifest.json"}
+    for key in keys:             # the run as it stood at step 20
+        if key.startswith("real-run/step-00000030/"):
+            client.delete_object(Bucket=bucket, Key=key)
+
+    rc, resumed = run(cfg, tmp_path / "resumed.jsonl", plan=PP4, static=True, steps=steps)
+    assert rc == 0 and [x["step"] for x in resumed] == list(range(steps))
+    assert resumed[:20] == full[:20]          # the history up to the checkpoint, as it was recorded
+    assert {x["plan_id"] for x in resumed[20:]} == {PP4.plan_id} != {x["plan_id"] for x in full}
+    for x, r in zip(resumed[20:], full[20:]):
+        assert x["lr"] == r["lr"] and x["sampler_position"] == r["sampler_position"], x["step"]
+        assert x["loss"] == pytest.approx(r["loss"], rel=1e-5), (x["step"], x["loss"], r["loss"])
+    assert resumed[-1]["eval_loss"] == pytest.approx(full[-1]["eval_loss"], rel=1e-5)
 
 
 def kill_worker_at_step(device: int, step: int, sig=None):

@@ -178,18 +178,21 @@ def test_deploy_files_pass_their_own_tools():
         assert gpus and all(g == "8" for g in gpus), (name, gpus)
         envs = [e["name"] for c in spec["headGroupSpec"]["template"]["spec"]["containers"] for e in c["env"]]
         assert "RAY_AUTH_MODE" in envs and "RAY_AUTH_TOKEN" in envs     # token auth stays on
-        # the job file's corpus, checkpoints and TensorBoard logs are on the volume every pod mounts
+        # the job file's corpus and TensorBoard logs are on the volume every pod mounts; every pod has
+        # the object store's settings, where the checkpoints go
         pods = [spec["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in spec["workerGroupSpecs"]]
         for pod in pods:
             assert {"name": "shared", "mountPath": "/shared"} in pod["containers"][0]["volumeMounts"], name
             assert {"name": "shared", "persistentVolumeClaim": {"claimName": "malleus-shared"}} in pod["volumes"], name
+            assert {"secretRef": {"name": "malleus-storage"}} in pod["containers"][0]["envFrom"], name
         if doc["kind"] == "RayJob":
             entry = doc["spec"]["entrypoint"].split()
             assert entry[:3] == ["python", "-m", "malleus_svc.train"]
             job = load_job_config(REPO / entry[3])
             assert job.num_devices == 8 * spec["workerGroupSpecs"][0]["replicas"]
-            shared = [job.data.files[0].path, job.checkpoint.dir, job.logging.tensorboard]
+            shared = [job.data.files[0].path, job.logging.tensorboard]
             assert all(p.startswith("/shared/") for p in shared), shared
+            assert job.checkpoint.dir.startswith("s3://") and job.checkpoint.every
             assert job.eval.enabled and job.train.schedule.decay == "cosine"
             from malleus_svc.cli import main as malleus
             assert malleus(["plan", str(REPO / entry[3])]) == 0      # the real-run job file, as `malleus plan` reads it

@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Any
 
 from malleus_svc.config.errors import ConfigError
+from malleus_svc.config.locations import location
 
 
 class CheckpointError(RuntimeError):
@@ -15,7 +16,7 @@ class CheckpointError(RuntimeError):
     """
 
     def __init__(self, reason: str, path: str | Path | None = None):
-        self.path = None if path is None else Path(path)
+        self.path = _where(path)
         self.reason = reason
         super().__init__(f"checkpoint {self.path}: {reason}" if self.path is not None else reason)
 
@@ -30,5 +31,12 @@ class CheckpointMismatchError(CheckpointError, ConfigError):
 
     def __init__(self, field: str, value: Any, accepted: str, path: str | Path | None = None):
         ConfigError.__init__(self, field, value, accepted, source=None if path is None else f"checkpoint {path}")
-        self.path = None if path is None else Path(path)
+        self.path = _where(path)
         self.reason = f"{field} = {value!r} is not valid: {accepted}"
+
+
+def _where(path: str | Path | None) -> Path | str | None:
+    try:
+        return None if path is None else location(path)
+    except ValueError:       # not a location we write to: named as given
+        return str(path)

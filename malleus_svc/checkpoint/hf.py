@@ -10,20 +10,23 @@ Import then export gives the same bytes per tensor.
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Mapping
 
 import torch
 
 from malleus_svc.config.hf_config import CONFIG_FILE, hf_config, shape_of_folder
+from malleus_svc.config.locations import Uri, location
 from malleus_svc.config.presets import ModelShape
 from malleus_svc.geometry import hf_name, model_parts, part_tensors
 from malleus_svc.runtime.engine import EXP_AVG, EXP_AVG_SQ, STEP
 from malleus_svc.runtime.pretrained import WEIGHTS_FILE, check_pretrained, read_rows, weight_files
+from malleus_svc.runtime.storage import Bucket
 
 from .errors import CheckpointError
-from .layout import MANIFEST
 from .reader import load_checkpoint, load_latest
+from .store import has_manifest
 
 def pretrained_state(folder: str | Path, shape: ModelShape) -> dict[str, torch.Tensor]:
     """The flat full state (`WorkerGroup.load_full_state`'s input) of a LLaMA folder for `shape`:
@@ -50,11 +53,19 @@ def read_pretrained(folder: str | Path, seq_len: int | None = None) -> tuple[Mod
     return shape, pretrained_state(folder, shape)
 
 
-def write_hf(params: Mapping[str, torch.Tensor], shape: ModelShape, out_dir: str | Path) -> Path:
-    """`config.json` and `model.safetensors` (fp32, Hugging Face names) for full parameters."""
+def write_hf(params: Mapping[str, torch.Tensor], shape: ModelShape, out_dir: str | Path) -> Path | Uri:
+    """`config.json` and `model.safetensors` (fp32, Hugging Face names) for full parameters, into a
+    folder or an object-store prefix (written locally, then uploaded)."""
     from safetensors.torch import save_file
 
-    out = Path(out_dir)
+    out = location(out_dir)
+    if isinstance(out, Uri):
+        with tempfile.TemporaryDirectory(prefix="malleus-export-") as local:
+            write_hf(params, shape, local)
+            bucket = Bucket(out)
+            for name in (WEIGHTS_FILE, CONFIG_FILE):
+                bucket.upload(Path(local) / name, name)
+        return out
     out.mkdir(parents=True, exist_ok=True)
     tensors = {hf_name(spec.name): params[spec.name].detach().to(torch.float32).contiguous()
                for part in model_parts(shape.layers) for spec in part_tensors(shape, part)}
@@ -63,11 +74,14 @@ def write_hf(params: Mapping[str, torch.Tensor], shape: ModelShape, out_dir: str
     return out
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> tuple[Path, ModelShape, int]:
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> tuple[Path | Uri, ModelShape, int]:
     """A verified checkpoint (its step directory, or a job's checkpoint root: the newest that
-    verifies) as a Hugging Face LLaMA folder; (folder, shape, step)."""
-    path = Path(checkpoint)
-    ckpt = load_checkpoint(path) if (path / MANIFEST).exists() else load_latest(path)
+    verifies; either may be in an object store) as a Hugging Face LLaMA folder; (folder, shape, step)."""
+    try:
+        path = location(checkpoint)
+        ckpt = load_checkpoint(path) if has_manifest(path) else load_latest(path)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(str(e), None if isinstance(e, ValueError) else checkpoint) from None
     if ckpt is None:
         raise CheckpointError("no checkpoint here (a step-XXXXXXXX directory, or a root holding them)", path)
     shape = ckpt.manifest.shape

@@ -12,22 +12,23 @@ reporting (log + `Checkpoint.skipped`) every newer one it passed over and why.
 from __future__ import annotations
 
 import logging
+import tempfile
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
 import torch
 
-from malleus_svc.config.errors import ConfigError
-from malleus_svc.config.files import read_bytes
+from malleus_svc.config.locations import location
 from malleus_svc.config.presets import ModelShape
 from malleus_svc.geometry import model_parts, part_tensors
 from malleus_svc.runtime.engine import EXP_AVG, EXP_AVG_SQ, STEP
-from malleus_svc.runtime.shard_files import ShardFileError, ShardReader, check_header, verify_file
+from malleus_svc.runtime.shard_files import ShardFileError, ShardReader, check_header
 
 from .errors import CheckpointError, CheckpointMismatchError
-from .layout import MANIFEST, check_files, header_of, step_of_dir
+from .layout import check_files, header_of, step_of_dir
 from .manifest import Manifest
+from .store import Where, manifest_bytes, step_dirs, verified_copy
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +37,9 @@ log = logging.getLogger(__name__)
 class Checkpoint:
     """A verified checkpoint: its manifest; tensors are read where they are needed."""
 
-    path: Path
+    path: Where
     manifest: Manifest
-    skipped: list[tuple[Path, str]] = field(default_factory=list)   # newer ones load_latest passed over
+    skipped: list[tuple[Where, str]] = field(default_factory=list)   # newer ones load_latest passed over
 
     @property
     def step(self) -> int:
@@ -57,38 +58,32 @@ class Checkpoint:
         """The flat full state (as `WorkerGroup.full_state()` gives it), whole tensors read one by
         one in this process: for tools and tests. A job's workers read their own rows instead."""
         shape = self.manifest.shape
-        reader = ShardReader(self.path, shape, self.table(), verified=self.manifest.files)
         out: dict[str, torch.Tensor] = {}
         try:
-            for part in model_parts(shape.layers):
-                for spec in part_tensors(shape, part):
-                    st = reader.state(spec.name, 0, spec.shape[spec.axis])
-                    out[spec.name], out[spec.name + EXP_AVG], out[spec.name + EXP_AVG_SQ] = st.param, st.exp_avg, st.exp_avg_sq
-                    out[spec.name + STEP] = torch.tensor(st.step)
+            with ShardReader(self.path, shape, self.table(), verified=self.manifest.files) as reader:
+                for part in model_parts(shape.layers):
+                    for spec in part_tensors(shape, part):
+                        st = reader.state(spec.name, 0, spec.shape[spec.axis])
+                        out[spec.name], out[spec.name + EXP_AVG], out[spec.name + EXP_AVG_SQ] = (
+                            st.param, st.exp_avg, st.exp_avg_sq)
+                        out[spec.name + STEP] = torch.tensor(st.step)
         except ShardFileError as e:
             raise CheckpointError(str(e), self.path) from None
         return out
 
 
-def list_checkpoints(root: str | Path) -> list[Path]:
-    """Published checkpoint directories under `root`, newest (highest step) first. Working
-    directories (.tmp-/.del-) are not listed. Listed is not verified: see load_checkpoint."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if step_of_dir(p) is not None and p.is_dir() and not p.is_symlink()]
-    return sorted(found, key=step_of_dir, reverse=True)
+def list_checkpoints(root: str | Path) -> list[Where]:
+    """Published checkpoint directories (object-store prefixes) under `root`, newest (highest step)
+    first. Working directories (.tmp-/.del-) are not listed. Listed is not verified: see load_checkpoint."""
+    try:
+        return step_dirs(root)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot list the checkpoints: {e}", None if isinstance(e, ValueError) else root) from None
 
 
 def read_manifest(path: str | Path) -> Manifest:
-    path = Path(path)
-    if not (path / MANIFEST).exists():
-        raise CheckpointError(f"no {MANIFEST} (an incomplete checkpoint)", path)
-    try:
-        data = read_bytes(path / MANIFEST)      # size-capped: a manifest is parsed before it is verified
-    except ConfigError as e:
-        raise CheckpointError(f"{MANIFEST} cannot be read: {e.accepted}", path) from None
-    m = Manifest.from_json(data, path)
+    path = location(path)
+    m = Manifest.from_json(manifest_bytes(path), path)
     if step_of_dir(path) is not None and step_of_dir(path) != m.step:
         raise CheckpointError(f"{MANIFEST} says step {m.step}, the directory name says {step_of_dir(path)}", path)
     return m
@@ -107,18 +102,21 @@ def check_shape(manifest: Manifest, shape: ModelShape, path: Path | None = None)
 
 def verify_checkpoint(path: str | Path, shape: ModelShape | None = None) -> Manifest:
     """Check the manifest, the model shape (if given), and every file's size, sha256 and header."""
-    path = Path(path)
+    path = location(path)
     manifest = _checked_manifest(path, shape)
-    for name, entry in sorted(manifest.files.items()):
-        try:
-            verify_file(path, name, entry.sha256, entry.bytes)
-            check_header(path, name, header_of(manifest.shape, entry.tensors))
-        except ShardFileError as e:
-            raise CheckpointError(str(e), path) from None
+    with tempfile.TemporaryDirectory(prefix="malleus-verify-") as spool:
+        for name, entry in sorted(manifest.files.items()):
+            try:
+                local = verified_copy(path, name, entry.sha256, entry.bytes, Path(spool))
+                check_header(local.parent, name, header_of(manifest.shape, entry.tensors))
+            except ShardFileError as e:
+                raise CheckpointError(str(e), path) from None
+            if local.parent == Path(spool):
+                local.unlink()      # one download at a time on the spool's disk
     return manifest
 
 
-def _checked_manifest(path: Path, shape: ModelShape | None) -> Manifest:
+def _checked_manifest(path: Where, shape: ModelShape | None) -> Manifest:
     manifest = read_manifest(path)
     if shape is not None:
         check_shape(manifest, shape, path)
@@ -132,7 +130,7 @@ def _checked_manifest(path: Path, shape: ModelShape | None) -> Manifest:
 def load_checkpoint(path: str | Path, shape: ModelShape | None = None) -> Checkpoint:
     """Verify one checkpoint directory (no tensor is read). `shape`: the job's model, if it should be
     checked (CheckpointMismatchError if it differs). Raises CheckpointError for anything damaged."""
-    path = Path(path)
+    path = location(path)
     return Checkpoint(path, verify_checkpoint(path, shape))
 
 
@@ -143,7 +141,7 @@ def load_latest(root: str | Path, shape: ModelShape | None = None) -> Checkpoint
     checkpoint is damaged, CheckpointError lists them all (resuming from nothing silently would
     restart the job from scratch). A model shape mismatch raises at once (CheckpointMismatchError).
     """
-    skipped: list[tuple[Path, str]] = []
+    skipped: list[tuple[Where, str]] = []
     for path in list_checkpoints(root):
         try:
             ckpt = load_checkpoint(path, shape)

@@ -23,24 +23,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from malleus_svc.runtime.shard_files import write_durably, write_part
+from malleus_svc.runtime.shard_files import write_part
 
 from . import atomic
 from .errors import CheckpointError
-from .layout import MANIFEST, WORK_DIR, check_files, step_dir_name, step_of_dir, tmp_dir_name, whole_pieces
+from .layout import WORK_DIR, check_files, step_dir_name, whole_pieces
 from .manifest import CheckpointMeta, FileEntry, build_manifest
+from .store import LocalRoot, Where, open_root
 
 log = logging.getLogger(__name__)
 
 # Called after each file (shard files, then manifest.json) is durably written into the temporary
 # directory, before the directory is published (for the workers' files: once they all reported).
 # For progress reporting, and for tests that need to stop a writer at a known point.
-FileHook = Callable[[str, Path], None]
+FileHook = Callable[[str, Where], None]
 
 
 @dataclass(frozen=True)
 class SaveResult:
-    path: Path            # the published checkpoint directory
+    path: Where           # the published checkpoint directory (object-store prefix)
     step: int
     files: int            # including manifest.json
     bytes: int            # all files, manifest included
@@ -51,8 +52,8 @@ class CheckpointWriter:
     def __init__(self, root: str | Path, *, keep_last: int | None = 3, on_file_written: FileHook | None = None):
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise CheckpointError(f"keep_last must be an int >= 1 or None (keep all), got {keep_last!r}")
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.store = open_root(root)
+        self.root = self.store.root
         self.keep_last = keep_last
         self.on_file_written = on_file_written
         self._thread: threading.Thread | None = None
@@ -60,7 +61,8 @@ class CheckpointWriter:
         self._error_step: int | None = None
         self._result: SaveResult | None = None
         self.results: list[SaveResult] = []
-        clean_stale(self.root)
+        if isinstance(self.store, LocalRoot):
+            clean_stale(self.root)
 
     # ------------------------------------------------------------------ public
     def save(self, state: Mapping[str, Any], meta: CheckpointMeta) -> SaveResult:
@@ -70,52 +72,55 @@ class CheckpointWriter:
         assert result is not None
         return result
 
-    def save_async(self, state: Mapping[str, Any], meta: CheckpointMeta) -> Path:
+    def save_async(self, state: Mapping[str, Any], meta: CheckpointMeta) -> Where:
         """Start writing a whole state (held by this process) in the background; returns the
         directory it will have."""
         self.wait()  # one write at a time; raises the previous write's error, if any
         parts = whole_pieces(state, meta.shape)   # validates, and copies GPU tensors to CPU
         build_manifest(meta, {}).to_json()        # the metadata must be JSON: fail here, not later
 
-        def produce(tmp: Path) -> dict[str, dict]:
+        def produce(tmp: Where) -> dict[str, dict]:
             entries = {}
             for part, states in parts.items():
                 name, entry = write_part(tmp, part, None, states)
                 entries[name] = entry
                 self._hook(name, tmp / name)
             return entries
-        return self._start(meta, produce, make_dir=True)
+        return self._start(meta, produce, staging=None)
 
-    def save_shards_async(self, write_shards: Callable[[Path], Callable[[], dict[str, dict]]],
-                          meta: CheckpointMeta) -> Path:
+    def save_shards_async(self, write_shards: Callable[[Where], Callable[[], dict[str, dict]]],
+                          meta: CheckpointMeta) -> Where:
         """Start a checkpoint whose tensors their holders write: `write_shards(folder)` has each
         writer snapshot its pieces and write them into `folder` in the background, and returns a
         function that waits for them and gives the files' entries (`WorkerGroup.write_checkpoint`).
         Returns the directory the checkpoint will have, once the snapshots are taken."""
         self.wait()
         build_manifest(meta, {}).to_json()
-        tmp = self.root / tmp_dir_name(meta.step)
-        try:
-            _fresh(tmp)
-        except OSError as e:
-            raise CheckpointError(f"cannot create {tmp.name}: {type(e).__name__}: {e}", self.root) from e
+        tmp = self._begin(meta.step)
         try:
             written = write_shards(tmp)
         except BaseException:
-            atomic.remove_tree(tmp)
+            self.store.abort(tmp)
             raise
 
-        def produce(tmp: Path) -> dict[str, dict]:
+        def produce(tmp: Where) -> dict[str, dict]:
             entries = written()
             for name in sorted(entries):
                 self._hook(name, tmp / name)
             return entries
-        return self._start(meta, produce, make_dir=False)
+        return self._start(meta, produce, staging=tmp)
 
-    def _start(self, meta: CheckpointMeta, produce: Callable[[Path], dict[str, dict]], make_dir: bool) -> Path:
+    def _begin(self, step: int) -> Where:
+        try:
+            return self.store.begin(int(step))
+        except OSError as e:
+            raise CheckpointError(f"cannot start the checkpoint of step {step}: {type(e).__name__}: {e}",
+                                  self.root) from e
+
+    def _start(self, meta: CheckpointMeta, produce: Callable[[Where], dict[str, dict]], staging: Where | None) -> Where:
         step = int(meta.step)
         self._result = None
-        self._thread = threading.Thread(target=self._run, args=(meta, produce, make_dir), daemon=False,
+        self._thread = threading.Thread(target=self._run, args=(meta, produce, staging), daemon=False,
                                         name=f"checkpoint-writer-{step}")
         self._thread.start()
         return self.root / step_dir_name(step)
@@ -154,55 +159,44 @@ class CheckpointWriter:
                 log.error("%s", e)
 
     # ------------------------------------------------------------------ the thread
-    def _run(self, meta: CheckpointMeta, produce, make_dir: bool) -> None:
+    def _run(self, meta: CheckpointMeta, produce, staging: Where | None) -> None:
         try:
-            self._result = self._write(meta, produce, make_dir)
+            self._result = self._write(meta, produce, staging)
             self.results.append(self._result)
         except BaseException as e:  # surfaced by the next call
             self._error, self._error_step = e, int(meta.step)
             log.error("writing the checkpoint of step %s under %s failed: %s: %s",
                       meta.step, self.root, type(e).__name__, e)
 
-    def _write(self, meta: CheckpointMeta, produce, make_dir: bool) -> SaveResult:
+    def _write(self, meta: CheckpointMeta, produce, staging: Where | None) -> SaveResult:
         t0 = time.perf_counter()
         step = int(meta.step)
-        tmp, final = self.root / tmp_dir_name(step), self.root / step_dir_name(step)
-        if make_dir:
-            _fresh(tmp)
+        tmp = self.store.begin(step) if staging is None else staging
         try:
             entries = {name: FileEntry(e["sha256"], int(e["bytes"]), e["part"], e["tensors"])
                        for name, e in produce(tmp).items()}
             check_files(meta.shape, entries)    # every tensor covered exactly once, or nothing is published
             manifest = build_manifest(meta, entries).to_json().encode()
-            write_durably(tmp / MANIFEST, manifest)   # last: it is what makes the directory a checkpoint
-            self._hook(MANIFEST, tmp / MANIFEST)
-            atomic.publish(tmp, final)
+            # last: it is what makes the directory (prefix) a checkpoint
+            final = self.store.commit(step, tmp, manifest, self._hook)
         except BaseException:
-            atomic.remove_tree(tmp)
+            self.store.abort(tmp)
             raise
         self._retain(keep=final)
         return SaveResult(final, step, len(entries) + 1, sum(e.bytes for e in entries.values()) + len(manifest),
                           time.perf_counter() - t0)
 
-    def _hook(self, name: str, path: Path) -> None:
+    def _hook(self, name: str, path: Where) -> None:
         if self.on_file_written is not None:
             self.on_file_written(name, path)
 
-    def _retain(self, keep: Path) -> None:
+    def _retain(self, keep: Where) -> None:
         if self.keep_last is None:
             return
-        published = sorted((p for p in self.root.iterdir() if p.is_dir() and step_of_dir(p) is not None),
-                           key=step_of_dir, reverse=True)
-        for old in published[self.keep_last:]:
+        for old in self.store.published()[self.keep_last:]:
             if old != keep:
-                atomic.retire(old)
+                self.store.retire(old)
                 log.info("retention (keep_last=%d): removed %s", self.keep_last, old)
-
-
-def _fresh(tmp: Path) -> None:
-    """An empty working directory (what a writer of the same step in this process left is dropped)."""
-    atomic.remove_tree(tmp)
-    tmp.mkdir()
 
 
 def clean_stale(root: Path) -> list[Path]:

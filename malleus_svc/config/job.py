@@ -28,7 +28,9 @@ Format (YAML or JSON); every scenario section (see scenario.py) plus:
     checkpoint: {dir: null, every: 0, keep: 3}
              # plan-agnostic checkpoints every `every` steps under `dir` (null/0: none); a job that finds
              # one there resumes from it, and its coordinator restarts from it if it dies. Each worker
-             # writes its own files there: `dir` must be on a file system every node sees
+             # writes its own files there: `dir` is a file system every node sees, or an object
+             # store's URI (s3://bucket/prefix, gs://, abfs://; endpoint and credentials from the
+             # driver's environment: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)
     control: {window: 5, skip: 3, calibrate: 3, skip_after_migration: 2, band: 0.3, threshold: 1.2,
               confirm: 2, min_interval: 3, grace: 0.1, migration_overhead_s: 2.0,
               seconds_per_byte: 2.0e-8, bucket_mb: 64, collective_timeout_s: 120, replace_timeout_s: 60,
@@ -46,6 +48,7 @@ from typing import Any
 
 from .errors import ConfigError
 from .fields import Section, key_name
+from .locations import ACCEPTED, location
 from .lr_schedule import DECAYS, LrSchedule
 from .limits import MAX_MEMORY_MB, MAX_PORT, MAX_RATE, MAX_SAMPLES, MAX_SECONDS, MAX_TOKEN_FILES, MAX_WEIGHT
 from .files import read_mapping
@@ -457,7 +460,13 @@ def parse_checkpoint(s: Section) -> CheckpointConfig:
     d = CheckpointConfig()
     path = s.raw("dir", None)
     if path is not None and (not isinstance(path, str) or not path.strip()):
-        raise s.error("dir", path, "a directory path (created if missing), or null for no checkpoints")
+        raise s.error("dir", path, "a directory path (created if missing), an object-store URI, or null "
+                                   "for no checkpoints")
+    if path is not None:
+        try:
+            location(path)
+        except ValueError:
+            raise s.error("dir", path, ACCEPTED) from None
     every = s.int("every", d.every, minimum=0)
     if every and path is None:
         raise s.error("every", every, "0 unless checkpoint.dir is set (where would they go?)")

@@ -30,10 +30,12 @@ import traceback
 from typing import Any, Mapping
 
 from malleus_svc.config.job import JobConfig
+from malleus_svc.config.locations import is_remote
 from malleus_svc.costmodel.profile import CommCosts
 from malleus_svc.plan import Plan
 from malleus_svc.planner.build import build_problem
 from malleus_svc.runtime.cluster import WorkerGroupError
+from malleus_svc.runtime.storage import storage_env
 
 from . import requests as check
 from .api import ClientAPI
@@ -447,6 +449,10 @@ def launch(job: JobConfig, *, name: str | None = None, detached: bool = False, j
     opts = {"name": name, "namespace": NAMESPACE, "scheduling_strategy": here}
     if detached:
         opts["lifetime"] = "detached"
+    if job.checkpoint.enabled and is_remote(job.checkpoint.dir):
+        # The store's endpoint and credentials, as this driver has them, for the coordinator and
+        # its workers (children inherit an actor's runtime env; Ray merges it with the job's).
+        opts["runtime_env"] = {"env_vars": storage_env()}
     # With checkpoints, a coordinator that dies is restarted by Ray and resumes from the newest one
     # (its workers die with it: they are its children); without, there is nothing to resume from.
     restarts = MAX_RESTARTS if job.checkpoint.enabled else 0

@@ -10,14 +10,17 @@ write the same bytes twice) from a snapshot, in a thread, while training goes on
 it reads only the rows it needs from memory-mapped files whose size and sha256 it checks first
 (`ShardReader`). No process holds more of the model than its own shards.
 
-The checkpoint directory must be one file system that every worker and the coordinator see (a
-shared file system across nodes): the coordinator publishes what the workers wrote into it.
+The checkpoint's folder is a directory every worker and the coordinator see (a shared file system
+across nodes; the coordinator publishes what the workers wrote into it), or an object-store prefix
+(runtime/storage.py): files are then written locally and uploaded, and downloaded, hashed on the
+way, into a local spool before they are read.
 """
 from __future__ import annotations
 
 import hashlib
 import os
 import stat
+import tempfile
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,11 +29,13 @@ from typing import Iterable
 
 import torch
 
+from malleus_svc.config.locations import Uri, location
 from malleus_svc.config.presets import ModelShape
 from malleus_svc.geometry import EMBEDDING, HEAD, Part, model_parts, part_tensors, tensor_spec
 from malleus_svc.plan import Plan
 
 from .engine import EXP_AVG, EXP_AVG_SQ, ShardState
+from .storage import Bucket
 
 MOMENTS = ("", EXP_AVG, EXP_AVG_SQ)       # the keys of a tensor's piece: parameter, Adam moments
 SUFFIX = ".safetensors"
@@ -92,12 +97,23 @@ def snapshot(st: ShardState) -> ShardState:
                       int(st.step), tuple(st.full_shape))
 
 
-def write_part(folder: Path, part: Part, device: int | None, states: Mapping[str, ShardState]) -> tuple[str, dict]:
-    """One safetensors file of these pieces (CPU, contiguous), durably; (file name, manifest entry)."""
+def write_part(folder: str | Path, part: Part, device: int | None,
+               states: Mapping[str, ShardState]) -> tuple[str, dict]:
+    """One safetensors file of these pieces (CPU, contiguous), durably (into an object store: written
+    locally, then uploaded); (file name, manifest entry)."""
     from safetensors.torch import save_file
 
+    where = location(folder)
+    if isinstance(where, Uri):
+        with tempfile.TemporaryDirectory(prefix="malleus-upload-") as spool:
+            name, entry = write_part(spool, part, device, states)
+            bucket = Bucket(where)
+            if bucket.size(name) is not None:
+                raise ShardFileError(f"{name} already exists in {where}")
+            bucket.upload(Path(spool) / name, name)
+        return name, entry
     name = file_name(part, device)
-    path = Path(folder) / name
+    path = where / name
     if path.exists():
         raise ShardFileError(f"{name} already exists in {folder}")
     tensors = {n + key: t for n, st in states.items() for key, t in zip(MOMENTS, (st.param, st.exp_avg, st.exp_avg_sq))}
@@ -112,7 +128,7 @@ class ShardWrite:
     own; `result()` waits and gives the files' manifest entries (or raises what went wrong)."""
 
     def __init__(self, folder: str | Path, device: int | None, parts: dict[Part, dict[str, ShardState]]):
-        self.folder, self.device = Path(folder), device
+        self.folder, self.device = location(folder), device
         self._parts = parts
         self._entries: dict[str, dict] = {}
         self._error: BaseException | None = None
@@ -152,12 +168,36 @@ def verify_file(folder: Path, name: str, sha256: str, size: int) -> None:
     if not stat.S_ISREG(st.st_mode):
         kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
         raise ShardFileError(f"{name} is {kind}; a checkpoint holds only the regular files it wrote")
-    if st.st_size != size:
-        raise ShardFileError(f"{name} has {st.st_size} bytes, the manifest says {size} (truncated or overwritten)")
+    _check_size(name, st.st_size, size)
     try:
         actual, read = _digest(path, limit=size + 1)
     except OSError as e:
         raise ShardFileError(f"{name} cannot be read: {e}") from None
+    _check_read(name, sha256, size, actual, read)
+
+
+def fetch_object(folder: Uri, name: str, sha256: str, size: int, spool: Path) -> Path:
+    """An object-store file as a local copy in `spool`, of the size the manifest says (checked before
+    the download, which reads at most one byte more) and whose sha256 matches."""
+    bucket = Bucket(folder)
+    try:
+        got = bucket.size(name)
+        if got is None:
+            raise ShardFileError(f"{name} is missing")
+        _check_size(name, got, size)
+        actual, read = bucket.download(name, spool / name, size)
+    except OSError as e:
+        raise ShardFileError(f"{name} cannot be read: {e}") from None
+    _check_read(name, sha256, size, actual, read)
+    return spool / name
+
+
+def _check_size(name: str, got: int, size: int) -> None:
+    if got != size:
+        raise ShardFileError(f"{name} has {got} bytes, the manifest says {size} (truncated or overwritten)")
+
+
+def _check_read(name: str, sha256: str, size: int, actual: str, read: int) -> None:
     if read != size:
         raise ShardFileError(f"{name} has {read} bytes, the manifest says {size} (changed while read)")
     if actual != sha256:
@@ -216,26 +256,51 @@ class Piece:
 
 class ShardReader:
     """Rows of full tensors out of a checkpoint's shard files: only the rows asked for are read, from
-    memory-mapped files each verified (size, sha256) the first time it is opened.
+    memory-mapped files each verified (size, sha256) the first time it is opened (from an object
+    store: downloaded into a spool of this reader's, which `close` removes).
 
     `table` is what `checkpoint.Checkpoint.table()` gives, plain data that travels to a worker:
     {"files": {file: [sha256, bytes]}, "pieces": {tensor: [[file, start, end], ...]}, "steps": {tensor: step}}.
     """
 
     def __init__(self, folder: str | Path, shape: ModelShape, table: Mapping, verified: Iterable[str] = ()):
-        self.folder, self.shape = Path(folder), shape
+        self.folder, self.shape = location(folder), shape
         self.files = {f: (str(sha), int(n)) for f, (sha, n) in table["files"].items()}
         self.pieces = {t: [Piece(str(f), int(a), int(b)) for f, a, b in ps] for t, ps in table["pieces"].items()}
         self.steps = {t: int(s) for t, s in table["steps"].items()}
-        self.verified = set(verified)
+        self.verified = set(verified)      # local files known good (a download is verified anyway)
+        self._local: dict[str, Path] = {}  # file -> its verified local copy
+        self._spool: tempfile.TemporaryDirectory | None = None
 
     def verify(self, wanted: Mapping[str, tuple[int, int]]) -> None:
         """Verify every file that holds some of the wanted rows, before any is read."""
         for name, (start, end) in wanted.items():
             for p in self._overlapping(name, start, end):
-                if p.file not in self.verified:
-                    verify_file(self.folder, p.file, *self.files[p.file])
-                    self.verified.add(p.file)
+                self._path(p.file)
+
+    def _path(self, file: str) -> Path:
+        if file not in self._local:
+            if isinstance(self.folder, Uri):
+                if self._spool is None:
+                    self._spool = tempfile.TemporaryDirectory(prefix="malleus-download-")
+                self._local[file] = fetch_object(self.folder, file, *self.files[file], Path(self._spool.name))
+            else:
+                if file not in self.verified:
+                    verify_file(self.folder, file, *self.files[file])
+                self._local[file] = self.folder / file
+        return self._local[file]
+
+    def close(self) -> None:
+        """Remove the downloaded copies."""
+        if self._spool is not None:
+            self._spool.cleanup()
+        self._spool, self._local = None, {}
+
+    def __enter__(self) -> "ShardReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _overlapping(self, name: str, start: int, end: int) -> list[Piece]:
         if name not in self.pieces:
@@ -256,7 +321,7 @@ class ShardReader:
         for p in self._overlapping(name, start, end):
             index = [slice(None)] * len(spec.shape)
             index[spec.axis] = slice(max(start, p.start) - p.start, min(end, p.end) - p.start)
-            with safe_open(str(self.folder / p.file), framework="pt") as f:
+            with safe_open(str(self._path(p.file)), framework="pt") as f:
                 for key in MOMENTS:
                     parts[key].append(f.get_slice(name + key)[tuple(index)])
         out = {key: ts[0] if len(ts) == 1 else torch.cat(ts, dim=spec.axis) for key, ts in parts.items()}

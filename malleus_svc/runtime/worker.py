@@ -302,7 +302,8 @@ class DeviceWorker:
 
         if self.engine is None:
             return False
-        self.engine.load_checkpoint(ShardReader(folder, self.engine.shape, table))
+        with ShardReader(folder, self.engine.shape, table) as reader:
+            self.engine.load_checkpoint(reader)
         return True
 
     # ------------------------------------------------------------------ live migration
