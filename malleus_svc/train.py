@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         job = _with_metrics_args(load_job_config(args.config), args)
         from malleus_svc.runtime.datasets import check_before_start
-        check_before_start(job.data.spec())   # a bad corpus is refused before Ray and the workers start
+        check_before_start(job.dataset_spec())   # a bad corpus is refused before Ray and the workers start
         if args.plan:
             from malleus_svc.runtime.trainer import check_plan_for_job
             plan = check_plan_for_job(Plan.load(args.plan), job, f"--plan {args.plan}")

@@ -5,6 +5,7 @@ each); `_mp.run_on_gloo` hands each process's return value back to the test.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict
 
 import pytest
@@ -72,10 +73,10 @@ def _pipeline_share(plan: Plan, pipeline: int, batch: list[MicroBatch]) -> list[
 
 
 def _train_on_plan(rank: int, world: int, plan: Plan, batches: list[list[MicroBatch]], dtype: torch.dtype,
-                   bucket_bytes: int = GRAD_BUCKET_BYTES, held_out: list[MicroBatch] | None = None):
+                   bucket_bytes: int = GRAD_BUCKET_BYTES, held_out: list[MicroBatch] | None = None, shape=TINY):
     if rank not in plan.roles():
         return None  # suspended: builds nothing, joins no group
-    engine = Engine(TINY, plan, rank, seed=SEED, optim=OPTIM, dtype=dtype)
+    engine = Engine(shape, plan, rank, seed=SEED, optim=OPTIM, dtype=dtype)
     sync, role = engine.grad_sync, engine.role
     sync.bucket_bytes = bucket_bytes
     stats = []
@@ -136,6 +137,34 @@ def test_heterogeneous_plan_matches_single_process_training():
 
 TP2 = Plan(num_devices=2, num_layers=4, micro_batch_size=2,
            pipelines=(Pipeline((Stage((1, 0), (0, 4)),), micro_batches=5),))
+ONE = Plan(num_devices=1, num_layers=4, micro_batch_size=2, pipelines=(Pipeline((Stage((0,), (0, 4)),), micro_batches=5),))
+TIED = dataclasses.replace(TINY, tie_embeddings=True)
+
+
+@pytest.mark.parametrize("plan", [HETERO, TP2, ONE], ids=["heterogeneous", "tp2", "one-device"])
+def test_a_tied_head_trains_as_one_weight_under_any_plan(plan):
+    """The head tied to the embedding: its copies (on other devices, in TP groups, or both on one
+    device) sum their gradients before the update, count once in the norm and decay as the
+    embedding does, so they stay equal bit for bit and train as the one shared parameter of a
+    single process does."""
+    dtype = torch.float64
+    batches = global_batches(steps=3, micro_batches=plan.num_micro_batches, micro_batch_size=2)
+    results = run_on_gloo(_train_on_plan, plan.num_devices, plan, batches, dtype, GRAD_BUCKET_BYTES, None, TIED)
+    ref_losses, ref_params, ref_optim = reference_train(TIED, SEED, OPTIM, batches, dtype)
+    copies = [r["state"][n] for r in results if r for n in ("embedding.weight", "head.weight") if n in r["state"]]
+    assert len(copies) >= 2 and all(torch.equal(c.param, copies[0].param) and torch.equal(c.exp_avg, copies[0].exp_avg)
+                                    for c in copies)
+    last = [r for r in results if r and r["role"].is_last and r["role"].tp_rank == 0]
+    losses = [sum(r["stats"][s]["loss"] for r in last) for s in range(3)]
+    assert losses == pytest.approx(ref_losses, rel=1e-9)
+    full = assemble_full(r["state"] for r in results if r)
+    for name, ref in {**ref_params, **ref_optim}.items():
+        if not name.endswith(STEP):
+            torch.testing.assert_close(full[name], ref, rtol=1e-7, atol=1e-9, msg=lambda m: f"{name}: {m}")
+    # Tied is another model: trained untied from the same start, the head leaves the embedding.
+    _, untied, _ = reference_train(TINY, SEED, OPTIM, batches[:1], dtype)
+    assert torch.equal(init_part(TIED, "head", SEED)["head.weight"], init_part(TIED, "embedding", SEED)["embedding.weight"])
+    assert (untied["head.weight"] - ref_params["head.weight"]).abs().max() > 1e-4
 
 
 def _resume_and_train(rank: int, world: int, states, batch: list[MicroBatch], init: bool):

@@ -60,6 +60,16 @@ def test_import_then_export_is_bitwise(tmp_path):
     assert all(float(state[k].abs().sum()) == 0 for k in state if k.endswith((":exp_avg", ":exp_avg_sq")))
 
 
+def _logits(hf, shape: ModelShape, params: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' logits and the project's model's with `params`, on one random row."""
+    ours = full_model(shape, seed=0).eval()
+    ours.load_full(params)
+    tokens = torch.randint(0, shape.vocab, (shape.seq_len,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return hf(tokens[None]).logits[0], ours(tokens, torch.arange(shape.seq_len),
+                                                torch.tensor([0, shape.seq_len], dtype=torch.int32))
+
+
 def _saved_by_transformers(folder: Path, seed: int, **config):
     """A random GQA `LlamaForCausalLM` of `config` (random norm weights too, so no tensor is left at
     its default), saved by `save_pretrained` into `folder`."""
@@ -67,7 +77,7 @@ def _saved_by_transformers(folder: Path, seed: int, **config):
     config = transformers.LlamaConfig(vocab_size=GQA.vocab, hidden_size=GQA.hidden, intermediate_size=GQA.ffn,
                                       num_hidden_layers=GQA.layers, num_attention_heads=GQA.heads,
                                       num_key_value_heads=GQA.kv_heads, max_position_embeddings=GQA.seq_len,
-                                      tie_word_embeddings=False, **config)
+                                      **{"tie_word_embeddings": False, **config})
     hf = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -85,12 +95,7 @@ def test_a_folder_saved_by_transformers_itself_imports_with_its_logits_and_expor
     hf = _saved_by_transformers(tmp_path / "hf", 11, rms_norm_eps=NORM_EPS, rope_theta=ROPE_BASE)
     shape, state = read_pretrained(tmp_path / "hf")
     assert shape == GQA
-    ours = full_model(shape, seed=0).eval()
-    ours.load_state_dict({n: state[n] for n, _ in ours.named_parameters()})
-    tokens = torch.randint(0, shape.vocab, (shape.seq_len,), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        theirs = hf(tokens[None]).logits[0]
-        mine = ours(tokens, torch.arange(shape.seq_len), torch.tensor([0, shape.seq_len], dtype=torch.int32))
+    theirs, mine = _logits(hf, shape, state)
     assert torch.allclose(theirs, mine, atol=1e-4, rtol=0), (theirs - mine).abs().max()
 
     write_hf(state, shape, tmp_path / "out")
@@ -105,14 +110,16 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 
 
 def test_a_llama3_folder_with_its_rotary_scaling_imports_with_its_logits_and_exports_bitwise(tmp_path):
-    """A Llama 3 class model (rotary base 500,000, Llama 3's rotary scaling, another RMSNorm epsilon)
-    saved by `transformers`: the same logits from the project's model, the same files written back;
-    the config as `transformers` 4 wrote it (rope_theta, rope_scaling) reads to the same shape."""
-    hf = _saved_by_transformers(tmp_path / "hf", 12, rms_norm_eps=1e-6,
+    """A Llama 3.2 class model (rotary base 500,000, Llama 3's rotary scaling, another RMSNorm
+    epsilon, the head tied to the embedding) saved by `transformers`: the same logits from the
+    project's model, the same files written back (one copy of the tied matrix); the config as
+    `transformers` 4 wrote it (rope_theta, rope_scaling) reads to the same shape."""
+    hf = _saved_by_transformers(tmp_path / "hf", 12, rms_norm_eps=1e-6, tie_word_embeddings=True,
                                 rope_parameters={"rope_theta": 500000.0, **LLAMA3})
     shape, state = read_pretrained(tmp_path / "hf")
-    assert (shape.rope_theta, shape.norm_eps) == (500000.0, 1e-6)
+    assert (shape.rope_theta, shape.norm_eps, shape.tie_embeddings) == (500000.0, 1e-6, True)
     assert shape.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 16)
+    assert torch.equal(state["head.weight"], state["embedding.weight"])
     ours = full_model(shape, seed=0).eval()
     ours.load_state_dict({n: state[n] for n, _ in ours.named_parameters()})
     plain = full_model(dataclasses.replace(shape, rope_scaling=None), seed=0).eval()
@@ -128,6 +135,8 @@ def test_a_llama3_folder_with_its_rotary_scaling_imports_with_its_logits_and_exp
     saved = safetensors_torch.load_file(str(tmp_path / "hf" / WEIGHTS_FILE))
     again = safetensors_torch.load_file(str(tmp_path / "out" / WEIGHTS_FILE))
     assert set(saved) == set(again) and all(torch.equal(again[k], saved[k]) for k in saved)
+    assert "lm_head.weight" not in again and json.loads((tmp_path / "out" / "config.json").read_text())[
+        "tie_word_embeddings"] is True
     reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     with torch.no_grad():
         assert torch.equal(reloaded(tokens[None]).logits[0], theirs)
@@ -218,18 +227,37 @@ def _train(job: dict, folder: Path, ray_cluster: str) -> list[float]:
 @pytest.mark.ray
 def test_a_job_starts_from_a_pretrained_folder(ray_cluster, tmp_path):
     """The tiny job from a folder holding exactly its seed-0 initial weights trains exactly as the
-    job that initialises them itself; from another model's weights it does not."""
+    job that initialises them itself. The fine-tuning example starts from a Llama 3.2-shaped model
+    saved by transformers (tied head, Llama 3 rotary scaling): another model's weights, which train
+    as one weight across the devices (the embedding on the first stages, the head on the last) and
+    leave as a folder transformers loads with the project's logits."""
+    from malleus_svc.checkpoint import load_latest
+
     base = yaml.safe_load((REPO / "examples/tiny_job.yaml").read_text())
     base["metrics"] = {"enabled": False}
     write_hf(_params(TINY, seed=base["train"]["seed"]), TINY, tmp_path / "same")
-    write_hf(_params(TINY, seed=5), TINY, tmp_path / "other")
     runs = {}
-    for name, model in (("own", "tiny"), ("same", {"from_pretrained": str(tmp_path / "same")}),
-                        ("other", {"from_pretrained": str(tmp_path / "other")})):
+    for name, model in (("own", "tiny"), ("same", {"from_pretrained": str(tmp_path / "same")})):
         (tmp_path / name).mkdir(exist_ok=True)
         runs[name] = _train({**base, "name": f"hf-{name}", "model": model}, tmp_path / name, ray_cluster)
     assert runs["same"] == pytest.approx(runs["own"], rel=1e-6, abs=0) and len(runs["own"]) == 3
-    assert abs(runs["other"][0] - runs["own"][0]) > 1e-3
+
+    work = tmp_path / "finetune"
+    proc = subprocess.run([sys.executable, "examples/finetune_llama3.py", "--steps", "4", "--work", str(work),
+                           "--address", ray_cluster], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    losses = [json.loads(x)["loss"] for x in (work / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 4 and abs(losses[0] - runs["own"][0]) > 1e-3
+    _, start = read_pretrained(work / "llama3-stand-in")
+    ckpt = load_latest(work / "checkpoints")
+    shape, state = ckpt.manifest.shape, ckpt.state
+    assert shape.tie_embeddings and shape.rope_scaling is not None and ckpt.step == 4
+    assert torch.equal(state["head.weight"], state["embedding.weight"])                 # still one weight
+    assert not torch.equal(state["embedding.weight"], start["embedding.weight"])        # and it trained
+    hf = transformers.LlamaForCausalLM.from_pretrained(work / "hf", dtype=torch.float32).eval()
+    assert "lm_head.weight" not in safetensors_torch.load_file(str(work / "hf" / WEIGHTS_FILE))
+    theirs, mine = _logits(hf, shape, state)
+    assert torch.allclose(theirs, mine, atol=1e-4, rtol=0), (theirs - mine).abs().max()
 
 
 def _shards_of_folder(rank: int, world: int, folder: str):

@@ -98,3 +98,41 @@ def test_the_evaluation_sets_its_batches_aside_and_says_when_the_holdout_is_too_
     with pytest.raises(DataError, match="eval needs 2 global batches of 8 held-out samples, eval.holdout 0.1 "
                                         "of the 100 samples holds out 10"):
         Evaluation(job.eval, seed=0).sampler(100, 8)
+
+
+def test_held_out_files_are_the_evaluations_samples_and_never_trained_on(tmp_path):
+    """`eval.holdout` as a list of files: the corpus gets them after its training files; every
+    evaluation sample comes from them, in a seeded order across them, and the training sampler
+    never yields one."""
+    import numpy as np
+
+    from malleus_svc.runtime.datasets import build_dataset
+    from malleus_svc.runtime.token_files import IndexedWriter
+
+    def corpus(name: str, docs: int, seed: int) -> str:
+        rng = np.random.default_rng(seed)
+        lengths = rng.integers(20, 120, size=docs)
+        w = IndexedWriter(tmp_path / name, "uint16")
+        w.add(rng.integers(0, 256, size=int(lengths.sum())), lengths)
+        w.close()
+        return str(tmp_path / name)
+
+    train, held = [corpus("train", 60, 1)], [corpus("val-a", 8, 2), corpus("val-b", 8, 3)]
+    tokens = {"source": "tokens", "seq_len": 64, "files": train}
+    job = JobConfig.from_dict({**BASE, "data": tokens, "eval": {"every": 5, "batches": 3, "holdout": held}})
+    spec = job.dataset_spec()
+    assert [f["path"] for f in spec["files"]] == train + held
+    dataset = build_dataset(spec)
+    evaluation = Evaluation(job.eval, seed=0, dataset_spec=spec)
+    sampler = evaluation.sampler(len(dataset), 2)
+    files_of = lambda ids: {dataset.document_of(int(i))[0] for i in ids}    # noqa: E731
+    evaluated = [i for b in evaluation.batches for i in b]
+    assert len(evaluated) == 6 and files_of(evaluated) == {1, 2}
+    assert files_of(range(len(dataset))) == {0, 1, 2}
+    trained = {i for _ in range(sampler.num_samples) for i in sampler.next_global_batch()}   # two epochs
+    assert files_of(trained) == {0} and len(trained) == sampler.num_samples == len(build_dataset(
+        {**spec, "files": spec["files"][:1]}))
+    for bad, hint in (({"data": {"source": "synthetic"}}, "held-out files are for data.source tokens"),
+                      ({"data": tokens, "eval": {"every": 5, "holdout": train}}, "that data.files does not name")):
+        with pytest.raises(ConfigError, match=hint):
+            JobConfig.from_dict({**BASE, "eval": {"every": 5, "holdout": held}, **bad})

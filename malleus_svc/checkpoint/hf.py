@@ -19,7 +19,7 @@ import torch
 from malleus_svc.config.hf_config import CONFIG_FILE, hf_config, shape_of_folder
 from malleus_svc.config.locations import Uri, location
 from malleus_svc.config.presets import ModelShape
-from malleus_svc.geometry import hf_name, model_parts, part_tensors
+from malleus_svc.geometry import TIED, hf_name, model_parts, part_tensors
 from malleus_svc.runtime.engine import EXP_AVG, EXP_AVG_SQ, STEP
 from malleus_svc.runtime.pretrained import WEIGHTS_FILE, check_pretrained, read_rows, weight_files
 from malleus_svc.runtime.storage import Bucket
@@ -68,7 +68,8 @@ def write_hf(params: Mapping[str, torch.Tensor], shape: ModelShape, out_dir: str
         return out
     out.mkdir(parents=True, exist_ok=True)
     tensors = {hf_name(spec.name): params[spec.name].detach().to(torch.float32).contiguous()
-               for part in model_parts(shape.layers) for spec in part_tensors(shape, part)}
+               for part in model_parts(shape.layers) for spec in part_tensors(shape, part)
+               if not (shape.tie_embeddings and spec.name == TIED[1])}   # tied: transformers keeps one copy
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     (out / CONFIG_FILE).write_text(json.dumps(hf_config(shape), indent=2) + "\n")
     return out

@@ -1,12 +1,11 @@
 """A Hugging Face LLaMA `config.json` and the model shape it describes, both ways.
 
 The project's decoder is LLaMA's (RMSNorm, rotary positions in the rotate-half layout, SwiGLU,
-grouped-query attention, untied LM head), so a `LlamaForCausalLM` folder of any LLaMA generation
-maps onto a `ModelShape`: its RMSNorm epsilon, rotary base and Llama 3 rotary scaling are read
-from the config as `transformers` 4 writes them (`rope_theta`, `rope_scaling`) and as 5 does
-(`rope_parameters`). Variants the model does not have (biases, another activation, another rotary
-scaling) are refused in one line naming the field. A tied LM head is accepted: the head starts as
-a copy of the embedding and trains untied from there (an export writes it untied).
+grouped-query attention, an LM head tied to the embedding or not), so a `LlamaForCausalLM` folder
+of any LLaMA generation maps onto a `ModelShape`: its RMSNorm epsilon, rotary base, Llama 3 rotary
+scaling and `tie_word_embeddings` are read from the config as `transformers` 4 writes them
+(`rope_theta`, `rope_scaling`) and as 5 does (`rope_parameters`). Variants the model does not have
+(biases, another activation, another rotary scaling) are refused in one line naming the field.
 """
 from __future__ import annotations
 
@@ -93,12 +92,15 @@ def shape_from_hf_config(cfg: Mapping[str, Any], source: str, seq_len: int | Non
                            "original_max_position_embeddings")
         fields["original_max_position_embeddings"] = int(fields["original_max_position_embeddings"])
         scaling = RopeScaling(**fields)
+    tied = cfg.get("tie_word_embeddings", False)   # LlamaConfig's default
+    if not isinstance(tied, bool):
+        raise bad("tie_word_embeddings", "true or false")
     if seq_len is None:
         seq_len = cfg.get("max_position_embeddings")
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 1 <= seq_len <= MAX_MODEL_DIM:
             raise bad("max_position_embeddings", f"an integer in 1..{MAX_MODEL_DIM} (or give model.seq_len)")
     return ModelShape(seq_len=seq_len, kv_heads=None if kv == dims["heads"] else kv, norm_eps=float(eps),
-                      rope_theta=float(theta), rope_scaling=scaling, **dims)
+                      rope_theta=float(theta), rope_scaling=scaling, tie_embeddings=tied, **dims)
 
 
 def _positive(v: Any) -> bool:
@@ -112,7 +114,7 @@ def hf_config(shape: ModelShape) -> dict:
             "num_key_value_heads": shape.n_kv_heads, "intermediate_size": shape.ffn, "vocab_size": shape.vocab,
             "head_dim": shape.head_dim, "max_position_embeddings": shape.seq_len, "hidden_act": "silu",
             "rms_norm_eps": shape.norm_eps, "rope_theta": shape.rope_theta, **_rope(shape),
-            "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+            "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": shape.tie_embeddings,
             "torch_dtype": "float32", "dtype": "float32"}
 
 

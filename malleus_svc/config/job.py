@@ -16,7 +16,8 @@ Format (YAML or JSON); every scenario section (see scenario.py) plus:
     eval:    {every: 0, batches: 1, holdout: 0.0}
              # every `every` steps (0: never) the loss on `batches` global batches of held-out samples,
              # forward only under the plan in force; `holdout`: the share of the dataset's samples held
-             # out (a seeded choice, never trained on)
+             # out (a seeded choice, never trained on), or (source tokens) a list of files as
+             # data.files has them, whose samples are the held-out ones
     emulate: [{device: 3, factor: 3.0, at_step: 2, until_step: 6}]   # demos/tests only, default none
     ray:     {address: null}          # null: start a local Ray cluster; "auto" or host:port: join one
     metrics: {enabled: true, host: 127.0.0.1, port: 0, sd_dir: null}
@@ -76,6 +77,9 @@ class TokenFileConfig:
     dtype: str = "uint16"   # plain .bin only
     offsets: str | None = None   # plain .bin only: .npy of document start offsets (none: one stream)
 
+    def spec(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if v is not None}
+
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -96,9 +100,8 @@ class DataConfig:
             return {"source": "synthetic", "seq_len": self.seq_len, "num_samples": self.num_samples,
                     "vocab": self.vocab, "seed": self.seed}
         if self.source == "tokens":
-            files = [{k: v for k, v in vars(f).items() if v is not None} for f in self.files]
-            return {"source": "tokens", "seq_len": self.seq_len, "files": files, "vocab": self.vocab,
-                    "seed": self.seed}
+            return {"source": "tokens", "seq_len": self.seq_len, "files": [f.spec() for f in self.files],
+                    "vocab": self.vocab, "seed": self.seed}
         return {"source": "python-stdlib", "seq_len": self.seq_len, "mode": self.corpus_split,
                 "max_files": self.max_files, "num_samples": self.num_samples, "vocab": self.vocab}
 
@@ -125,6 +128,7 @@ class EvalConfig:
     every: int = 0          # steps between evaluations; 0: none
     batches: int = 1        # global batches of held-out samples per evaluation
     holdout: float = 0.0    # the share of the dataset's samples held out, never trained on
+    files: tuple[TokenFileConfig, ...] = ()   # or held-out files (source tokens), appended to the corpus
 
     @property
     def enabled(self) -> bool:
@@ -237,6 +241,14 @@ class JobConfig:
     def num_devices(self) -> int:
         return self.scenario.num_devices
 
+    def dataset_spec(self) -> dict[str, Any]:
+        """The workers' dataset (`runtime.datasets.build_dataset`): the data's, and after its files
+        the held-out ones, if the evaluation names files."""
+        spec = self.data.spec()
+        if self.eval.files:
+            spec["files"] = spec["files"] + [f.spec() for f in self.eval.files]
+        return spec
+
     @classmethod
     def from_dict(cls, d: Any, source: str | None = None) -> "JobConfig":
         if not isinstance(d, dict):
@@ -253,7 +265,7 @@ class JobConfig:
                               "layers, hidden, heads, ffn, vocab, seq_len), not only `layers`", source)
         data = _parse_data(Section(d.get("data"), "data", source), shape)
         train = _parse_train(Section(d.get("train"), "train", source))
-        evaluation = _parse_eval(Section(d.get("eval"), "eval", source))
+        evaluation = _parse_eval(Section(d.get("eval"), "eval", source), data)
         emulate, emulated_device = _parse_emulate(d.get("emulate"), scenario.num_devices, source)
         ray_cfg = _parse_ray(Section(d.get("ray"), "ray", source))
         metrics = parse_metrics(Section(d.get("metrics"), "metrics", source))
@@ -327,14 +339,14 @@ def _parse_data(s: Section, shape) -> DataConfig:
     return cfg
 
 
-def _parse_token_files(s: Section) -> tuple[TokenFileConfig, ...]:
-    files = s.raw("files")
+def _parse_token_files(s: Section, key: str = "files") -> tuple[TokenFileConfig, ...]:
+    files = s.raw(key)
     if not isinstance(files, list) or not files or len(files) > MAX_TOKEN_FILES:
-        raise s.error("files", files, f"a list of 1 to {MAX_TOKEN_FILES} files: a path (Megatron prefix or .bin) "
+        raise s.error(key, files, f"a list of 1 to {MAX_TOKEN_FILES} files: a path (Megatron prefix or .bin) "
                       "or {path, weight, dtype, offsets}")
     out = []
     for i, entry in enumerate(files):
-        f = Section({"path": entry} if isinstance(entry, str) else entry, f"{s.path}.files[{i}]", s.source)
+        f = Section({"path": entry} if isinstance(entry, str) else entry, f"{s.path}.{key}[{i}]", s.source)
         path = f.raw("path")
         if not isinstance(path, str) or not path:
             raise f.error("path", path, "a non-empty path: a Megatron prefix (PREFIX.bin + PREFIX.idx) or a plain .bin")
@@ -475,13 +487,24 @@ def parse_checkpoint(s: Section) -> CheckpointConfig:
     return cfg
 
 
-def _parse_eval(s: Section) -> EvalConfig:
+def _parse_eval(s: Section, data: DataConfig) -> EvalConfig:
     d = EvalConfig()
-    cfg = EvalConfig(every=s.int("every", d.every, minimum=0), batches=s.int("batches", d.batches, minimum=1),
-                     holdout=s.float("holdout", d.holdout, minimum=0, maximum=0.5))
-    if cfg.every and not cfg.holdout:
-        raise s.error("holdout", cfg.holdout, "a share of the samples above 0 (at most 0.5) when eval.every is set: "
-                                              "the evaluation needs samples the job never trains on")
+    every, batches = s.int("every", d.every, minimum=0), s.int("batches", d.batches, minimum=1)
+    if isinstance(s.raw("holdout", None), list):
+        if data.source != "tokens":
+            raise s.error("holdout", s.raw("holdout"), "a share of the samples: held-out files are for data.source "
+                                                       "tokens")
+        files = _parse_token_files(s, "holdout")
+        trained = {f.path for f in data.files} & {f.path for f in files}
+        if trained:
+            raise s.error("holdout", sorted(trained)[0], "a file that data.files does not name: held-out samples "
+                                                         "are never trained on")
+        cfg = EvalConfig(every=every, batches=batches, files=files)
+    else:
+        cfg = EvalConfig(every=every, batches=batches, holdout=s.float("holdout", d.holdout, minimum=0, maximum=0.5))
+    if cfg.every and not (cfg.holdout or cfg.files):
+        raise s.error("holdout", cfg.holdout, "a share of the samples above 0 (at most 0.5), or a list of files, when "
+                                              "eval.every is set: the evaluation needs samples the job never trains on")
     s.done()
     return cfg
 

@@ -1,9 +1,9 @@
 """Model shapes, shared by the cost model (FLOPs, bytes) and the runtime (the torch model).
 
 A LLaMA-style decoder: token embedding, `layers` blocks of (RMSNorm, causal attention with
-rotary positions, RMSNorm, SwiGLU MLP), a final RMSNorm and an untied LM head. Beside the sizes,
-a shape carries the numbers that make it one LLaMA generation or another: the RMSNorm epsilon,
-the rotary base and Llama 3's rotary scaling.
+rotary positions, RMSNorm, SwiGLU MLP), a final RMSNorm and an LM head, tied to the embedding or
+not. Beside the sizes, a shape carries the numbers that make it one LLaMA generation or another:
+the RMSNorm epsilon, the rotary base, Llama 3's rotary scaling and the tie.
 """
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ class ModelShape:
     norm_eps: float = NORM_EPS
     rope_theta: float = ROPE_BASE
     rope_scaling: RopeScaling | None = None
+    tie_embeddings: bool = False   # the LM head is the embedding's matrix (one weight, trained as one)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelShape":
@@ -86,10 +87,10 @@ class ModelShape:
         return asdict(self)
 
 
-# Llama 3.x (Meta's configs; trained here at the original 8,192-token context). The 3.2 models tie
-# their head to the embedding, which the project trains untied (a copy of it at the start).
-LLAMA3_SHAPES = (("llama3.2-1b", 16, 2048, 32, 8192, 32.0), ("llama3.2-3b", 28, 3072, 24, 8192, 32.0),
-                 ("llama3.1-8b", 32, 4096, 32, 14336, 8.0), ("llama3.1-70b", 80, 8192, 64, 28672, 8.0))
+# Llama 3.x (Meta's configs; trained here at the original 8,192-token context); the 3.2 models tie
+# their head to the embedding.
+LLAMA3_SHAPES = (("llama3.2-1b", 16, 2048, 32, 8192, 32.0, True), ("llama3.2-3b", 28, 3072, 24, 8192, 32.0, True),
+                 ("llama3.1-8b", 32, 4096, 32, 14336, 8.0, False), ("llama3.1-70b", 80, 8192, 64, 28672, 8.0, False))
 
 # The Malleus paper's evaluation shapes, a few small GPT shapes that run on a CPU, and Llama 3.
 PRESETS: dict[str, ModelShape] = {
@@ -102,8 +103,8 @@ PRESETS: dict[str, ModelShape] = {
     "llama-70b": ModelShape(layers=80, hidden=8192, heads=64, ffn=28672, vocab=32000, seq_len=4096, kv_heads=8),
     "llama-110b": ModelShape(layers=80, hidden=8192, heads=64, ffn=49152, vocab=32000, seq_len=4096, kv_heads=8),
     **{name: ModelShape(layers=layers, hidden=hidden, heads=heads, ffn=ffn, vocab=128256, seq_len=8192, kv_heads=8,
-                        rope_theta=500000.0, rope_scaling=RopeScaling(factor, 1.0, 4.0, 8192))
-       for name, layers, hidden, heads, ffn, factor in LLAMA3_SHAPES},
+                        rope_theta=500000.0, rope_scaling=RopeScaling(factor, 1.0, 4.0, 8192), tie_embeddings=tied)
+       for name, layers, hidden, heads, ffn, factor, tied in LLAMA3_SHAPES},
 }
 
 

@@ -198,8 +198,11 @@ class Scenario:
 
 def parse_shape_variant(s: Section) -> dict[str, Any]:
     """A shape's optional generation numbers: `norm_eps`, `rope_theta`, `rope_scaling` (Llama 3's:
-    factor, low_freq_factor, high_freq_factor, original_max_position_embeddings; null: none)."""
+    factor, low_freq_factor, high_freq_factor, original_max_position_embeddings; null: none) and
+    `tie_embeddings`."""
     out: dict[str, Any] = {}
+    if s.has("tie_embeddings"):
+        out["tie_embeddings"] = s.bool("tie_embeddings", False)
     if s.has("norm_eps"):
         out["norm_eps"] = s.float("norm_eps", minimum=0, exclusive=True, maximum=1.0)
     if s.has("rope_theta"):

@@ -93,7 +93,7 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
         self.history = History(job.name)
         self.lengths = LengthView(job, knobs.length_window)
         self.checkpoints = JobCheckpoints(job.checkpoint, job.shape)
-        self.evaluation = Evaluation(job.eval, job.train.seed)
+        self.evaluation = Evaluation(job.eval, job.train.seed, job.dataset_spec())
         self.steps_total = int(steps if steps is not None else job.train.steps)
         self.origin = {"ray_job_id": driver_job_id, "submission_id": submission_id, "restarted": _was_restarted(),
                        "resumed_from": None}   # the checkpoint this run started from, once resumed
@@ -137,7 +137,7 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
                     self._event("membership", f"starting without devices {sorted(group.gone)}: their nodes could not "
                                               "be placed; they join when Ray can place them")
                     plan = self._plan_after_loss(frozenset(group.gone))
-                n = group.set_data(job.data.spec(), job.data.mode, job.data.seq_len)
+                n = group.set_data(job.dataset_spec(), job.data.mode, job.data.seq_len)
                 sampler = self.evaluation.sampler(n, plan.global_batch)
                 pretrained = job.scenario.pretrained if ckpt is None else None   # a Hugging Face LLaMA folder
                 if pretrained:

@@ -7,9 +7,9 @@ the simulator all ask these modules; none of them restates a split, a shape or a
 """
 from .pipeline import one_f_one_b
 from .shards import WHOLE, Cuts, Span, finest_partition, holder_at, rows_of, shard_map, shard_of, shard_rows
-from .tensors import (EMBEDDING, HEAD, Part, TensorSpec, decayed, hf_name, model_parts, part_of, part_tensors,
+from .tensors import (EMBEDDING, HEAD, TIED, Part, TensorSpec, decayed, hf_name, model_parts, part_of, part_tensors,
                       split_dim, tensor_spec, tp_divisibility_error)
 
 __all__ = ["one_f_one_b", "WHOLE", "Cuts", "Span", "finest_partition", "holder_at", "rows_of", "shard_map",
-           "shard_of", "shard_rows", "EMBEDDING", "HEAD", "Part", "TensorSpec", "decayed", "hf_name", "model_parts",
+           "shard_of", "shard_rows", "EMBEDDING", "HEAD", "TIED", "Part", "TensorSpec", "decayed", "hf_name", "model_parts",
            "part_of", "part_tensors", "split_dim", "tensor_spec", "tp_divisibility_error"]

@@ -1,9 +1,11 @@
 """The model's parts and the tensor table: every tensor's name, full shape and TP split dim.
 
 Parts: EMBEDDING (token embedding), block i (RMSNorm, attention, RMSNorm, SwiGLU MLP) and HEAD
-(final RMSNorm and the untied LM head). Inside a block, tensors are split Megatron-style: q/k/v
-by heads and gate/up by ffn rows (column-parallel, dim 0), out and down by the matching input
-columns (row-parallel, dim 1); norm weights, the embedding and the head are replicated.
+(final RMSNorm and the LM head; a tied head is a second copy of the embedding's matrix, kept
+equal by summing the two gradients before either is updated, as Megatron's embedding group does:
+runtime/engine.py). Inside a block, tensors are split Megatron-style: q/k/v by heads and gate/up
+by ffn rows (column-parallel, dim 0), out and down by the matching input columns (row-parallel,
+dim 1); norm weights, the embedding and the head are replicated.
 
 The torch model builds its parameters from this table, the checkpoint lays out its files by it,
 and migration and gradient reduction cut tensors by it.
@@ -133,14 +135,17 @@ def split_dim(name: str) -> int | None:
     return _row(name)[1]
 
 
-def decayed(name: str, embedding: bool) -> bool:
+TIED = ("embedding.weight", "head.weight")    # one weight when the shape ties them
+
+
+def decayed(name: str, embedding: bool, tied: bool = False) -> bool:
     """Whether AdamW's weight decay applies to tensor `name`: never to a norm's gain (a scale, not a
-    weight: as Megatron, nanoGPT and Hugging Face's Trainer do), to the embedding only if `embedding`,
-    to every other matrix always."""
+    weight: as Megatron, nanoGPT and Hugging Face's Trainer do), to the embedding (and a head
+    `tied` to it) only if `embedding`, to every other matrix always."""
     local = _row(name)[0]
     if local.endswith("norm.weight"):
         return False
-    return embedding or local != "embedding.weight"
+    return embedding or local not in (TIED if tied else TIED[:1])
 
 
 def tensor_spec(shape: ModelShape, name: str) -> TensorSpec:

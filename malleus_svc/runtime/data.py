@@ -65,6 +65,18 @@ def holdout_split(num_samples: int, share: float, seed: int) -> tuple[np.ndarray
     return np.flatnonzero(~chosen), np.flatnonzero(chosen)
 
 
+def tail_split(num_samples: int, held: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the samples to train on, the held-out ones) where the last `held` samples are held out (a
+    corpus's held-out files come after its training files), those in a seeded order, so a few
+    evaluation batches sample every held-out file."""
+    num_samples = _check_int("num_samples", num_samples, 1)
+    if not 0 < held < num_samples:
+        raise DataError(f"the held-out files give {held} of the corpus's {num_samples} samples: "
+                        "some must be held out and some left to train on")
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, HOLDOUT_STREAM])))
+    return np.arange(num_samples - held), num_samples - held + rng.permutation(held)
+
+
 class GlobalSampler:
     """Seeded, per-epoch permutation of ``range(num_samples)`` (or of `ids`, the samples to train
     on), cut into global batches.

@@ -22,11 +22,11 @@ import torch.nn.functional as F
 from malleus_svc.config.job import TrainConfig
 from malleus_svc.config.lr_schedule import LrSchedule
 from malleus_svc.config.presets import ModelShape
-from malleus_svc.geometry import decayed, part_tensors, split_dim, tensor_spec, tp_divisibility_error
+from malleus_svc.geometry import TIED, decayed, part_tensors, split_dim, tensor_spec, tp_divisibility_error
 from malleus_svc.plan import Plan
 from malleus_svc.runtime.batch import IGNORE_INDEX, MicroBatch
 from malleus_svc.runtime.device_clock import DeviceClock, make_clock
-from malleus_svc.runtime.groups import Groups, PipelinePeers, Piece, ordered_group_ranks, world_rank
+from malleus_svc.runtime.groups import Groups, PipelinePeers, Piece, ordered_group_ranks, tied_piece, world_rank
 from malleus_svc.runtime.model import build_stage_model
 from malleus_svc.runtime.optimizer import AdamW
 from malleus_svc.runtime.precision import WorkingWeights, compute_dtype_for
@@ -59,10 +59,10 @@ class OptimConfig:
     def lr_at(self, step: int) -> float:
         return self.schedule.lr_at(step, self.lr)
 
-    def make(self, named: Mapping[str, torch.nn.Parameter]) -> AdamW:
+    def make(self, named: Mapping[str, torch.nn.Parameter], tied: bool = False) -> AdamW:
         """AdamW over the model's parameters by their full-model names (weight decay by `decayed`)."""
         return AdamW(named.values(), lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
-                     no_decay=[p for name, p in named.items() if not decayed(name, self.decay_embeddings)])
+                     no_decay=[p for name, p in named.items() if not decayed(name, self.decay_embeddings, tied)])
 
 
 @dataclass
@@ -147,6 +147,9 @@ class GradientSync:
     Sharded pieces: flattened into buckets per group (same order on every member, since every
     member walks the same pieces in plan order) and all-reduced among one holder per pipeline.
     Replicated tensors: all-reduced among the TP-rank-0 holders, then broadcast in the TP group.
+    A tied embedding and head: one contribution per device (the sum of the copies it holds),
+    all-reduced among the TP-rank-0 holders of either, so every copy gets the weight's whole
+    gradient, counted once in the norm.
     """
 
     def __init__(self, groups: Groups, params: Mapping[str, torch.nn.Parameter], shape: ModelShape,
@@ -157,6 +160,8 @@ class GradientSync:
         self.norm_items: list[tuple[str, int | None, int, int]] = []
         self.broadcast_items: list[tuple[str, int | None, int, int]] = []
         sharded, replicated = groups.local_pieces()
+        tied = tied_piece(groups.plan) if groups.tied else None
+        self.tied_names = [n for n in TIED if n in params] if tied else []   # the copies this device holds
 
         def add(piece: Piece, item) -> None:
             if len(set(piece.members)) > 1:
@@ -173,15 +178,19 @@ class GradientSync:
                 add(piece, (spec.name, spec.split_dim, lo - offset, hi - offset))
         for piece in replicated:
             for spec in part_tensors(shape, piece.part):
-                if spec.split_dim is not None:
+                if spec.split_dim is not None or spec.name in self.tied_names:
                     continue
-                item = (spec.name, None, 0, 0)
-                if self.rank in piece.members:
-                    add(piece, item)
-                if t > 1 and len(piece.members) > 1:
-                    self.broadcast_items.append(item)
-        self.order = [k for k in ordered_group_ranks(groups.plan) if k in self.buckets]
+                self._add_replicated(piece, (spec.name, None, 0, 0), add, t)
+        if self.tied_names:
+            self._add_replicated(tied, (self.tied_names[0], None, 0, 0), add, t)
+        self.order = [k for k in ordered_group_ranks(groups.plan, groups.tied) if k in self.buckets]
         self.params = params
+
+    def _add_replicated(self, piece: Piece, item, add, tp_size: int) -> None:
+        if self.rank in piece.members:
+            add(piece, item)
+        if tp_size > 1 and len(piece.members) > 1:
+            self.broadcast_items.append(item)
 
     def _view(self, item) -> torch.Tensor:
         name, dim, lo, hi = item
@@ -204,12 +213,17 @@ class GradientSync:
                 offset += n
 
     def reduce(self) -> None:
+        both = [self.params[n].grad for n in self.tied_names] if len(self.tied_names) == 2 else None
+        if both:               # this device's one contribution to the tied weight
+            both[0].add_(both[1])
         for key in self.order:  # one global order on every rank: no cycle of waiting groups
             group = self.groups.group(key)
             self._collective(self.buckets[key], lambda f: dist.all_reduce(f, group=group))
         if self.broadcast_items:
             tp_group, src = self.groups.tp.group, world_rank(self.groups.stage_devices[0])
             self._collective(self.broadcast_items, lambda f: dist.broadcast(f, src=src, group=tp_group))
+        if both:
+            both[1].copy_(both[0])
 
     def local_square_norm(self) -> float:
         """Sum of squares of the pieces this device counts (each unique element exactly once)."""
@@ -240,7 +254,7 @@ class Engine:
         self.device = device or (torch.device("cuda", torch.cuda.current_device())
                                  if torch.cuda.is_available() else torch.device("cpu"))
         self.clock = clock or make_clock(self.device.type == "cuda")
-        self.groups = Groups(plan, rank)
+        self.groups = Groups(plan, rank, tied=shape.tie_embeddings)
         self.groups.tp.clock = self.clock     # TP collectives are not the device's own compute
         self.role = self.groups.role
         self.num_stages = len(plan.pipelines[self.role.pipeline].stages)
@@ -248,7 +262,7 @@ class Engine:
                                        has_head=self.role.is_last, tp=self.groups.tp, device=self.device,
                                        seed=seed if init else None).to(dtype=dtype)
         self.params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
-        self.optimizer = optim.make(self.params)
+        self.optimizer = optim.make(self.params, tied=shape.tie_embeddings)
         self.working = WorkingWeights(self.params, compute_dtype or compute_dtype_for(self.device, dtype))
         self.grad_sync = GradientSync(self.groups, self.params, shape)
         self.transport = transport(self.groups.peers, self.device, self.working.dtype)

@@ -8,6 +8,9 @@
   holder per pipeline. Replicated tensors (norms, embedding, head) form one piece reduced among
   the TP-rank-0 holder of each pipeline, then broadcast inside each TP group, so no pipeline's
   copy is counted twice.
+* Tied embedding: where the head is the embedding's matrix, its two copies' gradients are summed
+  among the TP-rank-0 holders of the embedding and of the head in every pipeline (Megatron's
+  embedding group), in place of their own replicated reductions.
 * Active group: all devices with work, for the global grad norm and loss.
 
 Groups are created with ``use_local_synchronization=True``: only members call `new_group`, so
@@ -29,7 +32,7 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
-from malleus_svc.geometry import WHOLE, Part, finest_partition, holder_at, model_parts, shard_map
+from malleus_svc.geometry import EMBEDDING, HEAD, WHOLE, Part, finest_partition, holder_at, model_parts, shard_map
 from malleus_svc.plan import Plan
 from malleus_svc.runtime.tensor_parallel import TensorParallel
 
@@ -114,6 +117,13 @@ def replicated_piece(plan: Plan, part: Part) -> Piece:
     return Piece(part, *WHOLE, tuple(st.devices[0] for _, st in plan.holders(part)))
 
 
+def tied_piece(plan: Plan) -> Piece:
+    """The tied embedding and head: reduced among TP rank 0 of every stage holding either (a
+    device holding both counts once)."""
+    members = [st.devices[0] for part in (EMBEDDING, HEAD) for _, st in plan.holders(part)]
+    return Piece(EMBEDDING, *WHOLE, tuple(dict.fromkeys(members)))
+
+
 @dataclass(frozen=True)
 class PipelinePeers:
     """Where activations come from and go to, and where their gradients return.
@@ -145,8 +155,9 @@ def pipeline_peers(plan: Plan, rank: int) -> PipelinePeers:
     )
 
 
-def ordered_group_ranks(plan: Plan) -> list[tuple[int, ...]]:
-    """Every multi-member group the plan needs, sorted ranks, deduplicated, in one global order."""
+def ordered_group_ranks(plan: Plan, tied: bool = False) -> list[tuple[int, ...]]:
+    """Every multi-member group the plan needs (for a model whose head is `tied` to its embedding:
+    their group too), sorted ranks, deduplicated, in one global order."""
     out: dict[tuple[int, ...], None] = {}
 
     def add(ranks) -> None:
@@ -161,6 +172,8 @@ def ordered_group_ranks(plan: Plan) -> list[tuple[int, ...]]:
         add(replicated_piece(plan, part).members)
         for piece in sharded_pieces(plan, part):
             add(piece.members)
+    if tied:
+        add(tied_piece(plan).members)
     add(plan.active_devices)
     return list(out)
 
@@ -168,14 +181,14 @@ def ordered_group_ranks(plan: Plan) -> list[tuple[int, ...]]:
 class Groups:
     """The groups and peers of one device under one plan. Only members build a group."""
 
-    def __init__(self, plan: Plan, rank: int):
+    def __init__(self, plan: Plan, rank: int, tied: bool = False):
         roles = plan.roles()
         if rank not in roles:
             raise ValueError(f"rank {rank} has no work in plan {plan.plan_id} "
                              f"(active devices: {list(plan.active_devices)})")
-        self.plan, self.rank, self.role = plan, rank, roles[rank]
+        self.plan, self.rank, self.role, self.tied = plan, rank, roles[rank], tied
         self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        for ranks in ordered_group_ranks(plan):
+        for ranks in ordered_group_ranks(plan, tied):
             if rank in ranks:
                 self._groups[ranks] = _get_or_create(ranks)
         stage = plan.pipelines[self.role.pipeline].stages[self.role.stage]
@@ -210,7 +223,7 @@ class Groups:
         return sharded, replicated
 
 
-def release_unused(plan: Plan) -> list[tuple[int, ...]]:
+def release_unused(plan: Plan, tied: bool = False) -> list[tuple[int, ...]]:
     """Shut down this rank's cached groups that `plan` does not use; returns their devices.
 
     Under NCCL each group holds a communicator (GPU memory, a proxy thread), so the groups of plans
@@ -221,7 +234,7 @@ def release_unused(plan: Plan) -> list[tuple[int, ...]]:
     a name (and the stale store keys) of an earlier one. Destroying the world shuts them down again,
     which torch's backends take as a no-op.
     """
-    world, needed = id(dist.group.WORLD), set(ordered_group_ranks(plan))
+    world, needed = id(dist.group.WORLD), set(ordered_group_ranks(plan, tied))
     unused = sorted(k for k in _GROUP_CACHE if k[0] == world and k[1] not in needed)
     for key in unused:
         _GROUP_CACHE.pop(key).shutdown()

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from malleus_svc.config.presets import ModelShape
-from malleus_svc.geometry import (EMBEDDING, HEAD, Part, TensorSpec, part_tensors, shard_rows, split_dim,
+from malleus_svc.geometry import (EMBEDDING, HEAD, TIED, Part, TensorSpec, part_tensors, shard_rows, split_dim,
                                   tp_divisibility_error)
 from malleus_svc.runtime.attention import Packing, apply_rotary, rotary_tables, varlen_causal_attention
 from malleus_svc.runtime.tensor_parallel import SINGLE, TensorParallel, copy_to_region, reduce_from_region
@@ -75,11 +75,12 @@ def init_block(shape: ModelShape, spec: TensorSpec, seed: int, rows: tuple[int, 
     # Residual-branch outputs get a smaller scale so the residual stream does not grow with depth.
     std = INIT_STD / math.sqrt(2 * shape.layers) if spec.name.endswith(("attn.wo", "mlp.w_down")) else INIT_STD
     view = out.view(r1 - r0, c1 - c0)
+    name = TIED[0] if shape.tie_embeddings and spec.name in TIED else spec.name   # a tied head starts as the embedding
     with torch.no_grad():
         for i in range(r0 // TILE, (r1 - 1) // TILE + 1):
             for j in range(c0 // TILE, (c1 - 1) // TILE + 1):
                 ti0, tj0 = i * TILE, j * TILE
-                tile = _tile(seed, spec.name, i, j, min(TILE, full[0] - ti0), min(TILE, full[1] - tj0))
+                tile = _tile(seed, name, i, j, min(TILE, full[0] - ti0), min(TILE, full[1] - tj0))
                 a0, a1, b0, b1 = max(r0, ti0), min(r1, ti0 + TILE), max(c0, tj0), min(c1, tj0 + TILE)
                 view[a0 - r0:a1 - r0, b0 - c0:b1 - c0] = tile[a0 - ti0:a1 - ti0, b0 - tj0:b1 - tj0] * std
     return out

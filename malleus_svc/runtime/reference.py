@@ -2,7 +2,8 @@
 attention over a packed row as one masked square.
 
 No pipelines, no tensor parallelism, no gradient plumbing: one model from the same per-part
-initialisation, each global batch's loss = its summed token cross-entropy / its loss-token count,
+initialisation (a tied head is the embedding's own parameter, as `transformers` ties it), each
+global batch's loss = its summed token cross-entropy / its loss-token count,
 torch's own grad-norm clipping and AdamW (its parameter groups: weight decay by `geometry.decayed`;
 the learning rate of each step set on them from the schedule). The engine's tests compare against
 this. Varlen attention (flash-attn's kernel or the SDPA fallback) compares against
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from malleus_svc.config.presets import ModelShape
-from malleus_svc.geometry import decayed
+from malleus_svc.geometry import TIED, decayed
 from malleus_svc.runtime.batch import IGNORE_INDEX, MicroBatch
 from malleus_svc.runtime.engine import EXP_AVG, EXP_AVG_SQ, STEP, OptimConfig
 from malleus_svc.runtime.model import full_model
@@ -26,7 +27,9 @@ def reference_train(shape: ModelShape, seed: int, optim: OptimConfig,
     """Train on each global batch in turn (parameters in `dtype`). Returns (loss per step, final parameters, optimizer
     state as ``name:exp_avg``, ``name:exp_avg_sq``, ``name:step``)."""
     model = full_model(shape, seed, dtype)
-    params = dict(model.named_parameters())
+    if shape.tie_embeddings:
+        model.head.weight = model.embedding.weight
+    params = dict(model.named_parameters())      # a tied weight once, as embedding.weight
     decays = {name: decayed(name, optim.decay_embeddings) for name in params}
     groups = [{"params": [p for n, p in params.items() if decays[n] == d], "weight_decay": wd}
               for d, wd in ((True, optim.weight_decay), (False, 0.0))]
@@ -55,6 +58,10 @@ def reference_train(shape: ModelShape, seed: int, optim: OptimConfig,
         state[name + EXP_AVG] = st["exp_avg"].clone()
         state[name + EXP_AVG_SQ] = st["exp_avg_sq"].clone()
         state[name + STEP] = torch.tensor(int(st["step"]))
+    if shape.tie_embeddings:                     # both names, as the engine's state has them
+        final[TIED[1]] = final[TIED[0]]
+        for key in (EXP_AVG, EXP_AVG_SQ, STEP):
+            state[TIED[1] + key] = state[TIED[0] + key]
     return losses, final, state
 
 

@@ -147,7 +147,7 @@ class DeviceWorker:
         if role is not None:
             self.engine = Engine(shape, plan, self.device_id, seed=seed, optim=optim,
                                  device=self.torch_device, clock=self.clock, init=init)
-        release_unused(plan)
+        release_unused(plan, shape.tie_embeddings)
         self.plan_id = plan.plan_id
         return {"device": self.device_id, "plan_id": self.plan_id,
                 "role": None if role is None else asdict(role)}
@@ -344,7 +344,7 @@ class DeviceWorker:
             self.engine = Engine(shape, new, self.device_id, seed=seed, optim=optim,
                                  device=self.torch_device, clock=self.clock, init=False)
             self.engine.load_state(states)
-        release_unused(new)
+        release_unused(new, shape.tie_embeddings)
         self.plan_id = new.plan_id
         out = _as_dict(stats)
         out.update(plan_id=self.plan_id, role=None if role is None else asdict(role), export_seconds=export_s,
