@@ -167,36 +167,33 @@ def test_a_tied_head_trains_as_one_weight_under_any_plan(plan):
     assert (untied["head.weight"] - ref_params["head.weight"]).abs().max() > 1e-4
 
 
-def _resume_and_train(rank: int, world: int, states, batch: list[MicroBatch], init: bool):
+def _resume_and_train(rank: int, world: int, states, batch: list[MicroBatch], init: bool, shape=TINY):
     import malleus_svc.runtime.model as model_mod
 
     drawn, draw = [], model_mod._tile      # this worker process's own count of initialisation tiles
     model_mod._tile = lambda *a: drawn.append(a) or draw(*a)
-    engine = Engine(TINY, TP2, rank, seed=SEED + 1, optim=OPTIM, dtype=torch.float64, init=init)  # load must win
+    engine = Engine(shape, TP2, rank, seed=SEED + 1, optim=OPTIM, dtype=torch.float64, init=init)  # load must win
     engine.load_state(states)
     engine.train_step(batch, sum(mb.num_loss_tokens for mb in batch))
     return engine.export_state(), len(drawn)
 
 
-@pytest.mark.parametrize("init", [True, False])
-def test_state_moves_to_another_plan_and_training_continues_exactly(init):
+@pytest.mark.parametrize("init, shape", [(True, TINY), (False, TINY), (False, TIED)], ids=["init", "no-init", "tied"])
+def test_state_moves_to_another_plan_and_training_continues_exactly(init, shape):
     # One step on the reference, its full state cut into shards for a TP=2 plan (devices listed
-    # out of order), one more step there: equal to two steps on the reference.
+    # out of order), one more step there: equal to two steps on the reference (a tied head too).
     dtype = torch.float64
     batches = global_batches(steps=2, micro_batches=5, micro_batch_size=2, seed=3)
-    _, params1, optim1 = reference_train(TINY, SEED, OPTIM, batches[:1], dtype)
+    _, params1, optim1 = reference_train(shape, SEED, OPTIM, batches[:1], dtype)
     states = full_shard_states({**params1, **optim1})
-    results = run_on_gloo(_resume_and_train, 2, states, batches[1], init)
+    results = run_on_gloo(_resume_and_train, 2, states, batches[1], init, shape)
     exports = [r[0] for r in results]
     assert all((drawn > 0) == init for _, drawn in results)   # state about to be loaded: no init at all
-    _, params2, optim2 = reference_train(TINY, SEED, OPTIM, batches, dtype)
+    _, params2, optim2 = reference_train(shape, SEED, OPTIM, batches, dtype)
     full = assemble_full(exports)
     for name, ref in {**params2, **optim2}.items():
         torch.testing.assert_close(full[name], ref, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
 
-
-ONE = Plan(num_devices=1, num_layers=4, micro_batch_size=2,
-           pipelines=(Pipeline((Stage((0,), (0, 4)),), micro_batches=5),))
 
 
 def _two_phase(rank: int, world: int, batches: list[list[MicroBatch]]):
