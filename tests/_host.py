@@ -17,6 +17,27 @@ from malleus_svc.control.measure import PACE_FLOOR
 INCONCLUSIVE = "inconclusive: the host did not keep pace"
 
 
+def idle_cores(seconds: float = 1.0) -> float:
+    """Cores that no process used over the next `seconds` (from /proc/stat's idle and iowait time);
+    every core where /proc/stat cannot be read."""
+    import os
+
+    def totals() -> tuple[int, int] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        return fields[3] + fields[4], sum(fields[:8])    # idle + iowait; user..steal
+
+    cores, first = os.cpu_count() or 1, totals()
+    time.sleep(seconds)
+    last = totals()
+    if first is None or last is None or last[1] <= first[1]:
+        return float(cores)
+    return cores * (last[0] - first[0]) / (last[1] - first[1])
+
+
 def inconclusive(measured: str) -> None:
     pytest.skip(f"{INCONCLUSIVE}: {measured}")
 

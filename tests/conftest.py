@@ -86,17 +86,34 @@ def pytest_collection_modifyitems(items):
     items.sort(key=node_loss)
 
 
+# Idle cores at the session's start from which the node-loss scenario runs beside the other tests.
+# It mostly waits, so beside them it costs little where a core is spare; on a host that other work
+# already keeps busy, it would slow every load-sensitive test it overlaps, and runs last instead.
+BACKGROUND_IDLE_CORES = 1.5
+
+
 def pytest_collection_finish(session):
-    """The node-loss scenario starts in the background as soon as the session is known to run a test
-    of it (tests/test_node_loss.py), and is stopped at the end if no test waited for it."""
+    """The node-loss scenario (tests/test_node_loss.py) starts in the background as soon as the
+    session is known to run a test of it, where the host has idle cores; it is stopped at the end if
+    no test waited for it. Without them, its tests (drawn last) start it when they need it."""
+    from _host import idle_cores
+
     if session.config.option.collectonly:
         return
     for item in session.items:
         module = getattr(item, "module", None)
         if module is not None and module.__name__ == "test_node_loss":
-            module.launch()
-            session.config.add_cleanup(module.stop)
+            idle = idle_cores()
+            background = idle >= BACKGROUND_IDLE_CORES
+            session.config.stash[NODE_LOSS] = f"{'in the background' if background else 'last'} " \
+                                              f"({idle:.1f} idle cores at the start)"
+            if background:
+                module.launch()
+                session.config.add_cleanup(module.stop)
             return
+
+
+NODE_LOSS = pytest.StashKey[str]()
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -104,3 +121,5 @@ def pytest_terminal_summary(terminalreporter, config):
     seed = getattr(config.option, "randomly_seed", None)
     if isinstance(seed, int) and getattr(config.option, "randomly_reorganize", False):
         terminalreporter.write_line(f"test order: --randomly-seed={seed} reproduces it (-p no:randomly: file order)")
+    if NODE_LOSS in config.stash:
+        terminalreporter.write_line(f"node-loss scenario: {config.stash[NODE_LOSS]}")
