@@ -25,9 +25,12 @@ def ray_cluster():
         return
     # Workers import malleus_svc from the working tree, also when it is not installed.
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    # address="local": always a cluster of our own, even when another `ray start` runs on this machine
+    from malleus_svc.runtime.cluster import LOCAL_RAY_SYSTEM_CONFIG
+
+    # address="local": always a cluster of our own, even when another `ray start` runs on this machine;
+    # its workers at the niceness `malleus train` gives its own cluster's
     ray.init(address="local", num_cpus=RAY_TEST_CPUS, include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": env}, configure_logging=False)
+             runtime_env={"env_vars": env}, configure_logging=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
     try:
         yield ray.get_runtime_context().gcs_address
     finally:

@@ -26,10 +26,13 @@ REPO = Path(__file__).resolve().parent.parent
 MODEL = {"layers": 8, "hidden": 128, "heads": 4, "ffn": 384, "vocab": 256, "seq_len": 32}
 
 
-def job_config(name: str, **control) -> JobConfig:
+STORY_DEVICES = 4    # DP 2 x PP 2: enough for a straggler to plan around, few processes on a CI host
+
+
+def job_config(name: str, devices: int = 8, **control) -> JobConfig:
     return JobConfig.from_dict({
-        "name": name, "cluster": {"nodes": 1, "gpus_per_node": 8, "gpu_memory_mb": 16000}, "model": MODEL,
-        "parallel": {"dp": 4, "tp": 1, "pp": 2}, "batch": {"global": 16, "micro": 1},
+        "name": name, "cluster": {"nodes": 1, "gpus_per_node": devices, "gpu_memory_mb": 16000}, "model": MODEL,
+        "parallel": {"dp": devices // 2, "tp": 1, "pp": 2}, "batch": {"global": 16, "micro": 1},
         "data": {"source": "python-stdlib", "seq_len": 32, "max_files": 100},
         "train": {"steps": 1000, "lr": 1e-3}, "emulate": [],     # emulate: the tests slow devices down
         "control": control})
@@ -105,21 +108,29 @@ def wait_for(ray, h, cond, timeout: float = 60.0, what: str = "", watch: Unmeasu
     raise AssertionError(f"timed out waiting for {what}: {st}")
 
 
+def work_of(plan, device: int) -> int:
+    """Blocks x micro-batches a device runs per iteration under `plan` (0: none)."""
+    role = plan.roles().get(device)
+    return 0 if role is None else (role.layers[1] - role.layers[0]) * plan.pipelines[role.pipeline].micro_batches
+
+
 def migrations(history):
     return [h for h in history if h["outcome"] == "applied"]
 
 
-def wait_priced(ray, h) -> dict:
+def wait_priced(ray, h, devices: int) -> dict:
     """Past calibration (which waits for measured devices) and the round it asks for, which prices
     the links the workers timed."""
     wait_step(ray, h, 3 + 3 + 1)
     return wait_for(ray, h, lambda s: s["planning"] is None and not s["pending_requests"] and s["history"] >= 2, 60,
-                    "the round that prices the links", Unmeasured(range(8)))
+                    "the round that prices the links", Unmeasured(range(devices)))
 
 
 def priced_links(entry) -> bool:
     """The round asked at calibration, which prices the links the workers timed."""
     return entry["reason"].startswith("links:")
+
+
 
 
 @pytest.fixture
@@ -129,9 +140,9 @@ def loop(ray_cluster):
     from malleus_svc.control.coordinator import launch
     # grace: an iteration boundary waits for a plan being made, however long the host takes to make
     # it; how many iterations a detection takes is then the measuring's doing alone
-    h, owner = launch(job_config("t-loop", grace=1000), steps=1000, jitter=0.2, jitter_seed=1)
+    h, owner = launch(job_config("t-loop", STORY_DEVICES, grace=1000), steps=1000, jitter=0.2, jitter_seed=1)
     ray.get(h.start.remote(owner=owner), timeout=300)
-    wait_priced(ray, h)
+    wait_priced(ray, h, STORY_DEVICES)
     yield h
     ray.get(h.shutdown.remote(owner=owner), timeout=120)
     ray.kill(h)
@@ -156,14 +167,16 @@ def test_noise_is_no_straggler_a_straggler_is_planned_around_and_its_heal_taken_
     assert [priced_links(h) for h in hist] == [False, True], [(h["outcome"], h["reason"]) for h in hist]
     links = st["links"]    # timed by the workers over gloo: a real round trip, a real all-reduce among 8
     # seconds, not milliseconds: a bound no load reaches, a unit slip would
-    assert links["reducers"] == 8 and 0 < links["p2p_intra_node_s"] < 10 and 0 < links["grad_sync_per_block_s"] < 10
+    assert links["reducers"] == STORY_DEVICES and 0 < links["p2p_intra_node_s"] < 10
+    assert 0 < links["grad_sync_per_block_s"] < 10
     rates = ray.get(loop.rates.remote())["effective"]
-    assert len(rates) == 8 and max(rates.values()) < 1.3, rates
+    assert len(rates) == STORY_DEVICES and max(rates.values()) < 1.3, rates
 
     # 2. a straggler
     watch = Unmeasured([3])     # the straggler's rate decides how soon it is seen
     st = watch.read(ray.get(loop.status.remote()))
     old_plan, applied = st["plan_id"], st["migrations"]
+    healthy = work_of(Plan.from_dict(ray.get(loop.current_plan.remote())), 3)
     ray.get(loop.emulate.remote({3: 3.0}, jitter=0.0))
     wait_for(ray, loop, lambda s: s["migrations"] > applied and s["plan_id"] != old_plan, 60, "a new plan", watch)
     wait_step(ray, loop, ray.get(loop.status.remote())["step"] + 1)   # one iteration under it
@@ -181,10 +194,7 @@ def test_noise_is_no_straggler_a_straggler_is_planned_around_and_its_heal_taken_
     assert entry["migration"]["seconds"] > 0 and entry["old_plan_id"] == old_plan
     assert entry["decision"]["predicted_gain_seconds"] > 0
     # device 3 lost work: suspended, or fewer blocks x micro-batches than its healthy share
-    plan = Plan.from_dict(entry["new_plan"])
-    role = plan.roles().get(3)
-    share = 0 if role is None else (role.layers[1] - role.layers[0]) * plan.pipelines[role.pipeline].micro_batches
-    assert share < 4 * 4, (share, entry["new_plan"])       # healthy: 4 blocks x 4 micro-batches
+    assert work_of(Plan.from_dict(entry["new_plan"]), 3) < healthy, (healthy, entry["new_plan"])
 
     # 3. the heal
     st = wait_step(ray, loop, ray.get(loop.status.remote())["step"] + 4)  # rate window settles at 3x
@@ -197,9 +207,7 @@ def test_noise_is_no_straggler_a_straggler_is_planned_around_and_its_heal_taken_
 
     wait_for(ray, loop, device_3_active, 90, "the healed device's re-plan", Unmeasured([3]))
     plan = Plan.from_dict(ray.get(loop.current_plan.remote()))
-    role = plan.roles().get(3)
-    assert role is not None, plan.to_dict()
-    assert (role.layers[1] - role.layers[0]) * plan.pipelines[role.pipeline].micro_batches >= 8
+    assert work_of(plan, 3) >= healthy // 2, (healthy, plan.to_dict())
     last = migrations(ray.get(loop.get_history.remote()))[-1]
     assert "device 3" in last["reason"], last["reason"]
 
@@ -232,7 +240,7 @@ def ctl(ray_cluster):
     import ray
 
     from malleus_svc.control.coordinator import launch
-    h, owner = launch(job_config("t-ctl"), steps=100_000, plan_delay_s=HOLD_S, migrate_delay_s=HOLD_S, band=100.0)
+    h, owner = launch(job_config("t-ctl", 4), steps=100_000, plan_delay_s=HOLD_S, migrate_delay_s=HOLD_S, band=100.0)
     try:
         ray.get(h.start.remote(owner=owner), timeout=300)
         wait_step(ray, h, 3 + 3 + 1)
@@ -305,7 +313,7 @@ for k, f in bad.items():
 after = (c.status()["external_rates"], c.status()["excluded"], len(c.history()))
 out["unchanged"] = before == after
 out["replan"] = c.replan(reason="from another process")
-out["set_rates"] = c.set_rates({5: 2.0})
+out["set_rates"] = c.set_rates({1: 2.0})
 out["rates"] = c.rates()
 out["status_after"] = c.status()
 print("RESULT " + json.dumps(out, default=str))
@@ -342,9 +350,9 @@ def test_client_api_from_another_process(ctl, ray_cluster, tmp_path):
     assert "non-empty" in errs["empty_rates"] and "non-empty" in errs["empty_exclude"]
     assert "not excluded" in errs["include_not_excluded"]
     assert out["unchanged"]
-    assert out["set_rates"]["external"] == {"5": 2.0} or out["set_rates"]["external"] == {5: 2.0}
-    assert out["rates"]["effective"]["5"] == 2.0 or out["rates"]["effective"].get(5) == 2.0
-    assert out["status_after"]["external_rates"] == {"5": 2.0}
+    assert out["set_rates"]["external"] == {"1": 2.0} or out["set_rates"]["external"] == {1: 2.0}
+    assert out["rates"]["effective"]["1"] == 2.0 or out["rates"]["effective"].get(1) == 2.0
+    assert out["status_after"]["external_rates"] == {"1": 2.0}
     # both requests reach the history (coalesced or not), each exactly once
     ids = {out["replan"]["request"], out["set_rates"]["request"]}
     drive(ray, ctl, idle, 120, "client requests", released)

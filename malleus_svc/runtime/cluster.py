@@ -48,6 +48,9 @@ from .worker import WORKER
 log = logging.getLogger(__name__)
 
 HANG_MARGIN_S = 10.0   # past the collective timeout, a step that has neither returned nor failed hangs
+# The workers are the job: at Ray's default niceness (15) any other process on the host takes their
+# cores first, and a paced CPU worker misses its pace. A cluster of our own runs them at 0.
+LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
 
 
 class WorkerGroupError(RuntimeError):
@@ -61,6 +64,7 @@ def start_local_ray(num_devices: int, **kwargs: Any) -> dict:
     kwargs.setdefault("address", "local")
     kwargs.setdefault("include_dashboard", False)
     kwargs.setdefault("log_to_driver", True)
+    kwargs.setdefault("_system_config", LOCAL_RAY_SYSTEM_CONFIG)
     return ray.init(num_cpus=num_cpus, **kwargs)
 
 
