@@ -905,3 +905,11 @@ def test_workers_write_their_own_pieces_and_another_plan_reads_them(ray_cluster,
         resumed = [g.step(resumed_sampler.next_global_batch()).loss for _ in range(3)]
     assert resumed == pytest.approx(unbroken, rel=1e-5, abs=0)
     assert_same(ckpt.state, saved)     # and a tool assembles the same whole tensors
+
+
+def test_a_step_directory_renamed_to_another_step_is_skipped_with_the_reason(tmp_path):
+    write_steps(tmp_path, [1, 2])
+    os.rename(tmp_path / "step-00000002", tmp_path / "step-00000005")
+    ckpt = load_latest(tmp_path, TINY)
+    assert ckpt.step == 1
+    assert ckpt.skipped == [(tmp_path / "step-00000005", "manifest.json says step 2, the directory name says 5")]

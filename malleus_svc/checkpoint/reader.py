@@ -26,7 +26,7 @@ from malleus_svc.runtime.engine import EXP_AVG, EXP_AVG_SQ, STEP
 from malleus_svc.runtime.shard_files import ShardFileError, ShardReader, check_header
 
 from .errors import CheckpointError, CheckpointMismatchError
-from .layout import check_files, header_of, step_of_dir
+from .layout import MANIFEST, check_files, header_of, step_of_dir
 from .manifest import Manifest
 from .store import Where, manifest_bytes, step_dirs, verified_copy
 
