@@ -6,11 +6,13 @@ each); `_mp.run_on_gloo` hands each process's return value back to the test.
 from __future__ import annotations
 
 import dataclasses
+import traceback
 from dataclasses import asdict
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from _mp import run_on_gloo
 from malleus_svc.config.presets import ModelShape, preset
@@ -225,6 +227,74 @@ def test_an_update_waits_for_apply_and_a_new_step_drops_an_unapplied_one():
     assert twice and "no finished train_step" in twice
 
 
+# ---------------------------------------------------------------------------- compiled blocks
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
+def test_compiled_blocks_train_like_eager_ones(compute):
+    """Regional compile (the default on CUDA) changes kernels, not the computation: losses and every
+    gradient as the eager engine's within the rounding of the compute dtype (fused kernels sum in
+    another order: fp32 rtol 1e-5; bf16 activations rtol 2e-2 on the loss, gradients to 2e-2 of
+    their largest entry), and the parameters keep their checkpoint names."""
+    batches = global_batches(steps=2, micro_batches=2, micro_batch_size=2, seed=7)
+    runs = {}
+    for compiled in (False, True):
+        engine = Engine(TINY, ONE, 0, seed=SEED, optim=dataclasses.replace(OPTIM, compile=compiled),
+                        compute_dtype=compute)
+        losses, grads = [], None
+        for batch in batches:
+            losses.append(engine.train_step(batch, sum(mb.num_loss_tokens for mb in batch), apply=False).loss)
+            # the first step's: Adam turns round-off in near-zero gradients into full-size updates
+            grads = grads or {n: p.grad.clone() for n, p in engine.params.items()}
+            engine.apply_update()
+        runs[compiled] = losses, grads, list(engine.params)
+    (eager_losses, eager_grads, names), (losses, grads, compiled_names) = runs[False], runs[True]
+    assert compiled_names == names and not any("_orig_mod" in n for n in names)
+    rtol = 1e-5 if compute == torch.float32 else 2e-2
+    assert losses == pytest.approx(eager_losses, rel=rtol)
+    for n, g in eager_grads.items():
+        assert float((grads[n] - g).abs().max()) <= rtol * float(g.abs().max()) + 1e-12, n
+    assert OptimConfig().compiles_on(torch.device("cuda", 0)) and not OptimConfig().compiles_on(torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------- host reads
+class DeviceReads(TorchDispatchMode):
+    """Counts the host's reads of device tensors: a scalar read (`item`, `float`, `bool`, which on a
+    GPU wait for it) or a copy to the host. The meta device stands in for the GPU: it holds no data,
+    so no read can hide, and each read seen here returns a dummy (zeros) so that the step goes on."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        to_host = func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default) and (
+            kwargs.get("device", torch.device("meta")).type == "cpu" if func is torch.ops.aten._to_copy.default
+            else args[0].device.type == "cpu" and args[1].device.type == "meta")
+        if src is not None and (func is torch.ops.aten._local_scalar_dense.default and src.is_meta or to_host):
+            self.reads.append("".join(f for f in traceback.format_stack() if "/malleus_svc/" in f.splitlines()[0]))
+            if func is torch.ops.aten._local_scalar_dense.default:
+                return False if src.dtype == torch.bool else 0
+            shape_of = args[1] if func is torch.ops.aten.copy_.default else src
+            return args[0] if func is torch.ops.aten.copy_.default else torch.zeros(shape_of.shape, dtype=kwargs.get("dtype") or src.dtype)
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("apply", [True, False])
+def test_a_step_reads_the_device_once_at_its_end(apply):
+    """Forward, backward, the gradient norm, clipping and (with `apply`) the update are enqueued
+    without the host waiting on the device; the step's figures come back in one read at its end."""
+    engine = Engine(TINY, ONE, 0, seed=SEED, optim=OPTIM, device=torch.device("meta"))
+    batch = global_batches(steps=1, micro_batches=3, micro_batch_size=2)[0]
+    loss_tokens = sum(mb.num_loss_tokens for mb in batch)
+    with DeviceReads() as seen:
+        engine.train_step(batch, loss_tokens, apply=apply)
+        if not apply:
+            engine.apply_update()
+    assert len(seen.reads) == 1, "\n".join(seen.reads)
+    assert "train_step" in seen.reads[0]
+
+
 # ---------------------------------------------------------------------------- packed sequences
 def test_packed_model_equals_each_sequence_alone():
     # fp64, so that summation-order rounding cannot hide (or fake) a leak between sequences
@@ -252,6 +322,29 @@ def test_packed_model_equals_each_sequence_alone():
     other = model(changed, packed.positions(), packed.cu_seqlens)
     assert torch.equal(other[:bounds[1]], logits[:bounds[1]])
     assert not torch.allclose(other[bounds[1]:bounds[2]], logits[bounds[1]:bounds[2]])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_loss_over_token_chunks_equals_the_whole_micro_batchs_and_keeps_no_logits(tied):
+    shape = dataclasses.replace(TINY, tie_embeddings=tied)
+    model = full_model(shape, seed=3, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(2)
+    mb = packed_micro_batch(gen, [7, 12, 4], shape.vocab, 0)
+    targets = mb.targets.clone()
+    targets[[0, 9, 22]] = IGNORE_INDEX
+    logits = model(mb.tokens, mb.positions(), mb.cu_seqlens)
+    whole = torch.nn.functional.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    expected = torch.autograd.grad(whole, list(model.parameters()))
+    assert model.head.chunk >= mb.num_tokens        # the default chunk holds this micro-batch whole
+    model.head.chunk = 5                            # 23 tokens: chunks of 5, 5, 5, 5 and 3
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        chunked = model(mb.tokens, mb.positions(), mb.cu_seqlens, targets)
+    assert not any(tuple(shape_) == (mb.num_tokens, shape.vocab) for shape_ in saved)
+    torch.testing.assert_close(chunked, whole, rtol=1e-12, atol=0)
+    for g, e, (name, _) in zip(torch.autograd.grad(chunked, list(model.parameters())), expected,
+                               model.named_parameters()):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-14, msg=lambda m: f"{name}: {m}")
 
 
 # ---------------------------------------------------------------------------- tensor parallelism

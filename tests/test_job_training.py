@@ -47,6 +47,8 @@ def test_defaults_are_a_constant_lr_and_decay_steps_are_the_jobs_steps():
     assert LrSchedule().lr_at(7, 0.5) == 0.5
     job = _train()
     assert (job.train.weight_decay, job.train.decay_embeddings) == (0.1, True)
+    assert job.train.compile is None and _train(compile=True).train.compile is True   # None: on CUDA only
+    assert _train(compile=False).train.compile is False and _train(compile=None).train.compile is None
 
 
 @pytest.mark.parametrize("train,field,hint", [
@@ -58,6 +60,7 @@ def test_defaults_are_a_constant_lr_and_decay_steps_are_the_jobs_steps():
     ({"decay_fraction": 1.5}, "train.decay_fraction", "<= 1"),
     ({"warmup_steps": -1}, "train.warmup_steps", ">= 0"),
     ({"decay_embeddings": "no"}, "train.decay_embeddings", "true or false"),
+    ({"compile": "yes"}, "train.compile", "true or false"),
 ])
 def test_bad_schedules_name_the_field_and_what_is_accepted(train, field, hint):
     with pytest.raises(ConfigError) as e:

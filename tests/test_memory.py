@@ -43,7 +43,7 @@ def test_meta_measurement_equals_real_tensors(first, last, tp):
         saved, working = saved_for_backward(model, x, positions, cu_seqlens, targets if last else None)
         seen.append((saved, working.nbytes))
     assert seen[0] == seen[1]
-    assert seen[0][0].activations > 0 and (seen[0][0].logits > 0) == last
+    assert seen[0][0] > 0
     assert seen[0][1] == 2 * sum(p.numel() for p in model.parameters())    # one bf16 copy of every weight
 
 
@@ -55,7 +55,7 @@ def test_a_blocks_activations_are_what_the_analytic_model_counts(shape, tp):
     one, two = (stage_footprint(shape, n, has_embedding=False, has_head=False, tp=tp, micro_batch=2, seq_len=seq_len)
                 for n in (1, 2))
     kept, split = analytic.block_activation_bytes(shape, tp, DeviceSpec())
-    assert two.saved.activations - one.saved.activations == pytest.approx(2 * seq_len * (kept + split), rel=1e-9)
+    assert two.saved - one.saved == pytest.approx(2 * seq_len * (kept + split), rel=1e-9)
 
 
 def test_depth_multiplies_what_each_micro_batch_keeps():

@@ -50,8 +50,10 @@ def restore_group(group, checkpoint: Checkpoint, sampler=None) -> int:
     saved_optim = checkpoint.manifest.optim
     optim = getattr(group, "optim", None)
     if saved_optim is not None and optim is not None:
-        now = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(optim).items()}
-        if now != dict(saved_optim):
+        # what the update computes; compiling the blocks or not does not change it
+        now = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(optim).items()
+               if k != "compile"}
+        if now != {k: v for k, v in saved_optim.items() if k != "compile"}:
             log.warning("optimizer config differs from the checkpoint's: saved %s, now %s", saved_optim, now)
     group.load_checkpoint(checkpoint.path, checkpoint.table())
     if sampler is not None:

@@ -9,8 +9,8 @@ Format (YAML or JSON); every scenario section (see scenario.py) plus:
              # files: [PREFIX, {path: PREFIX, weight: 2.0}, {path: F.bin, dtype: uint16, offsets: F.npy}]
     train:   {steps: 10, seed: 0, lr: 3.0e-4, warmup_steps: 0, decay: constant, decay_steps: null, min_lr: 0.0,
               decay_fraction: 0.2, weight_decay: 0.1, decay_embeddings: true, grad_clip: 1.0,
-              betas: [0.9, 0.95], eps: 1.0e-8}
-             # lr: the peak; the schedule (lr_schedule.py): constant | linear | cosine | wsd, reaching
+              betas: [0.9, 0.95], eps: 1.0e-8, compile: null}
+             # compile: each block compiled (regional torch.compile; null: on CUDA, not on CPU). lr: the peak; the schedule (lr_schedule.py): constant | linear | cosine | wsd, reaching
              # min_lr at update decay_steps (null: the job's steps). Weight decay never applies to
              # norm weights, and to the embedding only with decay_embeddings
     eval:    {every: 0, batches: 1, holdout: 0.0}
@@ -118,6 +118,7 @@ class TrainConfig:
     grad_clip: float | None = 1.0     # max global grad norm; None: no clipping
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
+    compile: bool | None = None       # regional torch.compile of each block; None: on CUDA only
 
     def lr_at(self, step: int) -> float:
         return self.schedule.lr_at(step, self.lr)
@@ -379,6 +380,7 @@ def _parse_train(s: Section) -> TrainConfig:
         grad_clip=clip,
         betas=(betas[0], betas[1]),
         eps=s.float("eps", d.eps, minimum=0, exclusive=True),
+        compile=None if s.raw("compile", d.compile) is None else s.bool("compile", False),
     )
     s.done()
     return cfg

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..config.device import DeviceSpec
 from ..config.presets import ModelShape
+from ..geometry import loss_chunk_bytes
 from ..plan import StateSizes
 from .profile import CommCosts, MemoryProfile
 
@@ -66,12 +67,12 @@ def activation_mb(shape: ModelShape, tp: int, micro_batch: int, device: DeviceSp
 def block_activation_bytes(shape: ModelShape, tp: int, device: DeviceSpec) -> tuple[float, float]:
     """Bytes per token one block of this runtime keeps for backward (flash attention, compute in
     `act_bytes`, no recomputation): (replicated in the TP group, this device's share of the split part).
-    Replicated: both norms' inputs and outputs (the outputs enter TP regions), their fp32 1/rms, and
-    rotary's fp32 cos and sin for q and k. Split: rotated q and k, v, the attention output, flash's
+    Replicated: both norms' inputs and outputs (the outputs enter TP regions) and their fp32 1/rms
+    (rotary's fp32 tables are made once per stage and shared by its blocks). Split: rotated q and k, v, the attention output, flash's
     fp32 log-sum-exp per head, and SwiGLU's gate, up, silu(gate) and their product."""
     a, d = device.act_bytes, shape.head_dim
     kv = shape.n_kv_heads * d
-    replicated = 4 * a * shape.hidden + 2 * 4 + 4 * 4 * (d // 2)
+    replicated = 4 * a * shape.hidden + 2 * 4
     split = (a * (2 * shape.hidden + 2 * kv + 4 * shape.ffn) + 4 * shape.heads) / tp
     return replicated, split
 
@@ -84,7 +85,8 @@ def memory_profile(shape: ModelShape, tp: int, pp: int, micro_batch: int, gpu_me
     moments and a bf16 working copy (`TRAIN_STATE_BYTES_PER_PARAM`), split over the group but for
     its norms, plus its activations per micro-batch in flight. The embedding and the head are
     replicated in the group: the first stage also keeps the embedding's output per micro-batch in
-    flight, the last the final norm's input and output and the fp32 logits of its one micro-batch."""
+    flight, the last the final norm's input and output of its one micro-batch and the logits of one
+    chunk of its loss (`geometry.loss_chunk_bytes`)."""
     tokens = micro_batch * shape.seq_len
     norms = 2 * shape.hidden
     state_split = (shape.block_params() - norms) * TRAIN_STATE_BYTES_PER_PARAM / tp / MB
@@ -96,7 +98,8 @@ def memory_profile(shape: ModelShape, tp: int, pp: int, micro_batch: int, gpu_me
     first = (shape.embedding_params() * TRAIN_STATE_BYTES_PER_PARAM
              + max(pp, 2) * tokens * shape.hidden * device.act_bytes)
     last = (shape.head_params() * TRAIN_STATE_BYTES_PER_PARAM
-            + tokens * (2 * shape.hidden * device.act_bytes + 4 + 4 * shape.vocab))
+            + tokens * (2 * shape.hidden * device.act_bytes + 4)
+            + loss_chunk_bytes(shape.vocab, tokens, device.act_bytes))
     ends = max(first, last) / MB
     return MemoryProfile(layer_mb=layer_mb, embedding_mb=ends, reserved_mb=reserved_mb,
                          safety_margin_mb=safety_margin_mb, gpu_memory_mb=gpu_memory_mb,

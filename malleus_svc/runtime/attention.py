@@ -1,7 +1,9 @@
 """Causal self-attention over packed variable-length sequences, and rotary positions.
 
 Sequences packed into one token row must never see each other: `cu_seqlens` marks the
-boundaries. On CUDA with flash-attn installed, its varlen kernel does exactly this. Elsewhere
+boundaries. On CUDA in bf16/fp16 one varlen kernel call covers the whole micro-batch: flash-attn's
+where it is installed, else torch's own (`torch.nn.attention.varlen`, the flash kernel built into
+torch; a run without flash-attn says so once). Elsewhere (the CPU stand-in, or fp32/fp64 on CUDA)
 torch's scaled_dot_product_attention takes the sequences as 4-D batches [B, H, L, d], so the cost
 is the sum of the sequences' costs rather than that of one big masked square. On an accelerator
 the sequences of one length form one batch (one call per length). On the CPU stand-in each
@@ -14,8 +16,11 @@ is made once per micro-batch (`StageModel.forward`) and handed to each layer.
 """
 from __future__ import annotations
 
+import inspect
+import logging
 import math
-from functools import cached_property
+from functools import cache, cached_property
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +32,7 @@ try:  # optional, GPU only
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     _flash_varlen = None
 
+log = logging.getLogger(__name__)
 
 
 def rotary_frequencies(head_dim: int, theta: float = ROPE_BASE, scaling: RopeScaling | None = None,
@@ -78,11 +84,21 @@ class Packing:
         self.lengths = [b - a for a, b in zip(self.bounds, self.bounds[1:])]
         self.max_len = max(self.lengths, default=0)
         self.num_tokens = self.bounds[-1]
+        # made here, outside any compiled block, for every layer to read: what this device's path needs
+        self.kernel = attention_backend(self.device)
+        if self.device.type == "cuda":
+            self.device_cu_seqlens
+        else:
+            self.by_length
 
     @cached_property
     def device_cu_seqlens(self) -> torch.Tensor:
-        """int32 [n+1] on the device, as flash-attn's varlen kernel reads it (one host-to-device copy)."""
-        return torch.tensor(self.bounds, dtype=torch.int32, device=self.device)
+        """int32 [n+1] on the device, as the varlen kernels read it: one copy from pinned host memory
+        that does not wait for the device."""
+        host = torch.tensor(self.bounds, dtype=torch.int32)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
 
     @cached_property
     def by_length(self) -> tuple[list[tuple[int, torch.Tensor]], torch.Tensor | None]:
@@ -114,11 +130,57 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
         raise ValueError(f"{q.shape[1]} query heads cannot share {k.shape[1]} key/value heads")
     if q.shape[0] != packing.num_tokens:
         raise ValueError(f"{q.shape[0]} tokens, but the packing covers {packing.num_tokens}")
-    if _flash_varlen is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and packing.kernel != SDPA:
         cu = packing.device_cu_seqlens
-        return _flash_varlen(q, k.to(q.dtype), v.to(q.dtype), cu, cu, packing.max_len, packing.max_len,
-                             causal=True)
+        if _flash_varlen is not None:
+            return _flash_varlen(q, k.to(q.dtype), v.to(q.dtype), cu, cu, packing.max_len, packing.max_len,
+                                 causal=True)
+        return _torch_varlen_causal(q, k.to(q.dtype), v.to(q.dtype), cu, packing.max_len)
     return sdpa_by_length(q, k, v, packing)
+
+
+FLASH_ATTN, TORCH_VARLEN, SDPA = "flash-attn varlen", "torch varlen (flash)", "SDPA per sequence length"
+
+
+@cache
+def attention_backend(device: torch.device) -> str:
+    """Which kernel packed bf16 attention runs on `device`, said once per process on CUDA when it is
+    not flash-attn's."""
+    global _TORCH_VARLEN
+    if device.type != "cuda":
+        return SDPA
+    if _flash_varlen is None:
+        _TORCH_VARLEN = _import_torch_varlen()
+    backend = FLASH_ATTN if _flash_varlen is not None else TORCH_VARLEN if _TORCH_VARLEN is not None else SDPA
+    if backend != FLASH_ATTN:
+        log.warning("flash-attn is not installed: packed attention runs on %s (the `gpu` extra installs it)",
+                    "torch's varlen flash kernel" if backend == TORCH_VARLEN else "one SDPA call per sequence length")
+    return backend
+
+
+# torch's varlen kernel with what makes it causal and whether it takes grouped key/value heads (its
+# signature changed between torch releases), once `attention_backend` has chosen it on CUDA
+_TORCH_VARLEN: tuple[Callable, dict, bool] | None = None
+
+
+def _import_torch_varlen() -> tuple[Callable, dict, bool] | None:
+    """torch's own varlen flash kernel (CUDA; torch >= 2.9), imported only on CUDA: importing it
+    imports torch's compiler, which a CPU worker's start does without."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    return varlen_attn, causal, "enable_gqa" in params
+
+
+def _torch_varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int
+                         ) -> torch.Tensor:
+    varlen, causal, takes_gqa = _TORCH_VARLEN
+    # the flash kernel reads grouped key/value heads as they are; newer torch asks to be told so
+    extra = {"enable_gqa": True} if q.shape[1] != k.shape[1] and takes_gqa else {}
+    return varlen(q, k, v, cu, cu, max_len, max_len, **causal, **extra)
 
 
 def sdpa_by_length(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing) -> torch.Tensor:

@@ -10,6 +10,7 @@ Three things make it so:
 """
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from dataclasses import dataclass
@@ -17,17 +18,16 @@ from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from malleus_svc.config.job import TrainConfig
 from malleus_svc.config.lr_schedule import LrSchedule
 from malleus_svc.config.presets import ModelShape
 from malleus_svc.geometry import TIED, decayed, part_tensors, split_dim, tensor_spec, tp_divisibility_error
 from malleus_svc.plan import Plan
-from malleus_svc.runtime.batch import IGNORE_INDEX, MicroBatch
+from malleus_svc.runtime.batch import MicroBatch
 from malleus_svc.runtime.device_clock import DeviceClock, make_clock
 from malleus_svc.runtime.groups import Groups, PipelinePeers, Piece, ordered_group_ranks, tied_piece, world_rank
-from malleus_svc.runtime.model import build_stage_model
+from malleus_svc.runtime.model import build_stage_model, compile_blocks
 from malleus_svc.runtime.optimizer import AdamW
 from malleus_svc.runtime.precision import WorkingWeights, compute_dtype_for
 from malleus_svc.runtime.schedule import Post, Transfer, stage_program
@@ -42,7 +42,8 @@ _TRAIN = TrainConfig()
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """AdamW, its schedule and clipping; the defaults are the job file's (config.job.TrainConfig)."""
+    """The job file's `train` section as a device runs it (config.job.TrainConfig, whose defaults these
+    are): AdamW, its schedule and clipping, and whether the blocks are compiled."""
     lr: float = _TRAIN.lr                 # the peak
     betas: tuple[float, float] = _TRAIN.betas
     eps: float = _TRAIN.eps
@@ -50,11 +51,16 @@ class OptimConfig:
     grad_clip: float | None = _TRAIN.grad_clip   # max global grad norm; None or <= 0: no clipping
     decay_embeddings: bool = _TRAIN.decay_embeddings
     schedule: LrSchedule = _TRAIN.schedule
+    compile: bool | None = _TRAIN.compile        # blocks compiled (None: on CUDA only)
 
     @classmethod
     def of(cls, train: TrainConfig) -> "OptimConfig":
         return cls(lr=train.lr, betas=train.betas, eps=train.eps, weight_decay=train.weight_decay,
-                   grad_clip=train.grad_clip, decay_embeddings=train.decay_embeddings, schedule=train.schedule)
+                   grad_clip=train.grad_clip, decay_embeddings=train.decay_embeddings, schedule=train.schedule,
+                   compile=train.compile)
+
+    def compiles_on(self, device: torch.device) -> bool:
+        return self.compile if self.compile is not None else device.type == "cuda"
 
     def lr_at(self, step: int) -> float:
         return self.schedule.lr_at(step, self.lr)
@@ -141,6 +147,14 @@ def _buckets(views: list[torch.Tensor], cap: int) -> Iterator[list[torch.Tensor]
         yield run
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor copied to `device` without the host waiting: on CUDA from pinned memory, non-
+    blocking (a copy from pageable memory synchronises the stream first)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 class GradientSync:
     """Sums each gradient piece over the pipelines holding it, and measures the global norm.
 
@@ -225,12 +239,13 @@ class GradientSync:
         if both:
             both[1].copy_(both[0])
 
-    def local_square_norm(self) -> float:
-        """Sum of squares of the pieces this device counts (each unique element exactly once)."""
-        total = 0.0
-        for item in self.norm_items:
-            total += float(self._view(item).double().pow(2).sum())
-        return total
+    def local_square_norm(self) -> torch.Tensor:
+        """Sum of squares of the pieces this device counts (each unique element exactly once), in fp64
+        on the device: one fused norm over all pieces, nothing read by the host."""
+        views = [self._view(item) for item in self.norm_items]
+        if not views:
+            return torch.zeros((), dtype=torch.float64, device=next(iter(self.params.values())).device)
+        return torch.stack(torch._foreach_norm(views, 2, dtype=torch.float64)).square().sum()
 
 
 class Engine:
@@ -261,9 +276,11 @@ class Engine:
         self.model = build_stage_model(shape, self.role.layers, has_embedding=self.role.is_first,
                                        has_head=self.role.is_last, tp=self.groups.tp, device=self.device,
                                        seed=seed if init else None).to(dtype=dtype)
+        if optim.compiles_on(self.device):
+            compile_blocks(self.model)
         self.params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
         self.optimizer = optim.make(self.params, tied=shape.tie_embeddings)
-        self.working = WorkingWeights(self.params, compute_dtype or compute_dtype_for(self.device, dtype))
+        self.working = WorkingWeights(self.model, compute_dtype or compute_dtype_for(self.device, dtype))
         self.grad_sync = GradientSync(self.groups, self.params, shape)
         self.transport = transport(self.groups.peers, self.device, self.working.dtype)
         self._update_pending = False
@@ -285,7 +302,8 @@ class Engine:
             raise ValueError(f"loss_tokens must count the global batch's loss tokens (>= 1), got {loss_tokens}")
         wall0 = time.perf_counter()
         self.transport.comm_seconds = self.groups.tp.comm_seconds = 0.0
-        self.clock.read()                 # from here on, this step's ops only
+        # no clock read here: on CUDA it would wait for the last update; this step's read at its end
+        # takes that update's time (and an evaluation's) under their own kinds, not "compute"
         self._flops = 0.0
         self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
         self._inflight: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
@@ -301,28 +319,28 @@ class Engine:
         comm0 = time.perf_counter()
         self.grad_sync.reduce()
         local_loss = self._loss if (self.role.is_last and self.role.tp_rank == 0) else torch.zeros_like(self._loss)
-        totals = torch.stack([torch.tensor(self.grad_sync.local_square_norm(), dtype=torch.float64,
-                                           device=self.device), local_loss])
+        totals = torch.stack([self.grad_sync.local_square_norm(), local_loss])
         if self.groups.active is not None:
             dist.all_reduce(totals, group=self.groups.active)
         comm = time.perf_counter() - comm0
-        grad_norm = float(totals[0].sqrt())
-        self._clip(grad_norm)
+        self._clip(totals[0].sqrt())
         self._update_pending = True
         if apply:
             self.apply_update(lr)
+        # the step's one read of the device, once all of it is enqueued
+        square_norm, global_loss, loss = torch.stack([totals[0], totals[1], self._loss]).cpu().tolist()
 
         return StepStats(
-            loss=float(self._loss) if self.role.is_last else 0.0,
+            loss=loss if self.role.is_last else 0.0,
             loss_tokens=sum(mb.num_loss_tokens for mb in micro_batches),
-            grad_norm=grad_norm,
+            grad_norm=math.sqrt(square_norm),
             compute_seconds=self.clock.read().get("compute", 0.0),
             flops=self._flops,
             model_flops=3.0 * sum(self.model.forward_flops(mb.cu_seqlens, model_share=True)
                                   for mb in micro_batches),
             wall_seconds=time.perf_counter() - wall0,
             comm_seconds=comm + self.transport.comm_seconds + self.groups.tp.comm_seconds,
-            global_loss=float(totals[1]),
+            global_loss=global_loss,
         )
 
     def apply_update(self, lr: float | None = None) -> float:
@@ -405,8 +423,8 @@ class Engine:
 
     def _forward(self, i: int, mb: MicroBatch, loss_tokens: int, received: torch.Tensor | None) -> torch.Tensor:
         """Forward of micro-batch i on the received activation (the tokens on the first stage)."""
-        positions = mb.positions().to(self.device)
-        x = received.requires_grad_(True) if received is not None else mb.tokens.to(self.device)
+        positions = to_device(mb.positions(), self.device)
+        x = received.requires_grad_(True) if received is not None else to_device(mb.tokens, self.device)
         flops = self.model.forward_flops(mb.cu_seqlens)
         with self.clock.op("compute", flops=flops):
             out = self._stage_forward(mb, loss_tokens, x, positions)
@@ -415,9 +433,9 @@ class Engine:
         return out
 
     def _evaluate(self, i: int, mb: MicroBatch, loss_tokens: int, received: torch.Tensor | None) -> torch.Tensor:
-        """Forward of micro-batch i for an evaluation (device time the next step's reading drops)."""
-        positions = mb.positions().to(self.device)
-        x = received if received is not None else mb.tokens.to(self.device)
+        """Forward of micro-batch i for an evaluation (device time the next step reads as "eval", apart)."""
+        positions = to_device(mb.positions(), self.device)
+        x = received if received is not None else to_device(mb.tokens, self.device)
         with self.clock.op("eval", flops=self.model.forward_flops(mb.cu_seqlens)):
             return self._stage_forward(mb, loss_tokens, x, positions)
 
@@ -426,11 +444,10 @@ class Engine:
         """The stage's output on input x: the boundary activation, or on the last stage the loss
         (added to the step's), summed over tokens and divided by the GLOBAL count, so that it sums
         to the global mean (Malleus fault 7)."""
-        out = self.working(self.model, x, positions, mb.cu_seqlens)
+        targets = to_device(mb.targets, self.device) if self.role.is_last else None
+        out = self.working(self.model, x, positions, mb.cu_seqlens, targets)
         if self.role.is_last:
-            logits = out.to(torch.promote_types(out.dtype, torch.float32))
-            out = F.cross_entropy(logits, mb.targets.to(self.device), ignore_index=IGNORE_INDEX,
-                                  reduction="sum") / loss_tokens
+            out = out / loss_tokens
             self._loss += out.detach().double()
         return out
 
@@ -444,14 +461,14 @@ class Engine:
         self._flops += 2 * forward_flops
         return x.grad
 
-    def _clip(self, grad_norm: float) -> None:
+    def _clip(self, grad_norm: torch.Tensor) -> None:
         clip = self.optim.grad_clip
         if clip is None or clip <= 0:
             return
-        # the same rule as torch.nn.utils.clip_grad_norm_
-        coef = min(clip / (grad_norm + 1e-6), 1.0)
-        for p in self.params.values():
-            p.grad.mul_(coef)
+        # the same rule as torch.nn.utils.clip_grad_norm_, on the device: the host reads nothing
+        grads = [p.grad for p in self.params.values()]
+        coef = (clip / (grad_norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype)   # the masters' one dtype
+        torch._foreach_mul_(grads, coef)
 
     # ------------------------------------------------------------------ state in and out
     def _shard_bounds(self, name: str) -> tuple[int | None, int, int, tuple[int, ...]]:

@@ -5,9 +5,9 @@ Checks, each against an oracle with a stated tolerance:
 
   attention-sdpa-bf16   the SDPA fallback of varlen attention in bf16 against fp64 masked attention
                         over the packed row (`reference.masked_attention`), outputs and gradients
-  attention-flash       flash-attn's varlen kernel, as `varlen_causal_attention` calls it, against
-                        the same oracle: its error at most twice the bf16 SDPA fallback's, plus
-                        1e-3 (flash-attn's own test rule); CUDA with flash-attn only
+  attention-flash       the varlen kernel (flash-attn's, else torch's), as `varlen_causal_attention`
+                        calls it, against the same oracle: its error at most twice the bf16 SDPA
+                        fallback's, plus 1e-3 (flash-attn's own test rule); CUDA only
   train-bf16            a few training steps on one batch of one device's Engine in mixed
                         precision (fp32 master weights, bf16 working weights and activations:
                         what GPU workers run) against fp32 single-process training
@@ -16,6 +16,8 @@ Checks, each against an oracle with a stated tolerance:
                         (`length_sweep.device_sweeps`: lengths up to the model's seq_len, bf16
                         kernels, TP 1 and 2 shards, collectives priced): its held-out error on
                         packs it was not fitted on (CPU: TP 2 only, 5 rounds, on the paced clock)
+  step-host-syncs       a training step (compiled blocks, bf16) under CUDA's sync debug mode makes at
+                        most one call that waits for the GPU, the read that ends it; CUDA only
   throttled-clock       device time of an emulated straggler: an Engine at rate 3 on the device's
                         own clock (CUDA: `CudaClock`, events and a sleep kernel; CPU: the paced
                         clock) measures 3x the device time of its healthy steps
@@ -45,7 +47,9 @@ import argparse
 import statistics
 import sys
 import traceback
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -155,12 +159,13 @@ def check_flash(device: torch.device) -> Result:
     name = "attention-flash"
     if device.type != "cuda":
         return Result(name, "skip", "no CUDA" if not torch.cuda.is_available() else "--device cpu", "-")
-    if attention._flash_varlen is None:
-        return Result(name, "skip", "flash-attn not installed", "-")
-    flash = _attention_error(attention.varlen_causal_attention, device)   # bf16 on CUDA: the flash kernel
+    backend = attention.attention_backend(device)
+    if backend == attention.SDPA:
+        return Result(name, "skip", "neither flash-attn nor torch's varlen kernel is here", "-")
+    flash = _attention_error(attention.varlen_causal_attention, device)   # bf16 on CUDA: one varlen call
     sdpa = _attention_error(attention.sdpa_by_length, device)
     bound = FLASH_FACTOR * sdpa + FLASH_SLACK
-    return Result(name, _verdict(flash <= bound), f"max rel err {flash:.2e} (SDPA bf16 {sdpa:.2e})",
+    return Result(name, _verdict(flash <= bound), f"{backend}: max rel err {flash:.2e} (SDPA bf16 {sdpa:.2e})",
                   f"<= {FLASH_FACTOR:g} x SDPA + {FLASH_SLACK:g} = {bound:.2e}")
 
 
@@ -179,6 +184,38 @@ def check_train_bf16(device: torch.device, shape: ModelShape, steps: int = 4) ->
                   f"loss rel err {worst:.2e} over {steps} steps ({ref[0]:.3f} -> {ref[-1]:.3f})"
                   + ("" if learned else "; loss did not fall"),
                   f"<= {TRAIN_BF16_LOSS_RTOL:g}, and falls")
+
+
+def check_host_syncs(device: torch.device, shape: ModelShape) -> Result:
+    """A training step (compiled blocks, bf16) under CUDA's sync debug mode: every call that makes
+    the host wait for the GPU warns; the step may make one, the read that ends it."""
+    name = "step-host-syncs"
+    if device.type != "cuda":
+        return Result(name, "skip", "CUDA only (on CPU: tests/test_engine.py counts the reads on meta)", "-")
+    plan = _one_device_plan(shape, micro_batches=2, micro_batch_size=4)
+    first, second = global_batches(shape, 2, 2, 4)
+    engine = Engine(shape, plan, 0, seed=SEED, optim=OPTIM, device=device, compute_dtype=torch.bfloat16)
+    engine.train_step(first, _loss_tokens(first))     # compiles, fills the allocators
+    torch.cuda.synchronize(device)
+    syncs: list[str] = []
+
+    def seen(message, *_args, **_kwargs) -> None:   # where the host waited: the innermost Python frames
+        if "called a synchronizing CUDA operation" in str(message):   # not the mode's own prototype notice
+            frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith("warnings.py")]
+            syncs.append(" < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-3:])))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = seen
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine.train_step(second, _loss_tokens(second))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    for where in syncs:
+        print(f"step-host-syncs: the host waited at {where}", flush=True)
+    return Result(name, _verdict(len(syncs) <= 1), f"{len(syncs)} in a step" + (f" (first at {syncs[0]})" if syncs else ""),
+                  "<= 1, the step's end")
 
 
 # On CUDA the throttled ops must be GPU-bound. A launch-bound op (a small model: the GPU idles
@@ -390,6 +427,7 @@ def _run(device: torch.device, shape: ModelShape) -> list[Result]:
         ("attention-sdpa-bf16", lambda: check_sdpa_bf16(device)),
         ("attention-flash", lambda: check_flash(device)),
         ("train-bf16", lambda: check_train_bf16(device, shape)),
+        ("step-host-syncs", lambda: check_host_syncs(device, shape)),
         ("length-sweep", lambda: check_length_sweep(device, GPU_BOUND_SHAPE if device.type == "cuda" else shape)),
         ("throttled-clock", lambda: check_throttled_clock(device, GPU_BOUND_SHAPE if device.type == "cuda" else shape)),
         ("memory-peak", lambda: check_memory_peak(device, GPU_BOUND_SHAPE)),
@@ -433,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = preset(model)
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"gpu_check on {label}: torch {torch.__version__}, model {model}, "
-          f"flash-attn {'yes' if attention._flash_varlen is not None else 'no'}", flush=True)
+          f"packed attention: {attention.attention_backend(device)}", flush=True)
     results = run_checks(device, shape)
     print(format_table(results))
     failed = [r.check for r in results if r.status == "fail"]

@@ -15,7 +15,8 @@ min(stages - stage, micro_batches) at a stage):
   boundary     the stage's pipeline tensors, in the compute dtype: per in-flight micro-batch the
                received activation (not the first stage) and the output kept for backward (not
                the last), plus one received and one sent gradient (the backward running now)
-  logits       the last stage's fp32 logits the loss keeps (log-softmax output), per micro-batch
+  logits       the last stage's loss: the logits of one chunk of tokens, in its backward
+               (`geometry.loss_chunk_bytes`); the loss keeps none between forward and backward
 
 Attention is measured as flash-attn's varlen kernel, the GPU path, keeps it: q, k, v (k and v at
 their own kv heads), the output and an fp32 log-sum-exp [heads, tokens], O(tokens) and never the
@@ -31,9 +32,9 @@ from dataclasses import dataclass, fields
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 
 from malleus_svc.config.presets import ModelShape
+from malleus_svc.geometry import loss_chunk_bytes
 from malleus_svc.runtime.attention import varlen_causal_attention
 from malleus_svc.runtime.model import StageModel
 from malleus_svc.runtime.precision import GPU_COMPUTE_DTYPE, WorkingWeights
@@ -66,39 +67,25 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata   # shared by every view of one tensor, meta or real
 
 
-@dataclass(frozen=True)
-class SavedBytes:
-    """Bytes of unique storages one micro-batch's forward saves for backward, by kind."""
-
-    activations: int
-    logits: int
-
-
 def saved_for_backward(model: StageModel, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
                        targets: torch.Tensor | None = None, compute_dtype: torch.dtype = GPU_COMPUTE_DTYPE
-                       ) -> tuple[SavedBytes, WorkingWeights]:
-    """Run one forward on `compute_dtype` working weights as the engine does (and, with `targets`,
-    its fp32 cross-entropy on the logits) and sort the unique storages autograd saves: parameters,
-    working weights and the input `x` are left out (counted as state and as boundary), [tokens,
-    vocab] tensors are `logits`, the rest `activations`. Returns the working weights too."""
+                       ) -> tuple[int, WorkingWeights]:
+    """Run one forward on `compute_dtype` working weights as the engine does (with `targets`, to the
+    loss) and add up the unique storages autograd saves, less the parameters, the working weights
+    and the input `x` (counted as state and as boundary): the activations' bytes. Returns the working
+    weights too."""
     saved: dict[int, torch.Tensor] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         saved.setdefault(_storage_key(t), t)
         return t
 
-    working = WorkingWeights(dict(model.named_parameters()), compute_dtype)
+    masters = list(model.parameters())
+    working = WorkingWeights(model, compute_dtype)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = working(model, x, positions, cu_seqlens)
-        if targets is not None:
-            F.cross_entropy(out.to(torch.float32), targets, reduction="sum")
-    skip = {_storage_key(t) for t in (*model.parameters(), *working.tensors.values(), x)}
-    totals = {"activations": 0, "logits": 0}
-    for key, t in saved.items():
-        if key not in skip:
-            kind = "logits" if tuple(t.shape) == (x.shape[0], model.shape.vocab) else "activations"
-            totals[kind] += t.untyped_storage().nbytes()
-    return SavedBytes(**totals), working
+        working(model, x, positions, cu_seqlens, targets)
+    skip = {_storage_key(t) for t in (*masters, *working.tensors.values(), x)}
+    return sum(t.untyped_storage().nbytes() for key, t in saved.items() if key not in skip), working
 
 
 @dataclass(frozen=True)
@@ -129,17 +116,18 @@ class StageFootprint:
     grads: int
     adam: int
     working: int
-    saved: SavedBytes
+    saved: int                    # activations kept for backward per micro-batch
     boundary_tensor: int          # one [tokens, hidden] tensor in the compute dtype
+    loss_chunk: int               # the loss's transient logits (0 but on the last stage)
     has_embedding: bool
     has_head: bool
 
     def at_depth(self, in_flight: int) -> StageMemory:
         sides = (not self.has_embedding) + (not self.has_head)   # receives activations / sends them
         return StageMemory(params=self.params, grads=self.grads, adam=self.adam, working=self.working,
-                           activations=in_flight * self.saved.activations,
+                           activations=in_flight * self.saved,
                            boundary=(in_flight + 1) * sides * self.boundary_tensor,
-                           logits=in_flight * self.saved.logits)
+                           logits=self.loss_chunk)
 
 
 def stage_inputs(shape: ModelShape, micro_batch: int, seq_len: int, first: bool, device: torch.device,
@@ -196,4 +184,5 @@ def stage_footprint(shape: ModelShape, num_layers: int, *, has_embedding: bool, 
     x, positions, cu_seqlens, targets = stage_inputs(shape, micro_batch, seq_len, has_embedding, META)
     saved, working = saved_for_backward(model, x, positions, cu_seqlens, targets if has_head else None)
     boundary = micro_batch * seq_len * shape.hidden * GPU_COMPUTE_DTYPE.itemsize
-    return StageFootprint(params, grads, adam, working.nbytes, saved, boundary, has_embedding, has_head)
+    loss_chunk = loss_chunk_bytes(shape.vocab, micro_batch * seq_len, GPU_COMPUTE_DTYPE.itemsize) if has_head else 0
+    return StageFootprint(params, grads, adam, working.nbytes, saved, boundary, loss_chunk, has_embedding, has_head)

@@ -1,7 +1,8 @@
 """The LLaMA-style decoder, cut into parts that any stage can build on its own.
 
 Parts: "embedding" (token embedding), block i (RMSNorm, attention with rotary positions, RMSNorm,
-SwiGLU MLP, both with residuals), "head" (final RMSNorm and the untied LM head).
+SwiGLU MLP, both with residuals), "head" (final RMSNorm and the LM head, which with the targets
+computes the loss over chunks of tokens, `geometry.loss`).
 
 Every tensor has a stable full-model name (``blocks.3.attn.wq``, ``embedding.weight``, ...) and
 is initialised tile by tile, each tile from a generator seeded by (seed, name, tile) alone. A
@@ -23,9 +24,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from malleus_svc.config.presets import ModelShape
-from malleus_svc.geometry import (EMBEDDING, HEAD, TIED, Part, TensorSpec, part_tensors, shard_rows, split_dim,
-                                  tp_divisibility_error)
+from malleus_svc.geometry import (EMBEDDING, HEAD, TIED, Part, TensorSpec, loss_chunk_tokens, part_tensors, shard_rows,
+                                  split_dim, tp_divisibility_error)
 from malleus_svc.runtime.attention import Packing, apply_rotary, rotary_tables, varlen_causal_attention
+from malleus_svc.runtime.batch import IGNORE_INDEX
 from malleus_svc.runtime.tensor_parallel import SINGLE, TensorParallel, copy_to_region, reduce_from_region
 
 INIT_STD = 0.02
@@ -180,13 +182,53 @@ class Embedding(nn.Module):
         return F.embedding(tokens, self.weight)
 
 
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """sum over tokens of cross_entropy(x @ weight.T, targets), the logits in at least fp32, computed
+    over `chunk` tokens at a time: forward keeps only x (and the targets), backward recomputes each
+    chunk's logits and differentiates them as the plain expression would, so no [tokens, vocab]
+    tensor of the whole micro-batch ever exists."""
+
+    @staticmethod
+    def _chunk_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, weight)
+        return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets,
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, targets)
+        ctx.chunk = chunk
+        return sum(_ChunkedHeadLoss._chunk_loss(x[s:s + chunk], weight, targets[s:s + chunk])
+                   for s in range(0, x.shape[0], chunk))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, targets = ctx.saved_tensors
+        grad_x = torch.empty_like(x)
+        grad_weight = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32))
+        w = weight.detach().requires_grad_(True)
+        for s in range(0, x.shape[0], ctx.chunk):
+            xs = x[s:s + ctx.chunk].detach().requires_grad_(True)
+            with torch.enable_grad():    # scaled here, not by grad_outputs (whose check imports sympy)
+                loss = _ChunkedHeadLoss._chunk_loss(xs, w, targets[s:s + ctx.chunk]) * grad
+            gx, gw = torch.autograd.grad(loss, (xs, w))
+            grad_x[s:s + ctx.chunk] = gx
+            grad_weight += gw
+        return grad_x, grad_weight.to(weight.dtype), None, None
+
+
 class LMHead(nn.Module):
     def __init__(self, spec: TensorSpec):
         super().__init__()
         self.weight = _parameter(spec, SINGLE)
+        self.chunk = loss_chunk_tokens(spec.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
+
+    def loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The summed cross-entropy of the logits of x against targets, chunk by chunk of tokens."""
+        return _ChunkedHeadLoss.apply(x, self.weight, targets, self.chunk)
 
 
 class StageModel(nn.Module):
@@ -255,18 +297,34 @@ class StageModel(nn.Module):
         channels = sum(block.attn.wq.shape[0] for block in self.blocks.values())
         return sum(n for _, n in matrices), share, channels
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """Tokens [T] (first stage) or hidden states [T, hidden] -> hidden states, or logits (last stage)."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Tokens [T] (first stage) or hidden states [T, hidden] -> hidden states, or on the last stage
+        the logits, or with `targets` the summed cross-entropy against them (`LMHead.loss`)."""
         if self.embedding is not None:
             x = self.embedding(x)
-        # what every layer's attention needs of the positions and the boundaries, made once
-        rope = rotary_tables(positions, self.shape.head_dim, x.device, self.shape.rope_theta, self.shape.rope_scaling)
+        # what every layer's attention needs of the positions and the boundaries, made once, the
+        # tables in the dtype rotary computes in (at least fp32) so that no layer casts them again
+        wide = torch.promote_types(x.dtype, torch.float32)
+        rope = tuple(t.to(wide) for t in rotary_tables(positions, self.shape.head_dim, x.device,
+                                                        self.shape.rope_theta, self.shape.rope_scaling))
         packing = Packing(cu_seqlens, x.device)
         for block in self.blocks.values():
             x = block(x, rope, packing)
         if self.head is not None:
-            x = self.head(self.final_norm(x))
+            x = self.final_norm(x)
+            x = self.head(x) if targets is None else self.head.loss(x, targets)
         return x
+
+
+def compile_blocks(model: StageModel) -> StageModel:
+    """Regional compilation: each block compiled on its own, in place (parameter names unchanged), so
+    that its norms, rotary and SwiGLU fuse into a few kernels while the stage's Python (pipeline,
+    transport, collectives between blocks) stays eager. One compilation serves every block of the
+    same shape; a new micro-batch length makes the compiled code dynamic in it (once)."""
+    for block in model.blocks.values():
+        block.compile()
+    return model
 
 
 def build_stage_model(shape: ModelShape, layers: tuple[int, int], *, has_embedding: bool, has_head: bool,

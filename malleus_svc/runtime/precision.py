@@ -3,7 +3,8 @@
 Mixed precision the way large-model runtimes keep it (Megatron's bf16 with fp32 main parameters):
 the optimizer owns fp32 master weights, fp32 gradients and fp32 Adam moments; the forward and
 backward run on ONE low-precision working copy of the weights, made once and refreshed from the
-masters after every optimizer step or load. Activations and the pipeline's boundary tensors are in
+masters after every optimizer step or load. The working copies take the masters' places in the
+module (same names), so that a forward is the module's own call, with nothing swapped in per call. Activations and the pipeline's boundary tensors are in
 the compute dtype too. Autocast would instead cast every weight afresh in every micro-batch's
 forward and keep that cast for backward: one copy per micro-batch in flight.
 
@@ -14,11 +15,10 @@ micro-batches is taken in the masters' precision.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.func import functional_call
 
 
 GPU_COMPUTE_DTYPE = torch.bfloat16
@@ -33,29 +33,29 @@ def compute_dtype_for(device: torch.device, params_dtype: torch.dtype) -> torch.
 
 
 class WorkingWeights:
-    """The weights a stage's forward and backward run on, for master parameters `params`.
+    """The weights `model`'s forward and backward run on; its parameters as given are the masters.
 
     With `dtype` equal to the masters' there is nothing to copy: the model runs on the masters.
-    Otherwise each master has one working tensor of `dtype` (a leaf that requires grad), and
-    calling this object runs the model on those instead of its own parameters."""
+    Otherwise each master gets one working parameter of `dtype` that takes its place in the model;
+    the masters live on here (`masters`), outside the module, for the optimizer and the state."""
 
-    def __init__(self, params: Mapping[str, nn.Parameter], dtype: torch.dtype):
-        self.masters = dict(params)
+    def __init__(self, model: nn.Module, dtype: torch.dtype):
+        self.masters = dict(model.named_parameters())
         self.dtype = dtype
         self.mixed = any(p.dtype != dtype for p in self.masters.values())
-        self.tensors: dict[str, torch.Tensor] = {}
+        self.tensors: dict[str, nn.Parameter] = {}
         if not self.mixed:
             return
         with torch.no_grad():
             for name, p in self.masters.items():
-                w = p.detach().to(dtype).requires_grad_(True)
+                w = nn.Parameter(p.detach().to(dtype))
                 w.register_post_accumulate_grad_hook(partial(_into_master, p))
                 self.tensors[name] = w
+                owner, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(owner), attr, w)
 
     def __call__(self, model: nn.Module, *args: Any) -> Any:
-        if not self.mixed:
-            return model(*args)
-        return functional_call(model, self.tensors, args, strict=True)
+        return model(*args)
 
     def refresh(self) -> None:
         """Copy the masters into the working weights: after each optimizer step and each load."""
