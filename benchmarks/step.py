@@ -142,7 +142,7 @@ def ours(shape: ModelShape, blocks: int, lengths: list[int], device: torch.devic
     if compile:
         compile_blocks(model)
     compute = GPU_COMPUTE_DTYPE if device.type == "cuda" else torch.float32
-    working = WorkingWeights(model, compute)
+    working = WorkingWeights(dict(model.named_parameters()), compute)
     tokens = sum(lengths)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     mb = MicroBatch(torch.zeros(tokens, dtype=torch.long), torch.zeros(tokens, dtype=torch.long), cu, ())
@@ -157,7 +157,7 @@ def ours(shape: ModelShape, blocks: int, lengths: list[int], device: torch.devic
         out = working(model, x, positions, mb.cu_seqlens)
         out.backward(grad)
         x.grad = None
-        for p in working.masters.values():
+        for p in model.parameters():
             p.grad = None
     return step
 

@@ -56,24 +56,59 @@ def test_working_weights_follow_the_masters_after_every_update_and_load():
     assert all(torch.equal(w, engine.working.tensors[n]) for n, w in other.working.tensors.items())
 
 
-def test_the_master_gradient_is_the_fp32_sum_of_each_micro_batch_bf16_gradient():
-    """The engine's gradients, bit for bit, against the same sum written out by hand."""
+def test_the_master_gradient_is_each_micro_batchs_gradient_summed_in_fp32_never_rounded_to_bf16():
+    """The engine's gradients, bit for bit, against the same sum written out by hand over working
+    weights that carry their masters; no working weight ever holds a gradient; and the sum differs
+    from the old one (each micro-batch's gradient rounded to bf16 first) by no more than that rounding."""
     optim = OptimConfig(lr=1e-3, grad_clip=None)
     batch = global_batches(steps=1, micro_batches=3, micro_batch_size=2, seed=5)[0]
     engine = Engine(TINY, ONE, 0, seed=SEED, optim=optim, compute_dtype=BF16)
     engine.train_step(batch, _loss_tokens(batch), apply=False)
+    assert all(w.grad is None and not w.requires_grad for w in engine.working.tensors.values())
 
     model = Engine(TINY, ONE, 0, seed=SEED, optim=optim).model
-    expected = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    masters = dict(model.named_parameters())
+    rounded = {n: torch.zeros_like(p) for n, p in masters.items()}
     for mb in batch:
-        working = {n: p.detach().to(BF16).requires_grad_(True) for n, p in model.named_parameters()}
+        working = {}
+        for n, p in masters.items():
+            working[n] = p.detach().to(BF16)
+            working[n].master = p
         logits = functional_call(model, working, (mb.tokens, mb.positions(), mb.cu_seqlens))
         loss = F.cross_entropy(logits.float(), mb.targets, ignore_index=IGNORE_INDEX, reduction="sum") / _loss_tokens(batch)
         loss.backward()
-        for n, w in working.items():
-            expected[n] += w.grad
+        plain = {n: p.detach().to(BF16).requires_grad_(True) for n, p in masters.items()}   # the old way
+        logits = functional_call(model, plain, (mb.tokens, mb.positions(), mb.cu_seqlens))
+        (F.cross_entropy(logits.float(), mb.targets, ignore_index=IGNORE_INDEX, reduction="sum") / _loss_tokens(batch)).backward()
+        for n, w in plain.items():
+            rounded[n] += w.grad
     for n, p in engine.params.items():
-        assert torch.equal(p.grad, expected[n]), n
+        assert p.grad.dtype == torch.float32 and torch.equal(p.grad, masters[n].grad), n
+        scale = float(p.grad.abs().max())
+        assert float((p.grad - rounded[n]).abs().max()) <= 3 * 2**-8 * scale, n   # 3 roundings to bf16 at most
+    assert any(not torch.equal(p.grad, rounded[n]) for n, p in engine.params.items())
+
+
+def test_a_weight_gradient_is_the_fp32_sum_of_exact_products_of_its_bf16_operands():
+    """Against fp64 on the same bf16 operands: the master's gradient within fp32 accumulation, where
+    a gradient written in bf16 (the plain op) is off by bf16's rounding."""
+    from malleus_svc.runtime.model import linear
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(512, 64, generator=gen).to(BF16)
+    g = torch.randn(512, 32, generator=gen).to(BF16)
+    master = torch.nn.Parameter(torch.randn(32, 64, generator=gen))
+    w = master.detach().to(BF16)
+    w.master = master
+    xs = x.clone().requires_grad_(True)
+    linear(xs, w).backward(g)
+    exact = g.double().t() @ x.double()
+    err = float((master.grad.double() - exact).abs().max() / exact.abs().max())
+    plain_w = w.clone().requires_grad_(True)
+    plain_x = x.clone().requires_grad_(True)
+    F.linear(plain_x, plain_w).backward(g)
+    plain = float((plain_w.grad.double() - exact).abs().max() / exact.abs().max())
+    assert err < 1e-6 < 1e-4 < plain
+    assert torch.equal(xs.grad, plain_x.grad)         # the input's gradient as the plain op's
 
 
 def _train_mixed(rank: int, world: int, plan: Plan, batches):
@@ -110,13 +145,13 @@ def _plain_rmsnorm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def test_rmsnorm_keeps_its_input_and_one_rms_per_token_and_differentiates_exactly():
     x = torch.randn(6, 10, dtype=torch.float64, requires_grad=True)
     w = torch.randn(10, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(_RMSNormFunction.apply, (x, w, NORM_EPS))
+    assert torch.autograd.gradcheck(_RMSNormFunction.apply, (x, w, NORM_EPS, None))
     for dtype in (torch.float32, BF16):
         x = torch.randn(64, 96).to(dtype).requires_grad_(True)
         w = (1 + torch.randn(96) / 10).to(dtype).requires_grad_(True)
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-            y = _RMSNormFunction.apply(x, w, NORM_EPS)
+            y = _RMSNormFunction.apply(x, w, NORM_EPS, None)
         assert torch.equal(y, _plain_rmsnorm(x, w))
         assert sorted(tuple(t.shape) for t in saved) == [(64, 1), (64, 96), (96,)]
         g = torch.randn(64, 96).to(dtype)

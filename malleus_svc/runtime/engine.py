@@ -280,7 +280,7 @@ class Engine:
             compile_blocks(self.model)
         self.params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
         self.optimizer = optim.make(self.params, tied=shape.tie_embeddings)
-        self.working = WorkingWeights(self.model, compute_dtype or compute_dtype_for(self.device, dtype))
+        self.working = WorkingWeights(self.params, compute_dtype or compute_dtype_for(self.device, dtype))
         self.grad_sync = GradientSync(self.groups, self.params, shape)
         self.transport = transport(self.groups.peers, self.device, self.working.dtype)
         self._update_pending = False

@@ -22,9 +22,9 @@ Attention is measured as flash-attn's varlen kernel, the GPU path, keeps it: q, 
 their own kv heads), the output and an fp32 log-sum-exp [heads, tokens], O(tokens) and never the
 tokens x tokens scores (`FlashFootprint`). TP collectives are not run: a group's all-reduce is
 replaced by the copy the real one returns (`tensor_parallel.LocalShard`). Not counted: backward's
-transient gradients (of activations, and of each working weight until it is added into its
-master), the CUDA context, allocator fragmentation and NCCL buffers, which the scenario's reserved
-memory and safety margin cover.
+transient gradients (of activations, and each weight's fp32 gradient until autograd adds it into
+its master's), the CUDA context, allocator fragmentation and NCCL buffers, which the scenario's
+reserved memory and safety margin cover.
 """
 from __future__ import annotations
 
@@ -80,11 +80,10 @@ def saved_for_backward(model: StageModel, x: torch.Tensor, positions: torch.Tens
         saved.setdefault(_storage_key(t), t)
         return t
 
-    masters = list(model.parameters())
-    working = WorkingWeights(model, compute_dtype)
+    working = WorkingWeights(dict(model.named_parameters()), compute_dtype)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         working(model, x, positions, cu_seqlens, targets)
-    skip = {_storage_key(t) for t in (*masters, *working.tensors.values(), x)}
+    skip = {_storage_key(t) for t in (*model.parameters(), *working.tensors.values(), x)}
     return sum(t.untyped_storage().nbytes() for key, t in saved.items() if key not in skip), working
 
 

@@ -28,6 +28,7 @@ from malleus_svc.geometry import (EMBEDDING, HEAD, TIED, Part, TensorSpec, loss_
                                   split_dim, tp_divisibility_error)
 from malleus_svc.runtime.attention import Packing, apply_rotary, rotary_tables, varlen_causal_attention
 from malleus_svc.runtime.batch import IGNORE_INDEX
+from malleus_svc.runtime.precision import master_of, weight_grad
 from malleus_svc.runtime.tensor_parallel import SINGLE, TensorParallel, copy_to_region, reduce_from_region
 
 INIT_STD = 0.02
@@ -94,16 +95,56 @@ def init_part(shape: ModelShape, part: Part, seed: int) -> dict[str, torch.Tenso
 
 
 # ---------------------------------------------------------------------------- modules
+class _MasterGradLinear(torch.autograd.Function):
+    """F.linear(x, weight) for a working weight: its gradient goes to `master`, written by one
+    weight-gradient GEMM in the master's dtype (`precision.weight_grad`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.dtype = master.dtype
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        return grad_x, None, weight_grad(grad, x, ctx.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T; for a working weight, with the gradient going to its master (`precision`)."""
+    master = master_of(weight)
+    return F.linear(x, weight) if master is None else _MasterGradLinear.apply(x, weight, master)
+
+
+class _MasterGradEmbedding(torch.autograd.Function):
+    """F.embedding(tokens, weight) for a working weight: the rows' gradients summed into one dense
+    gradient in the master's dtype (the op F.embedding's own backward runs) for `master`."""
+
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, weight: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(tokens)
+        ctx.rows, ctx.dtype = weight.shape[0], master.dtype
+        return F.embedding(tokens, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (tokens,) = ctx.saved_tensors
+        return None, None, torch.ops.aten.embedding_dense_backward(grad.to(ctx.dtype), tokens, ctx.rows, -1, False)
+
+
 class _RMSNormFunction(torch.autograd.Function):
     """x / rms(x) * weight with statistics in at least fp32, keeping for backward only the input (in
     its own dtype) and one reciprocal rms per token, as fused kernels do: autograd over the plain
     expression would keep two fp32 copies of the input per norm."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, master: torch.Tensor | None) -> torch.Tensor:
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
+        ctx.to_master = master is not None
         return (xf * rstd * weight).to(x.dtype)
 
     @staticmethod
@@ -111,10 +152,12 @@ class _RMSNormFunction(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         xhat = x.to(rstd.dtype) * rstd
         g = grad.to(rstd.dtype)
-        grad_weight = (g * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        grad_weight = (g * xhat).reshape(-1, x.shape[-1]).sum(0)    # in at least fp32
         gx = g * weight
         grad_x = rstd * (gx - xhat * (gx * xhat).mean(-1, keepdim=True))
-        return grad_x.to(x.dtype), grad_weight, None
+        if ctx.to_master:       # a working weight: its master takes the gradient, unrounded
+            return grad_x.to(x.dtype), None, None, grad_weight
+        return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None, None
 
 
 class RMSNorm(nn.Module):
@@ -124,7 +167,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(spec.shape))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+        return _RMSNormFunction.apply(x, self.weight, self.eps, master_of(self.weight))
 
 
 class Attention(nn.Module):
@@ -138,12 +181,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], packing: Packing) -> torch.Tensor:
         tokens, d = x.shape[0], self.head_dim
         x = copy_to_region(x, self.tp)
-        q = F.linear(x, self.wq).view(tokens, -1, d)
-        k = F.linear(x, self.wk).view(tokens, -1, d)
-        v = F.linear(x, self.wv).view(tokens, -1, d)
+        q = linear(x, self.wq).view(tokens, -1, d)
+        k = linear(x, self.wk).view(tokens, -1, d)
+        v = linear(x, self.wv).view(tokens, -1, d)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         o = self.attend(q, k, v, packing).reshape(tokens, -1)
-        return reduce_from_region(F.linear(o, self.wo), self.tp)
+        return reduce_from_region(linear(o, self.wo), self.tp)
 
 
 class SwiGLU(nn.Module):
@@ -155,8 +198,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_region(x, self.tp)
-        hidden = F.silu(F.linear(x, self.w_gate)) * F.linear(x, self.w_up)
-        return reduce_from_region(F.linear(hidden, self.w_down), self.tp)
+        hidden = F.silu(linear(x, self.w_gate)) * linear(x, self.w_up)
+        return reduce_from_region(linear(hidden, self.w_down), self.tp)
 
 
 class Block(nn.Module):
@@ -179,7 +222,8 @@ class Embedding(nn.Module):
         self.weight = _parameter(spec, SINGLE)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(tokens, self.weight)
+        master = master_of(self.weight)
+        return F.embedding(tokens, self.weight) if master is None else _MasterGradEmbedding.apply(tokens, self.weight, master)
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -189,32 +233,43 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     tensor of the whole micro-batch ever exists."""
 
     @staticmethod
-    def _chunk_loss(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, weight)
+    def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets,
                                ignore_index=IGNORE_INDEX, reduction="sum")
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                master: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight, targets)
-        ctx.chunk = chunk
-        return sum(_ChunkedHeadLoss._chunk_loss(x[s:s + chunk], weight, targets[s:s + chunk])
+        ctx.chunk, ctx.master = chunk, master
+        return sum(_ChunkedHeadLoss._cross_entropy(F.linear(x[s:s + chunk], weight), targets[s:s + chunk])
                    for s in range(0, x.shape[0], chunk))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight, targets = ctx.saved_tensors
+        master, chunk = ctx.master, ctx.chunk
         grad_x = torch.empty_like(x)
-        grad_weight = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32))
-        w = weight.detach().requires_grad_(True)
-        for s in range(0, x.shape[0], ctx.chunk):
-            xs = x[s:s + ctx.chunk].detach().requires_grad_(True)
+        to = master.dtype if master is not None else torch.promote_types(weight.dtype, torch.float32)
+        grad_weight = torch.zeros(weight.shape, dtype=to, device=weight.device)
+        w = weight.detach().requires_grad_(master is None)
+        for s in range(0, x.shape[0], chunk):
+            xs = x[s:s + chunk].detach().requires_grad_(master is None)
             with torch.enable_grad():    # scaled here, not by grad_outputs (whose check imports sympy)
-                loss = _ChunkedHeadLoss._chunk_loss(xs, w, targets[s:s + ctx.chunk]) * grad
-            gx, gw = torch.autograd.grad(loss, (xs, w))
-            grad_x[s:s + ctx.chunk] = gx
+                logits = F.linear(xs, w)
+                if master is not None:   # a working weight: the logits' gradient, then the master's
+                    logits.requires_grad_(True)
+                loss = _ChunkedHeadLoss._cross_entropy(logits, targets[s:s + chunk]) * grad
+            if master is None:
+                gx, gw = torch.autograd.grad(loss, (xs, w))
+            else:
+                (gl,) = torch.autograd.grad(loss, (logits,))
+                gx, gw = gl @ weight, weight_grad(gl, xs, master.dtype)
+            grad_x[s:s + chunk] = gx
             grad_weight += gw
-        return grad_x, grad_weight.to(weight.dtype), None, None
+        if master is not None:
+            return grad_x, None, None, None, grad_weight
+        return grad_x, grad_weight.to(weight.dtype), None, None, None
 
 
 class LMHead(nn.Module):
@@ -224,11 +279,11 @@ class LMHead(nn.Module):
         self.chunk = loss_chunk_tokens(spec.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
     def loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The summed cross-entropy of the logits of x against targets, chunk by chunk of tokens."""
-        return _ChunkedHeadLoss.apply(x, self.weight, targets, self.chunk)
+        return _ChunkedHeadLoss.apply(x, self.weight, targets, self.chunk, master_of(self.weight))
 
 
 class StageModel(nn.Module):
