@@ -36,6 +36,7 @@ import torch
 from malleus_svc.config.presets import ModelShape
 from malleus_svc.runtime import attention
 from malleus_svc.runtime.batch import MicroBatch
+from malleus_svc.runtime.engine import to_device
 from malleus_svc.runtime.model import build_stage_model, compile_blocks
 from malleus_svc.runtime.precision import GPU_COMPUTE_DTYPE, WorkingWeights
 
@@ -149,12 +150,9 @@ def ours(shape: ModelShape, blocks: int, lengths: list[int], device: torch.devic
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(tokens, shape.hidden, device=device, dtype=compute, generator=gen).requires_grad_(True)
     grad = torch.randn(tokens, shape.hidden, device=device, dtype=compute, generator=gen)
-    pin = device.type == "cuda"
 
     def step() -> None:
-        positions = mb.positions()
-        positions = (positions.pin_memory() if pin else positions).to(device, non_blocking=True)
-        out = working(model, x, positions, mb.cu_seqlens)
+        out = working(model, x, to_device(mb.positions(), device), mb.cu_seqlens)   # as the engine copies them
         out.backward(grad)
         x.grad = None
         for p in model.parameters():

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from malleus_svc.config.presets import preset
-from malleus_svc.runtime.attention import Packing, sdpa_by_length, varlen_causal_attention
+from malleus_svc.config.presets import RopeScaling, preset
+from malleus_svc.runtime.attention import Packing, RotaryTables, rotary_tables, sdpa_by_length, varlen_causal_attention
 from malleus_svc.runtime.model import full_model
 from malleus_svc.runtime.reference import masked_attention
 
@@ -85,3 +85,18 @@ def test_a_packing_must_cover_the_tokens():
     q, k, v = _qkv([4], 2, 2)
     with pytest.raises(ValueError, match="4 tokens, but the packing covers 5"):
         varlen_causal_attention(q, k, v, Packing(torch.tensor([0, 5], dtype=torch.int32), "cpu"))
+
+
+def test_rotary_tables_are_made_once_and_indexed_with_the_values_of_each_position():
+    tables = RotaryTables(16, 500000.0, RopeScaling(8.0, 1.0, 4.0, 64))
+    positions = torch.tensor([0, 1, 2, 0, 1, 2, 3, 4, 5, 6])
+    cos, sin = tables(positions, 7, torch.device("cpu"), torch.float32)
+    want_cos, want_sin = rotary_tables(positions, 16, None, 500000.0, RopeScaling(8.0, 1.0, 4.0, 64))
+    assert torch.equal(cos, want_cos.float()) and torch.equal(sin, want_sin.float())
+    first = tables._tables[(torch.device("cpu"), torch.float32)][0]
+    assert first.shape[0] == 8
+    tables(positions, 5, torch.device("cpu"), torch.float32)
+    assert tables._tables[(torch.device("cpu"), torch.float32)][0] is first        # shorter: the same table
+    cos, _ = tables(torch.arange(40), 40, torch.device("cpu"), torch.float64)
+    assert torch.equal(cos, rotary_tables(torch.arange(40), 16, None, 500000.0, RopeScaling(8.0, 1.0, 4.0, 64))[0])
+    assert tables._tables[(torch.device("cpu"), torch.float64)][0].shape[0] == 64  # per dtype, grown to fit

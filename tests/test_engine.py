@@ -255,6 +255,21 @@ def test_compiled_blocks_train_like_eager_ones(compute):
     assert OptimConfig().compiles_on(torch.device("cuda", 0)) and not OptimConfig().compiles_on(torch.device("cpu"))
 
 
+def _tp2_losses(rank: int, world: int, compiled: bool):
+    batches = global_batches(steps=2, micro_batches=2, micro_batch_size=2, seed=7)
+    engine = Engine(TINY, TP2, rank, seed=SEED, optim=dataclasses.replace(OPTIM, compile=compiled))
+    losses = [engine.train_step(b, sum(mb.num_loss_tokens for mb in b)).global_loss for b in batches]
+    return losses, engine.groups.tp.comm_seconds
+
+
+def test_compiled_blocks_under_tensor_parallelism_train_like_eager_ones_and_keep_collectives_timed():
+    """A TP group's all-reduces inside compiled blocks run as they do eagerly (the graph breaks there),
+    so their time is still measured and left out of the device's compute."""
+    (eager, _), _ = run_on_gloo(_tp2_losses, 2, False)
+    (compiled, comm), _ = run_on_gloo(_tp2_losses, 2, True)
+    assert compiled == pytest.approx(eager, rel=1e-5) and comm > 0
+
+
 # ---------------------------------------------------------------------------- host reads
 class DeviceReads(TorchDispatchMode):
     """Counts the host's reads of device tensors: a scalar read (`item`, `float`, `bool`, which on a

@@ -111,6 +111,34 @@ def test_a_weight_gradient_is_the_fp32_sum_of_exact_products_of_its_bf16_operand
     assert torch.equal(xs.grad, plain_x.grad)         # the input's gradient as the plain op's
 
 
+def test_the_head_over_token_chunks_gives_the_masters_the_logits_paths_gradients_bitwise():
+    """bf16 working weights: the loss over chunks of 5 tokens and over one chunk, and the logits'
+    own path (the head as a linear, then the cross-entropy), give every master the same gradient."""
+    batch = global_batches(steps=1, micro_batches=1, micro_batch_size=2, seed=9)[0]
+    mb = batch[0]
+    model = Engine(TINY, ONE, 0, seed=SEED).model
+    masters = dict(model.named_parameters())
+    working = {}
+    for n, p in masters.items():
+        working[n] = p.detach().to(BF16)
+        working[n].master = p
+    grads = []
+    for chunk in (None, mb.num_tokens, 5):
+        for p in masters.values():
+            p.grad = None
+        if chunk is None:
+            logits = functional_call(model, working, (mb.tokens, mb.positions(), mb.cu_seqlens))
+            F.cross_entropy(logits.float(), mb.targets, ignore_index=IGNORE_INDEX, reduction="sum").backward()
+        else:
+            model.head.chunk = chunk
+            functional_call(model, working, (mb.tokens, mb.positions(), mb.cu_seqlens, mb.targets)).backward()
+        grads.append({n: p.grad.clone() for n, p in masters.items()})
+    assert mb.num_tokens > 5
+    for n in masters:
+        assert grads[0][n].dtype == torch.float32
+        assert torch.equal(grads[0][n], grads[1][n]) and torch.equal(grads[1][n], grads[2][n]), n
+
+
 def _train_mixed(rank: int, world: int, plan: Plan, batches):
     if rank not in plan.roles():
         return None

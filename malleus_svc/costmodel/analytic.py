@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..config.device import DeviceSpec
 from ..config.presets import ModelShape
-from ..geometry import loss_chunk_bytes
+from ..geometry import loss_backward_bytes
 from ..plan import StateSizes
 from .profile import CommCosts, MemoryProfile
 
@@ -68,8 +68,9 @@ def block_activation_bytes(shape: ModelShape, tp: int, device: DeviceSpec) -> tu
     """Bytes per token one block of this runtime keeps for backward (flash attention, compute in
     `act_bytes`, no recomputation): (replicated in the TP group, this device's share of the split part).
     Replicated: both norms' inputs and outputs (the outputs enter TP regions) and their fp32 1/rms
-    (rotary's fp32 tables are made once per stage and shared by its blocks). Split: rotated q and k, v, the attention output, flash's
-    fp32 log-sum-exp per head, and SwiGLU's gate, up, silu(gate) and their product."""
+    (rotary's fp32 tables are the stage's, shared by its blocks). Split: rotated q and k, v, the
+    attention output, flash's fp32 log-sum-exp per head, and SwiGLU's gate, up, silu(gate) and
+    their product."""
     a, d = device.act_bytes, shape.head_dim
     kv = shape.n_kv_heads * d
     replicated = 4 * a * shape.hidden + 2 * 4
@@ -85,8 +86,8 @@ def memory_profile(shape: ModelShape, tp: int, pp: int, micro_batch: int, gpu_me
     moments and a bf16 working copy (`TRAIN_STATE_BYTES_PER_PARAM`), split over the group but for
     its norms, plus its activations per micro-batch in flight. The embedding and the head are
     replicated in the group: the first stage also keeps the embedding's output per micro-batch in
-    flight, the last the final norm's input and output of its one micro-batch and the logits of one
-    chunk of its loss (`geometry.loss_chunk_bytes`)."""
+    flight, the last the final norm's input and output of its one micro-batch and its loss's
+    backward transients (`geometry.loss_backward_bytes`)."""
     tokens = micro_batch * shape.seq_len
     norms = 2 * shape.hidden
     state_split = (shape.block_params() - norms) * TRAIN_STATE_BYTES_PER_PARAM / tp / MB
@@ -99,7 +100,7 @@ def memory_profile(shape: ModelShape, tp: int, pp: int, micro_batch: int, gpu_me
              + max(pp, 2) * tokens * shape.hidden * device.act_bytes)
     last = (shape.head_params() * TRAIN_STATE_BYTES_PER_PARAM
             + tokens * (2 * shape.hidden * device.act_bytes + 4)
-            + loss_chunk_bytes(shape.vocab, tokens, device.act_bytes))
+            + loss_backward_bytes(shape.vocab, tokens, device.act_bytes))
     ends = max(first, last) / MB
     return MemoryProfile(layer_mb=layer_mb, embedding_mb=ends, reserved_mb=reserved_mb,
                          safety_margin_mb=safety_margin_mb, gpu_memory_mb=gpu_memory_mb,

@@ -61,6 +61,29 @@ def rotary_tables(positions: torch.Tensor, head_dim: int, device: torch.device |
     return angles.cos(), angles.sin()
 
 
+class RotaryTables:
+    """cos and sin of every position up to the longest sequence seen, made once per device and dtype
+    and grown when a longer one comes: a micro-batch's tables are their rows at its positions (each
+    token's place in its own sequence, so below the longest length). The same values as
+    `rotary_tables` of those positions, cast: each row is computed alike, in fp64."""
+
+    def __init__(self, head_dim: int, theta: float = ROPE_BASE, scaling: RopeScaling | None = None):
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, positions: torch.Tensor, longest: int, device: torch.device, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (torch.device(device), dtype)
+        tables = self._tables.get(key)
+        if tables is None or tables[0].shape[0] < longest:
+            rows = 1 << max(longest - 1, 0).bit_length()       # powers of two: few rebuilds
+            cos, sin = rotary_tables(torch.arange(rows, device=device), self.head_dim, device, self.theta,
+                                     self.scaling)
+            tables = self._tables[key] = (cos.to(dtype), sin.to(dtype))
+        index = positions.to(device)
+        return tables[0][index], tables[1][index]
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (i, i + d/2) of every head of x [T, H, d] by the token's angles."""
     half = x.shape[-1] // 2
@@ -86,10 +109,10 @@ class Packing:
         self.num_tokens = self.bounds[-1]
         # made here, outside any compiled block, for every layer to read: what this device's path needs
         self.kernel = attention_backend(self.device)
-        if self.device.type == "cuda":
-            self.device_cu_seqlens
-        else:
+        if self.kernel == SDPA:
             self.by_length
+        else:
+            self.device_cu_seqlens
 
     @cached_property
     def device_cu_seqlens(self) -> torch.Tensor:

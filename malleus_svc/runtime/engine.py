@@ -269,6 +269,7 @@ class Engine:
         self.device = device or (torch.device("cuda", torch.cuda.current_device())
                                  if torch.cuda.is_available() else torch.device("cpu"))
         self.clock = clock or make_clock(self.device.type == "cuda")
+        self.clock.read()    # a worker's clock outlives its engines: from here on, this engine's ops only
         self.groups = Groups(plan, rank, tied=shape.tie_embeddings)
         self.groups.tp.clock = self.clock     # TP collectives are not the device's own compute
         self.role = self.groups.role

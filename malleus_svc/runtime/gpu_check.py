@@ -214,8 +214,8 @@ def check_host_syncs(device: torch.device, shape: ModelShape) -> Result:
             torch.cuda.set_sync_debug_mode(0)
     for where in syncs:
         print(f"step-host-syncs: the host waited at {where}", flush=True)
-    return Result(name, _verdict(len(syncs) <= 1), f"{len(syncs)} in a step" + (f" (first at {syncs[0]})" if syncs else ""),
-                  "<= 1, the step's end")
+    figure = f"{len(syncs)} in a step" + (f" (first at {syncs[0]})" if syncs else "")
+    return Result(name, _verdict(len(syncs) <= 1), figure, "<= 1, the step's end")
 
 
 # On CUDA the throttled ops must be GPU-bound. A launch-bound op (a small model: the GPU idles

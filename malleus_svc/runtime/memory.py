@@ -15,8 +15,9 @@ min(stages - stage, micro_batches) at a stage):
   boundary     the stage's pipeline tensors, in the compute dtype: per in-flight micro-batch the
                received activation (not the first stage) and the output kept for backward (not
                the last), plus one received and one sent gradient (the backward running now)
-  logits       the last stage's loss: the logits of one chunk of tokens, in its backward
-               (`geometry.loss_chunk_bytes`); the loss keeps none between forward and backward
+  logits       the last stage's loss in its backward: the logits' gradient in the compute dtype
+               and one chunk's fp32 transients (`geometry.loss_backward_bytes`); the loss keeps
+               no logits between forward and backward
 
 Attention is measured as flash-attn's varlen kernel, the GPU path, keeps it: q, k, v (k and v at
 their own kv heads), the output and an fp32 log-sum-exp [heads, tokens], O(tokens) and never the
@@ -34,7 +35,7 @@ from typing import Iterator
 import torch
 
 from malleus_svc.config.presets import ModelShape
-from malleus_svc.geometry import loss_chunk_bytes
+from malleus_svc.geometry import loss_backward_bytes
 from malleus_svc.runtime.attention import varlen_causal_attention
 from malleus_svc.runtime.model import StageModel
 from malleus_svc.runtime.precision import GPU_COMPUTE_DTYPE, WorkingWeights
@@ -117,7 +118,7 @@ class StageFootprint:
     working: int
     saved: int                    # activations kept for backward per micro-batch
     boundary_tensor: int          # one [tokens, hidden] tensor in the compute dtype
-    loss_chunk: int               # the loss's transient logits (0 but on the last stage)
+    loss: int                     # the loss's backward transients (0 but on the last stage)
     has_embedding: bool
     has_head: bool
 
@@ -126,7 +127,7 @@ class StageFootprint:
         return StageMemory(params=self.params, grads=self.grads, adam=self.adam, working=self.working,
                            activations=in_flight * self.saved,
                            boundary=(in_flight + 1) * sides * self.boundary_tensor,
-                           logits=self.loss_chunk)
+                           logits=self.loss)
 
 
 def stage_inputs(shape: ModelShape, micro_batch: int, seq_len: int, first: bool, device: torch.device,
@@ -183,5 +184,5 @@ def stage_footprint(shape: ModelShape, num_layers: int, *, has_embedding: bool, 
     x, positions, cu_seqlens, targets = stage_inputs(shape, micro_batch, seq_len, has_embedding, META)
     saved, working = saved_for_backward(model, x, positions, cu_seqlens, targets if has_head else None)
     boundary = micro_batch * seq_len * shape.hidden * GPU_COMPUTE_DTYPE.itemsize
-    loss_chunk = loss_chunk_bytes(shape.vocab, micro_batch * seq_len, GPU_COMPUTE_DTYPE.itemsize) if has_head else 0
-    return StageFootprint(params, grads, adam, working.nbytes, saved, boundary, loss_chunk, has_embedding, has_head)
+    loss = loss_backward_bytes(shape.vocab, micro_batch * seq_len, GPU_COMPUTE_DTYPE.itemsize) if has_head else 0
+    return StageFootprint(params, grads, adam, working.nbytes, saved, boundary, loss, has_embedding, has_head)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from malleus_svc.config.presets import ModelShape
 from malleus_svc.geometry import (EMBEDDING, HEAD, TIED, Part, TensorSpec, loss_chunk_tokens, part_tensors, shard_rows,
                                   split_dim, tp_divisibility_error)
-from malleus_svc.runtime.attention import Packing, apply_rotary, rotary_tables, varlen_causal_attention
+from malleus_svc.runtime.attention import Packing, RotaryTables, apply_rotary, varlen_causal_attention
 from malleus_svc.runtime.batch import IGNORE_INDEX
 from malleus_svc.runtime.precision import master_of, weight_grad
 from malleus_svc.runtime.tensor_parallel import SINGLE, TensorParallel, copy_to_region, reduce_from_region
@@ -131,7 +131,8 @@ class _MasterGradEmbedding(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (tokens,) = ctx.saved_tensors
-        return None, None, torch.ops.aten.embedding_dense_backward(grad.to(ctx.dtype), tokens, ctx.rows, -1, False)
+        dense = torch.ops.aten.embedding_dense_backward(grad.to(ctx.dtype), tokens, ctx.rows, -1, False)
+        return None, None, dense
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -223,14 +224,18 @@ class Embedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         master = master_of(self.weight)
-        return F.embedding(tokens, self.weight) if master is None else _MasterGradEmbedding.apply(tokens, self.weight, master)
+        if master is None:
+            return F.embedding(tokens, self.weight)
+        return _MasterGradEmbedding.apply(tokens, self.weight, master)
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
-    """sum over tokens of cross_entropy(x @ weight.T, targets), the logits in at least fp32, computed
-    over `chunk` tokens at a time: forward keeps only x (and the targets), backward recomputes each
-    chunk's logits and differentiates them as the plain expression would, so no [tokens, vocab]
-    tensor of the whole micro-batch ever exists."""
+    """sum over tokens of cross_entropy(x @ weight.T, targets), the logits in at least fp32, over
+    `chunk` tokens at a time: forward keeps only x (and the targets); backward recomputes each
+    chunk's logits and their gradient, keeps that gradient in the compute dtype for the whole
+    micro-batch (what the plain expression's backward hands its matrix multiply), then takes x's and
+    the weight's gradients in one GEMM each, as the plain expression's backward does. No fp32
+    [tokens, vocab] tensor of the whole micro-batch ever exists (`geometry.loss`)."""
 
     @staticmethod
     def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -248,28 +253,17 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight, targets = ctx.saved_tensors
-        master, chunk = ctx.master, ctx.chunk
-        grad_x = torch.empty_like(x)
-        to = master.dtype if master is not None else torch.promote_types(weight.dtype, torch.float32)
-        grad_weight = torch.zeros(weight.shape, dtype=to, device=weight.device)
-        w = weight.detach().requires_grad_(master is None)
-        for s in range(0, x.shape[0], chunk):
-            xs = x[s:s + chunk].detach().requires_grad_(master is None)
+        grad_logits = x.new_empty(x.shape[0], weight.shape[0])
+        w = weight.detach()
+        for s in range(0, x.shape[0], ctx.chunk):
             with torch.enable_grad():    # scaled here, not by grad_outputs (whose check imports sympy)
-                logits = F.linear(xs, w)
-                if master is not None:   # a working weight: the logits' gradient, then the master's
-                    logits.requires_grad_(True)
-                loss = _ChunkedHeadLoss._cross_entropy(logits, targets[s:s + chunk]) * grad
-            if master is None:
-                gx, gw = torch.autograd.grad(loss, (xs, w))
-            else:
-                (gl,) = torch.autograd.grad(loss, (logits,))
-                gx, gw = gl @ weight, weight_grad(gl, xs, master.dtype)
-            grad_x[s:s + chunk] = gx
-            grad_weight += gw
-        if master is not None:
-            return grad_x, None, None, None, grad_weight
-        return grad_x, grad_weight.to(weight.dtype), None, None, None
+                logits = F.linear(x[s:s + ctx.chunk].detach(), w).requires_grad_(True)
+                loss = _ChunkedHeadLoss._cross_entropy(logits, targets[s:s + ctx.chunk]) * grad
+            grad_logits[s:s + ctx.chunk] = torch.autograd.grad(loss, (logits,))[0]
+        grad_x = grad_logits @ weight
+        if ctx.master is not None:       # a working weight: its master takes the gradient, in fp32
+            return grad_x, None, None, None, weight_grad(grad_logits, x, ctx.master.dtype)
+        return grad_x, grad_logits.t() @ x, None, None, None
 
 
 class LMHead(nn.Module):
@@ -299,6 +293,7 @@ class StageModel(nn.Module):
         if err:
             raise ValueError(err)
         self.shape, self.tp, self.layers = shape, tp, layers
+        self.rotary = RotaryTables(shape.head_dim, shape.rope_theta, shape.rope_scaling)
         self.embedding = Embedding(_by_local_name(shape, EMBEDDING)["embedding.weight"]) if has_embedding else None
         self.blocks = nn.ModuleDict({str(i): Block(shape, tp) for i in range(*layers)})
         head = _by_local_name(shape, HEAD) if has_head else None
@@ -360,10 +355,8 @@ class StageModel(nn.Module):
             x = self.embedding(x)
         # what every layer's attention needs of the positions and the boundaries, made once, the
         # tables in the dtype rotary computes in (at least fp32) so that no layer casts them again
-        wide = torch.promote_types(x.dtype, torch.float32)
-        rope = tuple(t.to(wide) for t in rotary_tables(positions, self.shape.head_dim, x.device,
-                                                        self.shape.rope_theta, self.shape.rope_scaling))
         packing = Packing(cu_seqlens, x.device)
+        rope = self.rotary(positions, packing.max_len, x.device, torch.promote_types(x.dtype, torch.float32))
         for block in self.blocks.values():
             x = block(x, rope, packing)
         if self.head is not None:

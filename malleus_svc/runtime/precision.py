@@ -39,12 +39,16 @@ def compute_dtype_for(device: torch.device, params_dtype: torch.dtype) -> torch.
 def weight_grad(grad: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """grad^T @ x over all leading dims, [out, in], written in `dtype` from operands in the compute
     dtype: on CUDA one GEMM that accumulates and writes fp32 (cuBLAS's bf16 GEMM with an fp32
-    output); elsewhere the operands upcast (exact: a product of two bf16 values fits in fp32). An
-    op of its own, so that a compiled block calls it as it is."""
+    output; a torch without it rounds the GEMM's output once, as autograd would, rather than run a
+    slow fp32 GEMM); elsewhere the operands upcast (exact: a product of two bf16 values fits in
+    fp32). An op of its own, so that a compiled block calls it as it is."""
     g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-    if g2.is_cuda and dtype == torch.float32 and _mm_writes_fp32(g2.device, g2.dtype):
-        return torch.mm(g2.t(), x2, out_dtype=dtype)
-    return g2.t().to(dtype) @ x2.to(dtype)
+    if g2.is_cuda:
+        if dtype == torch.float32 and _mm_writes_fp32(g2.device, g2.dtype):
+            return torch.mm(g2.t(), x2, out_dtype=dtype)
+        return (g2.t() @ x2).to(dtype)
+    wide = torch.promote_types(dtype, g2.dtype)
+    return (g2.t().to(wide) @ x2.to(wide)).to(dtype)
 
 
 @weight_grad.register_fake
