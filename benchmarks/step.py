@@ -76,12 +76,15 @@ def document_lengths(seq_len: int, packed: bool, seed: int = 0) -> list[int]:
     return lengths
 
 
+def boundaries(lengths: list[int]) -> torch.Tensor:
+    """cu_seqlens (int32 [n+1]) of documents of these lengths packed into one row."""
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
 def model_flops(shape: ModelShape, blocks: int, lengths: list[int]) -> float:
     """Forward + backward model FLOPs of `blocks` blocks over one micro-batch (the formula above)."""
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    with torch.device("meta"):
-        stage = build_stage_model(shape, (0, blocks), has_embedding=False, has_head=False, device="meta")
-    return 3.0 * stage.forward_flops(cu)
+    stage = build_stage_model(shape, (0, blocks), has_embedding=False, has_head=False, device="meta")
+    return 3.0 * stage.forward_flops(boundaries(lengths))
 
 
 def peak_tflops(device: torch.device) -> float | None:
@@ -145,8 +148,7 @@ def ours(shape: ModelShape, blocks: int, lengths: list[int], device: torch.devic
     compute = GPU_COMPUTE_DTYPE if device.type == "cuda" else torch.float32
     working = WorkingWeights(dict(model.named_parameters()), compute)
     tokens = sum(lengths)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    mb = MicroBatch(torch.zeros(tokens, dtype=torch.long), torch.zeros(tokens, dtype=torch.long), cu, ())
+    mb = MicroBatch(torch.zeros(tokens, dtype=torch.long), torch.zeros(tokens, dtype=torch.long), boundaries(lengths), ())
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(tokens, shape.hidden, device=device, dtype=compute, generator=gen).requires_grad_(True)
     grad = torch.randn(tokens, shape.hidden, device=device, dtype=compute, generator=gen)

@@ -246,7 +246,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
                 master: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight, targets)
-        ctx.chunk, ctx.master = chunk, master
+        ctx.chunk, ctx.master_dtype = chunk, None if master is None else master.dtype
         return sum(_ChunkedHeadLoss._cross_entropy(F.linear(x[s:s + chunk], weight), targets[s:s + chunk])
                    for s in range(0, x.shape[0], chunk))
 
@@ -261,8 +261,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 loss = _ChunkedHeadLoss._cross_entropy(logits, targets[s:s + ctx.chunk]) * grad
             grad_logits[s:s + ctx.chunk] = torch.autograd.grad(loss, (logits,))[0]
         grad_x = grad_logits @ weight
-        if ctx.master is not None:       # a working weight: its master takes the gradient, in fp32
-            return grad_x, None, None, None, weight_grad(grad_logits, x, ctx.master.dtype)
+        if ctx.master_dtype is not None:   # a working weight: its master takes the gradient, in fp32
+            return grad_x, None, None, None, weight_grad(grad_logits, x, ctx.master_dtype)
         return grad_x, grad_logits.t() @ x, None, None, None
 
 
