@@ -87,12 +87,12 @@ def ddp_step(model, optimizer, clock, micro_batches, loss_tokens: int, grad_clip
     local = torch.zeros((), dtype=torch.float64)
     with model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext():
         for mb in micro_batches:
-            flops = net.forward_flops(mb.cu_seqlens)
-            with clock.op("compute", flops=flops):
+            flops, blocks = net.forward_flops(mb.cu_seqlens), len(net.blocks)
+            with clock.op("compute", flops=flops, blocks=blocks):
                 logits = model(mb.tokens, mb.positions(), mb.cu_seqlens)
                 loss = F.cross_entropy(logits.float(), mb.targets, ignore_index=IGNORE_INDEX,
                                        reduction="sum") / loss_tokens
-            with clock.op("compute", flops=2 * flops):    # backward: twice the forward's FLOPs
+            with clock.op("compute", flops=2 * flops, blocks=blocks):    # backward: twice the forward's FLOPs
                 loss.backward()
             local += loss.detach().double()
     all_reduce_gradients(params)
@@ -129,7 +129,7 @@ def ddp_worker(rank: int, world: int, config: dict, wrap=lambda m: m) -> dict:
     opt = optim_config(job)
     optimizer = opt.make(dict(getattr(model, "module", model).named_parameters()))
     pace = config.get("pace")
-    clock = PacedClock(Pace(pace["flops_per_second"], pace["bytes_per_second"]) if pace else None)
+    clock = PacedClock(Pace(**pace) if pace else None)
     records, device = [], torch.zeros(world, dtype=torch.float64)
     dist.barrier()
     last = time.perf_counter()        # a step lasts from the previous one's end: its data included
@@ -227,7 +227,8 @@ def pace_numbers(device: dict | str) -> dict | None:
     """The Pace of `same_device(run)`, as numbers a train-loop config can carry."""
     if not isinstance(device, dict):
         return None
-    return {"flops_per_second": device["tflops"] * 1e12, "bytes_per_second": device["gbps"] * 1e9}
+    return {"flops_per_second": device["tflops"] * 1e12, "bytes_per_second": device["gbps"] * 1e9,
+            "block_seconds": device.get("block_ms", 0.0) / 1e3}
 
 
 def per_step(run: dict) -> list[tuple[int, float]]:
@@ -351,7 +352,8 @@ def render(s: dict, plot_path: str | None = None) -> str:
     pace = s["device_pace"]
     head = (f"Command: `{s['command']}` — {s['date']}, {s['workers']} CPU workers on a {s['host_cores']}-core "
             f"machine, each an emulated accelerator of "
-            + (f"{pace['gflops']:.3g} GFLOP/s and {pace['gbps']:.3g} GB/s" if pace else "(unpaced)")
+            + (f"{pace['gflops']:.3g} GFLOP/s and {pace['gbps']:.3g} GB/s, {pace.get('block_ms', 0):.3g} ms per "
+               "block an op runs through" if pace else "(unpaced)")
             + f" (the pace the first run sized, kept by all); `malleus demo`'s model and data, global batch "
             f"{s['global_batch']}, {s['steps']} steps per system; device {s['slow_device']} at {s['factor']:g}× "
             f"from step {s['shift_at']} to the end; tokens/s over the slowed steps, migrations included; "

@@ -207,6 +207,6 @@ def test_ddp_without_ray_train_is_skipped_in_one_line(monkeypatch):
 
 
 def test_the_pace_travels_as_numbers():
-    assert bench.pace_numbers({"tflops": 1.02e-3, "gbps": 0.355}) == pytest.approx(
-        {"flops_per_second": 1.02e9, "bytes_per_second": 0.355e9})
+    assert bench.pace_numbers({"tflops": 1.02e-3, "gbps": 0.355, "block_ms": 2.5}) == pytest.approx(
+        {"flops_per_second": 1.02e9, "bytes_per_second": 0.355e9, "block_seconds": 2.5e-3})
     assert bench.pace_numbers("auto") is None

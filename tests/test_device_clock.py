@@ -9,6 +9,7 @@ import os
 import statistics
 import tempfile
 import time
+import types
 
 import pytest
 import torch
@@ -19,8 +20,9 @@ from _host import inconclusive, require_pace
 from _mp import run_on_gloo
 from malleus_svc.config.presets import preset
 from malleus_svc.plan import Pipeline, Plan, Stage
-from malleus_svc.runtime.device_clock import (CudaClock, HostCost, Pace, PacedClock, allowed_cores, host_cores,
-                                              pace_for)
+from malleus_svc.control.workload import device_work, t0_flops
+from malleus_svc.runtime.device_clock import (CudaClock, HostCost, OpCost, Pace, PacedClock, allowed_cores, fit_pace,
+                                              host_cores, pace_for)
 from malleus_svc.runtime.engine import Engine, OptimConfig
 from test_engine import SEED, global_batches
 
@@ -223,6 +225,67 @@ def test_a_pace_is_sized_for_the_costliest_device_and_needs_both_kinds_of_op():
                     flop_wall_seconds=5.0, byte_wall_seconds=0.5)
     pace = pace_for([cheap, busy], cores=2, workers=8, utilization=0.5)
     assert pace.flops_per_second == pytest.approx(0.5 / 5e-9) and pace.bytes_per_second == pytest.approx(0.125 / 2e-10)
+
+
+def _host_op(kind: str, blocks: int, flops: float, first: bool) -> OpCost:
+    """An op as a host runs it: a fixed cost per op (more on the first stage: the embedding's
+    lookup), one per block, and a cost per FLOP; the wall time is the CPU time."""
+    cpu = (3e-4 if first else 2e-4) + 1e-3 * blocks + 2e-11 * flops
+    return OpCost(kind, flops, 0.0, blocks, cpu, cpu)
+
+
+def test_a_fitted_pace_holds_every_op_of_any_stage_the_planner_may_cut_and_stays_proportional_in_blocks():
+    """The rehearsal of two stages of 4 blocks (each op at two sizes, then its first block alone)
+    sizes a pace whose time per block covers a one-block stage's fixed cost too: every op of a
+    stage of 1-6 blocks at any size keeps pace, and a stage's nominal time is proportional to its
+    blocks (what the planner's time model assumes)."""
+    def rehearsal(first: bool) -> list[OpCost]:
+        ops = []
+        for blocks, flops in ((4, 4e8), (4, 1e8), (1, 2.5e7)):
+            ops += [_host_op("forward", blocks, flops, first), _host_op("backward", blocks, 2 * flops, first)] * 3
+        return ops + [OpCost("update", 0.0, 1e6, 0, 1e-3, 1e-3)] * 3
+    utilization, share = 0.5, 2 / 4     # four devices computing at once on two cores
+    pace = fit_pace([rehearsal(True), rehearsal(False)], cores=2, workers=4, utilization=utilization)
+    assert pace.flops_per_second == pytest.approx(utilization * share / 2e-11)
+    assert pace.block_seconds == pytest.approx((3e-4 + 1e-3) / share / utilization)   # the first stage's one block
+    assert pace.bytes_per_second == pytest.approx(1e6 * utilization * share / 1e-3)
+    for blocks in range(1, 7):
+        for tokens_share in (0.01, 0.1, 1.0, 3.0):
+            op = _host_op("forward", blocks, 1e8 * blocks * tokens_share, first=True)
+            assert pace.nominal(op.flops, blocks=blocks) >= op.cpu_seconds / share / utilization, (blocks, tokens_share)
+    one = pace.nominal(1e8, blocks=1)
+    assert pace.nominal(5e8, blocks=5) == pytest.approx(5 * one)
+    given = fit_pace([rehearsal(True)], cores=2, workers=4, flops_per_second=1e12, block_seconds=0.01)
+    assert (given.flops_per_second, given.block_seconds) == (1e12, 0.01)
+    with pytest.raises(ValueError, match="memory-bound"):
+        fit_pace([rehearsal(True)[:-3]], cores=2, workers=4)
+
+
+def test_work_units_under_a_time_per_block_give_every_healthy_device_the_same_unit_time():
+    """Devices with different blocks, micro-batch sizes and TP shares of a healthy cluster: each one's
+    device time over its work is t0's time, so none reads as a straggler, and a device at rate 3
+    reads exactly 3."""
+    job = types.SimpleNamespace(shape=TINY)    # what the work units read of a scenario
+    plan = Plan(num_devices=4, num_layers=TINY.layers, micro_batch_size=2,
+                pipelines=(Pipeline((Stage((0,), (0, 1)), Stage((1,), (1, TINY.layers))), micro_batches=3),
+                           Pipeline((Stage((2, 3), (0, TINY.layers)),), micro_batches=1)))
+    unit = t0_flops(job, plan)
+    pace = Pace(unit / 1e-3, 1e9, block_seconds=1e-3)    # t0: 1 ms of FLOPs and 2 ms of block passes
+    reports = {0: (1, 0.3 * unit), 1: (TINY.layers - 1, 2.1 * unit), 2: (TINY.layers, 0.7 * unit),
+               3: (TINY.layers, 0.7 * unit)}   # (blocks per op, forward FLOPs of one op)
+    rates = {0: 1.0, 1: 3.0, 2: 1.0, 3: 1.0}
+    devices = {}
+    for d, (blocks, flops) in reports.items():
+        ops = 2 * 3      # three micro-batches, a forward and a backward each
+        busy = rates[d] * 3 * (pace.nominal(flops, blocks=blocks) + pace.nominal(2 * flops, blocks=blocks))
+        devices[d] = {"flops": 3 * 3 * flops, "block_ops": ops * blocks, "compute_seconds": busy}
+    work = device_work(plan, job, devices, pace=pace)
+    t0 = pace.nominal(unit, blocks=2)
+    for d, s in devices.items():
+        assert s["compute_seconds"] / work[d] == pytest.approx(rates[d] * t0, rel=1e-12), d
+    # what the FLOPs alone would say: device 2's ops carry few FLOPs per block, a false straggler
+    flops_only = device_work(plan, job, devices)
+    assert devices[2]["compute_seconds"] / flops_only[2] > 1.4 * devices[0]["compute_seconds"] / flops_only[0]
 
 
 # ---------------------------------------------------------------------------- engines on the clock

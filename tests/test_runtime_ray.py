@@ -68,7 +68,10 @@ def test_job_config_loads_and_rejects_bad_fields():
         ({"emulate": [{"device": 4, "factor": 2.0}]}, "emulate[0].device"),
         ({"emulate": [{"device": 1, "factor": 2.0, "at_step": 3, "until_step": 2}]}, "emulate[0].until_step"),
         ({"ray": {"adress": "auto"}}, "ray.adress"),
+        ({"emulate": {"device": {"tflops": 1e-3, "block_ms": -1}}}, "emulate.device.block_ms"),
     ]
+    device = JobConfig.from_dict({**_tiny_dict(), "emulate": {"device": {"tflops": 1e-3, "block_ms": 2}}}).emulated_device
+    assert (device.flops_per_second, device.bytes_per_second, device.block_seconds) == (1e9, None, 2e-3)
     for patch, field in cases:
         d = _tiny_dict()
         d.update(patch)

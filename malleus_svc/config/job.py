@@ -148,11 +148,17 @@ class EmulateEntry:
 
 @dataclass(frozen=True)
 class EmulatedDevice:
-    """The accelerator a CPU worker stands in for: its FLOP/s and memory bandwidth. None (`auto`):
-    sized at start so that the host keeps pace with all its workers computing at once."""
+    """The accelerator a CPU worker stands in for: its FLOP/s, memory bandwidth and the fixed time
+    of an op per block it runs through (launches). None (`auto`): sized at start so that the host
+    keeps pace with all its workers computing at once."""
 
     tflops: float | None = None
     gbps: float | None = None
+    block_ms: float | None = None
+
+    @property
+    def block_seconds(self) -> float | None:
+        return None if self.block_ms is None else self.block_ms / 1e3
 
     @property
     def flops_per_second(self) -> float | None:
@@ -403,7 +409,7 @@ def _parse_schedule(s: Section, steps: int, lr: float) -> LrSchedule:
 
 
 def _parse_emulate(v: Any, num_devices: int, source: str | None) -> tuple[tuple[EmulateEntry, ...], EmulatedDevice]:
-    """`emulate`: a list of straggler entries, or {device: auto | {tflops, gbps}, stragglers: [...]}."""
+    """`emulate`: a list of straggler entries, or {device: auto | {tflops, gbps, block_ms}, stragglers: [...]}."""
     if isinstance(v, dict):
         s = Section(v, "emulate", source)
         device = _parse_emulated_device(s.raw("device", "auto"), source)
@@ -417,10 +423,11 @@ def _parse_emulated_device(v: Any, source: str | None) -> EmulatedDevice:
     if v == "auto":
         return EmulatedDevice()
     if not isinstance(v, dict):
-        raise ConfigError("emulate.device", v, '"auto" (sized to the host) or {tflops: T, gbps: G} '
-                          "(either may be auto)", source)
+        raise ConfigError("emulate.device", v, '"auto" (sized to the host) or {tflops: T, gbps: G, block_ms: L} '
+                          "(any may be auto)", source)
     s = Section(v, "emulate.device", source)
     out = {k: None if s.raw(k, "auto") == "auto" else s.float(k, minimum=0.0, exclusive=True) for k in ("tflops", "gbps")}
+    out["block_ms"] = None if s.raw("block_ms", "auto") == "auto" else s.float("block_ms", minimum=0.0)
     s.done()
     return EmulatedDevice(**out)
 

@@ -154,7 +154,7 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
                     start_step = restore_group(group, ckpt, sampler)
                 emulated = job.emulated_device   # timed on the weights the job trains, never on uninitialised memory
                 pace = group.pace(plan.micro_batch_size * job.data.seq_len, emulated.flops_per_second,
-                                  emulated.bytes_per_second)
+                                  emulated.bytes_per_second, emulated.block_seconds)
                 probe_baselines(group, group.live, rounds=1)   # warm-up round, discarded
                 baselines = probe_baselines(group, group.live, rounds=5)
                 links = group.time_links(job.shape, plan.micro_batch_size * job.data.seq_len)
@@ -174,7 +174,8 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
                 if pace is not None:
                     self.measurement.device_pace = pace
                     self._event("pace", f"CPU workers emulate accelerators of {pace.flops_per_second / 1e9:.3g} "
-                                        f"GFLOP/s and {pace.bytes_per_second / 1e9:.3g} GB/s")
+                                        f"GFLOP/s and {pace.bytes_per_second / 1e9:.3g} GB/s, "
+                                        f"{pace.block_seconds * 1e3:.3g} ms per block an op runs through")
                 self._event("links", links.describe())
                 self.metrics_export = serve_job_metrics(self.job, plan, self.history.plan_version)
                 if self.metrics_export is not None:

@@ -84,7 +84,7 @@ def job_dict(name: str, nodes: int, global_batch: int, steps: int, emulate: list
 def same_device(run: dict) -> dict | str:
     """The accelerator a finished run emulated, for the next run: both on the same clock."""
     pace = run["status"]["device_pace"]
-    return {"tflops": pace["gflops"] / 1e3, "gbps": pace["gbps"]} if pace else "auto"
+    return {"tflops": pace["gflops"] / 1e3, "gbps": pace["gbps"], "block_ms": pace["block_ms"]} if pace else "auto"
 
 
 def true_factors(emulate: list[dict], step: int, n: int = 8) -> list[float]:
@@ -334,7 +334,8 @@ def print_summary(s: dict) -> None:
           f"{s['global_batch']} x {m['seq_len']} tokens, measured from step {s['measured_from_step']}; "
           f"wall {s['wall_seconds']} s")
     if pace:
-        print(f"each worker emulated an accelerator of {pace['gflops']:.3g} GFLOP/s and {pace['gbps']:.3g} GB/s; "
+        print(f"each worker emulated an accelerator of {pace['gflops']:.3g} GFLOP/s and {pace['gbps']:.3g} GB/s, "
+              f"{pace.get('block_ms', 0):.3g} ms per block an op runs through; "
               f"ops that kept pace: {f(s['pace_held'], '.1%')}")
         if warning := pace_warning(s["pace_held"]):
             print(warning)

@@ -245,7 +245,7 @@ class Measurement:
 
     def observe_step(self, plan, job, devices: dict[int, dict], probes: list[dict]) -> None:
         """One iteration's per-device reports (active: busy over work in t0 units) and probes."""
-        work = device_work(plan, job.scenario, devices, job.data.seq_len)
+        work = device_work(plan, job.scenario, devices, job.data.seq_len, self.device_pace)
         self.observe([WorkSample(d, busy_seconds(s), work[d]) for d, s in devices.items() if d in work],
                      {r["device"]: busy_seconds(r) for r in probes})
         for d, s in devices.items():

@@ -77,7 +77,8 @@ def last_checkpoint(c) -> dict | None:
 
 def device_pace(pace) -> dict | None:
     """The accelerator CPU workers emulate (None on GPUs, or before they are paced)."""
-    return None if pace is None else {"gflops": pace.flops_per_second / 1e9, "gbps": pace.bytes_per_second / 1e9}
+    return None if pace is None else {"gflops": pace.flops_per_second / 1e9, "gbps": pace.bytes_per_second / 1e9,
+                                      "block_ms": pace.block_seconds * 1e3}
 
 
 def summary(c) -> dict:

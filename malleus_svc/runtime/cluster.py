@@ -33,7 +33,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import Any, Callable, Sequence
 
 import ray
@@ -643,8 +643,7 @@ class WorkerGroup:
         self.gone = (self.gone - set(fresh)) | failed
         self.infos = self._each("info")
         if self.device_pace is not None:
-            self._each("set_pace", self.device_pace.flops_per_second, self.device_pace.bytes_per_second,
-                       devices=[d for d in fresh if d not in failed])
+            self._each("set_pace", *astuple(self.device_pace), devices=[d for d in fresh if d not in failed])
         return failed
 
     def _restart_world(self, plan: Plan, fresh: Sequence[int], unavailable) -> str:
@@ -723,31 +722,34 @@ class WorkerGroup:
         return LinkTimes(p2p_intra_node_s=intra_s, p2p_inter_node_s=inter_s,
                          grad_sync_per_block_s=reduce_s * block / elements, reducers=len(reducers))
 
-    def pace(self, tokens: int, flops_per_second: float | None = None, bytes_per_second: float | None = None):
+    def pace(self, tokens: int, flops_per_second: float | None = None, bytes_per_second: float | None = None,
+             block_seconds: float | None = None):
         """Give CPU workers the speed of an emulated accelerator (GPUs keep their own; returns None).
 
         What is not given is sized from a rehearsal of every device's ops under the plan applied
         (`tokens`: one micro-batch), so that each host keeps pace with all its devices computing
-        at once (device_clock.pace_for). Replacement workers get the same pace."""
-        from .device_clock import HostCost, Pace, pace_for
+        at once (device_clock.fit_pace), the slowest host setting it. Replacement workers get the
+        same pace."""
+        from .device_clock import AUTO_UTILIZATION, OpCost, Pace, fit_pace
 
         if self.use_gpu:
             return None
-        if flops_per_second is None or bytes_per_second is None:
+        given = (flops_per_second, bytes_per_second, block_seconds)
+        if None in given:
             live = self.live
             rehearsed = self._get([self.workers[d].rehearse.remote(tokens) for d in live], "rehearse", devices=live)
-            costs: dict[str, list[HostCost]] = {}           # per host (Ray node), of the devices with work
-            for info, cost in zip(self.infos, rehearsed):
-                if cost is not None:
-                    costs.setdefault(info["node_id"], []).append(HostCost(**cost))
+            costs: dict[str, list[list[OpCost]]] = {}      # per host (Ray node), of the devices with work
+            for info, ops in zip(self.infos, rehearsed):
+                if ops is not None:
+                    costs.setdefault(info["node_id"], []).append([OpCost(**op) for op in ops])
             workers = collections.Counter(i["node_id"] for i in self.infos)
             cores = {i["node_id"]: i["host_cores"] for i in self.infos}
-            paces = [pace_for(c, cores[node], workers[node]) for node, c in costs.items()]
-            sized = Pace(min(p.flops_per_second for p in paces), min(p.bytes_per_second for p in paces))
-            flops_per_second = flops_per_second or sized.flops_per_second
-            bytes_per_second = bytes_per_second or sized.bytes_per_second
-        self.device_pace = Pace(flops_per_second, bytes_per_second)
-        self._each("set_pace", flops_per_second, bytes_per_second)
+            paces = [fit_pace(c, cores[node], workers[node], AUTO_UTILIZATION, *given) for node, c in costs.items()]
+            self.device_pace = Pace(min(p.flops_per_second for p in paces), min(p.bytes_per_second for p in paces),
+                                    max(p.block_seconds for p in paces))
+        else:
+            self.device_pace = Pace(*given)
+        self._each("set_pace", *astuple(self.device_pace))
         return self.device_pace
 
     def set_slowdown(self, device: int, factor: float) -> float:

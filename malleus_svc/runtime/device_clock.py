@@ -5,7 +5,9 @@ interface, `DeviceClock`:
 
   * `PacedClock` makes a CPU worker behave like an accelerator of its own. An op computes for real
     (results stay exact), then waits until `rate × nominal(op)` has passed, where nominal(op) is
-    its FLOPs over the emulated device's FLOP/s (bytes over its bandwidth for memory-bound ops).
+    its FLOPs over the emulated device's FLOP/s (bytes over its bandwidth for memory-bound ops)
+    plus a fixed time per block it runs through: an accelerator's launches cost the same whatever
+    a kernel's size, which is what makes small ops slow on a GPU and on a host alike.
     A straggler is a rate on this clock: a device at rate 3 takes three times as long per op
     whatever the host is doing, and it waits without using a core, as a slow GPU would leave the
     other GPUs alone. As long as the host keeps pace (every op's real compute ends before its
@@ -24,6 +26,7 @@ import contextlib
 import functools
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,16 +46,20 @@ class Pace:
 
     flops_per_second: float
     bytes_per_second: float
+    block_seconds: float = 0.0   # fixed time of an op per block it runs through (launches, dispatch)
 
     def __post_init__(self) -> None:
         for name in ("flops_per_second", "bytes_per_second"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
+        if not (math.isfinite(self.block_seconds) and self.block_seconds >= 0):
+            raise ValueError(f"block_seconds must be a number >= 0, got {self.block_seconds!r}")
 
-    def nominal(self, flops: float = 0.0, nbytes: float = 0.0) -> float:
-        """Seconds one op takes on a healthy device."""
-        return flops / self.flops_per_second + nbytes / self.bytes_per_second
+    def nominal(self, flops: float = 0.0, nbytes: float = 0.0, blocks: int = 0) -> float:
+        """Seconds one op takes on a healthy device. The fixed time counts per block, so that a
+        stage's time stays proportional to its blocks, as the planner's time model has it."""
+        return blocks * self.block_seconds + flops / self.flops_per_second + nbytes / self.bytes_per_second
 
 
 @dataclass
@@ -69,6 +76,18 @@ class HostCost:
     def add(self, other: "HostCost") -> None:
         for name, value in vars(other).items():
             setattr(self, name, getattr(self, name) + value)
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One op of a rehearsal as the host ran it, unpaced: its work and what it cost."""
+
+    kind: str
+    flops: float
+    nbytes: float
+    blocks: int
+    cpu_seconds: float      # thread CPU time
+    wall_seconds: float     # wall time, collectives left out: the host's load shows here
 
 
 @dataclass
@@ -128,11 +147,55 @@ def pace_for(costs: list[HostCost], cores: int, workers: int, utilization: float
                 utilization / slowest("nbytes", "byte_cpu_seconds", "byte_wall_seconds"))
 
 
+def fit_pace(devices: list[list[OpCost]], cores: int, workers: int, utilization: float = AUTO_UTILIZATION,
+             flops_per_second: float | None = None, bytes_per_second: float | None = None,
+             block_seconds: float | None = None) -> Pace:
+    """The fastest pace every device of a host holds on every op it rehearsed, while all of them
+    compute at once (what is given is kept). An op needs its CPU time spread over its device's
+    share of the cores, `min(1, cores / workers)`, or its wall time when longer, over `utilization`
+    (`pace_for`'s rule, per op). Each device rehearses its ops at two sizes and once through its
+    first block alone (`Engine.rehearse`):
+      * the seconds per FLOP are the steepest growth of any op between its two sizes;
+      * the time per block is the most any compute op needs beyond its FLOPs, per block: the
+        one-block op, whose fixed cost (the stage's own work besides its blocks) has one block to
+        carry, sets it, so a stage the planner cuts to one block keeps its pace too;
+      * the bytes per second are the least any memory-bound op gets through in its time."""
+    share = min(1.0, cores / max(1, workers))
+
+    def need(op: OpCost) -> float:
+        return max(op.cpu_seconds / share, op.wall_seconds) / utilization
+
+    same: dict[tuple, list[float]] = {}    # the median of an op's repeats: a one-off stall is noise
+    for d, ops in enumerate(devices):
+        for op in ops:
+            same.setdefault((d, op.kind, op.blocks, op.flops, op.nbytes), []).append(need(op))
+    needs = {k: statistics.median(v) for k, v in same.items()}
+    compute = {k: v for k, v in needs.items() if k[3] > 0}
+    memory = {k: v for k, v in needs.items() if k[3] == 0 and k[4] > 0}
+    if not compute or not memory:
+        raise ValueError("no rehearsal measured both compute-bound and memory-bound ops: cannot size a pace")
+    if flops_per_second is None:
+        sizes: dict[tuple, list[tuple[float, float]]] = {}
+        for (d, kind, blocks, flops, _), v in compute.items():
+            sizes.setdefault((d, kind, blocks), []).append((flops, v))
+        slopes = [(max(s)[1] - min(s)[1]) / (max(s)[0] - min(s)[0]) for s in sizes.values() if len(s) > 1]
+        slope = max(slopes, default=0.0)
+        if slope <= 0:   # one size only, or noise above the growth: the op's whole time per FLOP
+            slope = max(v / k[3] for k, v in compute.items())
+        flops_per_second = 1.0 / slope
+    if block_seconds is None:
+        block_seconds = max([(v - k[3] / flops_per_second) / k[2] for k, v in compute.items() if k[2]] + [0.0])
+    if bytes_per_second is None:
+        bytes_per_second = min(k[4] / v for k, v in memory.items())
+    return Pace(flops_per_second, bytes_per_second, block_seconds)
+
+
 class DeviceClock(Protocol):
     rate: float
     pace_count: PaceCount
 
-    def op(self, kind: str, flops: float = 0.0, nbytes: float = 0.0) -> contextlib.AbstractContextManager: ...
+    def op(self, kind: str, flops: float = 0.0, nbytes: float = 0.0,
+           blocks: int = 0) -> contextlib.AbstractContextManager: ...
     def collective(self) -> contextlib.AbstractContextManager: ...
     def read(self) -> dict[str, float]: ...
 
@@ -155,11 +218,12 @@ class PacedClock:
     hold: bool = True
     pace_count: PaceCount = field(default_factory=PaceCount)
     host: HostCost = field(default_factory=HostCost)
+    rehearsal: list[OpCost] | None = None   # while a list, every op's cost is kept in it (unpaced)
     _device: dict[str, float] = field(default_factory=dict)
     _collective_seconds: float = 0.0
 
     @contextlib.contextmanager
-    def op(self, kind: str, flops: float = 0.0, nbytes: float = 0.0) -> Iterator[None]:
+    def op(self, kind: str, flops: float = 0.0, nbytes: float = 0.0, blocks: int = 0) -> Iterator[None]:
         rate = self.rate   # read once: the control thread may change it meanwhile
         start, cpu0, coll0 = time.perf_counter(), time.thread_time(), self._collective_seconds
         yield
@@ -168,10 +232,12 @@ class PacedClock:
         own = time.perf_counter() - start - collectives
         self.host.add(HostCost(flops=flops, flop_cpu_seconds=cpu, flop_wall_seconds=own) if flops else
                       HostCost(nbytes=nbytes, byte_cpu_seconds=cpu, byte_wall_seconds=own))
+        if self.rehearsal is not None:
+            self.rehearsal.append(OpCost(kind, flops, nbytes, blocks, cpu, own))
         if self.pace is None:
             seconds = own
         else:
-            target = rate * self.pace.nominal(flops, nbytes)
+            target = rate * self.pace.nominal(flops, nbytes, blocks)
             self.pace_count.ops += 1
             if own <= target:
                 self.pace_count.on_pace += 1
@@ -235,7 +301,7 @@ class CudaClock:
         self._last: dict[str, float] = {}     # mean device seconds of each op kind, last read
 
     @contextlib.contextmanager
-    def op(self, kind: str, flops: float = 0.0, nbytes: float = 0.0) -> Iterator[None]:
+    def op(self, kind: str, flops: float = 0.0, nbytes: float = 0.0, blocks: int = 0) -> Iterator[None]:
         rate = self.rate
         timed = _TimedOp(kind, self._record())
         self._open = timed

@@ -10,6 +10,7 @@ Three things make it so:
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -78,6 +79,7 @@ class StepStats:
     grad_norm: float         # global gradient norm before clipping
     compute_seconds: float   # device time of this device's forward/backward ops (its DeviceClock)
     flops: float             # of those ops: the work the device time was spent on
+    block_ops: int           # of those ops: the blocks each ran through, summed (an accelerator's fixed costs)
     model_flops: float       # this device's share of the model's FLOPs (the devices' shares sum to the step's)
     wall_seconds: float
     comm_seconds: float      # wall time waiting in p2p and collectives
@@ -305,7 +307,7 @@ class Engine:
         self.transport.comm_seconds = self.groups.tp.comm_seconds = 0.0
         # no clock read here: on CUDA it would wait for the last update; this step's read at its end
         # takes that update's time (and an evaluation's) under their own kinds, not "compute"
-        self._flops = 0.0
+        self._flops, self._block_ops = 0.0, 0
         self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
         self._inflight: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
         self._update_pending = False      # an update never applied is dropped with its gradients
@@ -337,6 +339,7 @@ class Engine:
             grad_norm=math.sqrt(square_norm),
             compute_seconds=self.clock.read().get("compute", 0.0),
             flops=self._flops,
+            block_ops=self._block_ops,
             model_flops=3.0 * sum(self.model.forward_flops(mb.cu_seqlens, model_share=True)
                                   for mb in micro_batches),
             wall_seconds=time.perf_counter() - wall0,
@@ -356,29 +359,38 @@ class Engine:
         self._update_pending = False
         return time.perf_counter() - t0
 
-    def rehearse(self, tokens: int, repeats: int = 2) -> None:
-        """This stage's forward, backward and update on a synthetic micro-batch of `tokens` tokens,
-        through the clock and changing nothing: what the host spends on the ops, to choose a pace
-        it can hold. No pipeline transfers; a TP group's members must rehearse together."""
+    def rehearse(self, tokens: int, repeats: int = 3) -> None:
+        """This stage's forward, backward and update on synthetic micro-batches, through the clock
+        and changing nothing: what the host spends on the ops, to choose a pace it can hold
+        (`device_clock.fit_pace`). The stage at `tokens` and a quarter of it (how an op grows),
+        then its first block alone at the quarter (what a stage of one block costs beyond its
+        FLOPs). No pipeline transfers; a TP group's members must rehearse together."""
         g = torch.Generator().manual_seed(0)
-        cu_seqlens = torch.tensor([0, tokens], dtype=torch.int32)
-        positions = torch.arange(tokens).to(self.device)
-        flops = self.model.forward_flops(cu_seqlens)
         scratch = [torch.nn.Parameter(p.detach().clone()) for p in self.params.values()]
         for p in scratch:
             p.grad = torch.randn(p.shape, generator=g).to(p)
         update = self.optim.make(dict(zip(self.params, scratch)))
         nbytes = update_bytes(scratch)
-        for _ in range(repeats):
-            x = (torch.randint(self.shape.vocab, (tokens,), generator=g).to(self.device) if self.role.is_first
-                 else torch.randn(tokens, self.shape.hidden, generator=g).to(self.device, self.working.dtype)
-                 .requires_grad_(True))
-            with self.clock.op("rehearse", flops=flops):
-                out = self.working(self.model, x, positions, cu_seqlens)
-            with self.clock.op("rehearse", flops=2 * flops):
-                out.float().sum().backward()
-            with self.clock.op("rehearse", nbytes=nbytes):
-                update.step()
+        small = max(1, tokens // 4)
+        runs = [(tokens, False), (small, False)]
+        if len(self.model.blocks) > 1 and not self.working.mixed:   # the swap below needs the module's own weights
+            runs.append((small, True))
+        for size, one_block in dict.fromkeys(runs):
+            cu_seqlens = torch.tensor([0, size], dtype=torch.int32)
+            positions = torch.arange(size).to(self.device)
+            with self.model.first_block_only() if one_block else contextlib.nullcontext():
+                flops, blocks = self.model.forward_flops(cu_seqlens), len(self.model.blocks)
+                for _ in range(repeats):
+                    x = (torch.randint(self.shape.vocab, (size,), generator=g).to(self.device) if self.role.is_first
+                         else torch.randn(size, self.shape.hidden, generator=g).to(self.device, self.working.dtype)
+                         .requires_grad_(True))
+                    with self.clock.op("rehearse-forward", flops=flops, blocks=blocks):
+                        out = self.working(self.model, x, positions, cu_seqlens)
+                    with self.clock.op("rehearse-backward", flops=2 * flops, blocks=blocks):
+                        out.float().sum().backward()
+                    if not one_block:
+                        with self.clock.op("rehearse-update", nbytes=nbytes):
+                            update.step()
         self.clock.read()
         for p in self.params.values():
             p.grad = None
@@ -427,9 +439,11 @@ class Engine:
         positions = to_device(mb.positions(), self.device)
         x = received.requires_grad_(True) if received is not None else to_device(mb.tokens, self.device)
         flops = self.model.forward_flops(mb.cu_seqlens)
-        with self.clock.op("compute", flops=flops):
+        blocks = len(self.model.blocks)
+        with self.clock.op("compute", flops=flops, blocks=blocks):
             out = self._stage_forward(mb, loss_tokens, x, positions)
         self._flops += flops
+        self._block_ops += blocks
         self._inflight[i] = (x, out, flops)
         return out
 
@@ -437,7 +451,7 @@ class Engine:
         """Forward of micro-batch i for an evaluation (device time the next step reads as "eval", apart)."""
         positions = to_device(mb.positions(), self.device)
         x = received if received is not None else to_device(mb.tokens, self.device)
-        with self.clock.op("eval", flops=self.model.forward_flops(mb.cu_seqlens)):
+        with self.clock.op("eval", flops=self.model.forward_flops(mb.cu_seqlens), blocks=len(self.model.blocks)):
             return self._stage_forward(mb, loss_tokens, x, positions)
 
     def _stage_forward(self, mb: MicroBatch, loss_tokens: int, x: torch.Tensor, positions: torch.Tensor
@@ -457,9 +471,11 @@ class Engine:
         returns the input's gradient (None on the first stage)."""
         x, out, forward_flops = self._inflight.pop(i)
         grad = received.to(out.dtype) if received is not None else None
-        with self.clock.op("compute", flops=2 * forward_flops):    # backward: twice the forward's FLOPs
+        blocks = len(self.model.blocks)
+        with self.clock.op("compute", flops=2 * forward_flops, blocks=blocks):   # backward: twice the forward's FLOPs
             torch.autograd.backward(out, grad)
         self._flops += 2 * forward_flops
+        self._block_ops += blocks
         return x.grad
 
     def _clip(self, grad_norm: torch.Tensor) -> None:

@@ -14,10 +14,11 @@ summed by an all-reduce; norm weights replicated).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from functools import cached_property
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import torch
 import torch.nn as nn
@@ -336,6 +337,19 @@ class StageModel(nn.Module):
         pairs = sum(n * (n + 1) // 2 for n in lengths)
         weights, share, channels = self._flop_counts
         return 2.0 * (share if model_share else weights) * bounds[-1] + 4.0 * channels * pairs
+
+    @contextlib.contextmanager
+    def first_block_only(self) -> Iterator[None]:
+        """The stage as if it held only its first block (a rehearsal's way to time a one-block
+        stage): forward and `forward_flops` see that block alone until the context ends."""
+        blocks, first = self.blocks, next(iter(self.blocks))
+        self.blocks = nn.ModuleDict({first: blocks[first]})
+        self.__dict__.pop("_flop_counts", None)
+        try:
+            yield
+        finally:
+            self.blocks = blocks
+            self.__dict__.pop("_flop_counts", None)
 
     @cached_property
     def _flop_counts(self) -> tuple[int, float, int]:

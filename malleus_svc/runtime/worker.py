@@ -361,7 +361,7 @@ class DeviceWorker:
         a = torch.randn(size, size, generator=g).to(self.torch_device)
         b = torch.randn(size, size, generator=g).to(self.torch_device) / size ** 0.5
         self.clock.read()
-        with self.clock.op("probe", flops=2.0 * size ** 3 * repeats):
+        with self.clock.op("probe", flops=2.0 * size ** 3 * repeats, blocks=1):   # launches like one block
             for _ in range(repeats):
                 a = torch.tanh(a @ b)
         return {"device": self.device_id, "compute_seconds": self.clock.read().get("probe", 0.0),
@@ -390,22 +390,22 @@ class DeviceWorker:
                              layers=layers, repeats=repeats)
 
     # ------------------------------------------------------------------ the device's pace (CPU)
-    def rehearse(self, tokens: int) -> dict[str, float] | None:
-        """The host's cost of this device's ops, unpaced (see Engine.rehearse); None without work."""
+    def rehearse(self, tokens: int) -> list[dict] | None:
+        """What each of this device's ops cost the host, unpaced (`device_clock.OpCost`, see
+        Engine.rehearse); None without work."""
         if self.engine is None or self.use_gpu:
             return None
-        pace, self.clock.pace = self.clock.pace, None
-        before = asdict(self.clock.host)
+        pace, self.clock.pace, self.clock.rehearsal = self.clock.pace, None, []
         try:
             self.engine.rehearse(int(tokens))
+            return [asdict(op) for op in self.clock.rehearsal]
         finally:
-            self.clock.pace = pace
-        return {k: v - before[k] for k, v in asdict(self.clock.host).items()}
+            self.clock.pace, self.clock.rehearsal = pace, None
 
-    def set_pace(self, flops_per_second: float, bytes_per_second: float) -> None:
+    def set_pace(self, flops_per_second: float, bytes_per_second: float, block_seconds: float = 0.0) -> None:
         """Emulate an accelerator of this speed (CPU workers; a GPU keeps its own)."""
         if not self.use_gpu:
-            self.clock.pace = Pace(float(flops_per_second), float(bytes_per_second))
+            self.clock.pace = Pace(float(flops_per_second), float(bytes_per_second), float(block_seconds))
 
     # ------------------------------------------------------------------ straggler control
     @ray.method(concurrency_group="control")
