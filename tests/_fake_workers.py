@@ -52,7 +52,7 @@ class FakeWorkers:
     def set_slowdowns(self, factors: dict[int, float]) -> None:
         self.slowdown.update(factors)
 
-    def pace(self, tokens, flops_per_second=None, bytes_per_second=None):
+    def pace(self, tokens, flops_per_second=None, bytes_per_second=None, block_seconds=None):
         return None      # device time is modelled directly
 
     def time_links(self, shape, boundary_tokens: int) -> LinkTimes:

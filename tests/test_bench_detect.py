@@ -1,0 +1,31 @@
+"""`malleus bench detect` counts from a run's history and metrics lines: only rounds that measured
+rates started, adoptions apart from rounds that kept the plan, detection as `malleus demo` counts it."""
+from __future__ import annotations
+
+from benchmarks import detect
+
+
+def _run(history: list[dict], plans: list[str]) -> dict:
+    records = [{"step": s, "plan_id": p, "time": 10.0 + s, "iteration_seconds": 1.0, "pace_held": 0.97}
+               for s, p in enumerate(plans)]
+    return {"history": history, "records": records,
+            "status": {"workers": {"devices": 4}, "unmeasured": {"2": 0.4}}}
+
+
+def _round(step: int, outcome: str, kind: str = "rates") -> dict:
+    return {"step": step, "outcome": outcome, "requests": [{"kind": kind, "detail": "x"}]}
+
+
+def test_a_healthy_run_counts_rounds_from_rates_and_adoptions_per_thousand_steps():
+    history = [_round(6, "kept", "links"), _round(20, "kept"), _round(30, "applied"), _round(40, "kept", "user")]
+    row = detect.healthy_row("tiny", _run(history, ["a"] * 31 + ["b"] * 469))
+    assert (row["rounds_kept"], row["adopted"], row["steps"]) == (1, 1, 500)
+    assert row["false_replans_per_1000"] == 2.0 and row["unmeasured_at_end"] == {"2": 0.4}
+
+
+def test_a_straggler_is_detected_when_a_new_plan_is_in_force_and_missed_otherwise():
+    late = ["a"] * 12 + ["b"] * 3
+    found = detect.straggler_row("demo", 1.5, 0, 3, 9, _run([_round(11, "applied")], late))
+    assert (found["iterations"], found["adopted_before_shift"]) == (3, 0)
+    missed = detect.straggler_row("demo", 1.25, 1, 2, 9, _run([_round(4, "applied")], ["a"] * 15))
+    assert (missed["iterations"], missed["adopted_before_shift"]) == (None, 1)
