@@ -9,9 +9,12 @@ each on an `auto` pace.
     costs a migration), the share of ops that kept pace, the devices left unmeasured at the end.
   * A straggler run per job, factor (`--factors`) and seed (`--seeds`; the slowed device is drawn
     from the seed): one device slowed from the first step after calibration and 3 healthy steps,
-    and the iterations until a new plan is in force (`malleus demo`'s count), or "missed" when none
-    came within `--window` iterations.
-The coordinator's thresholds are its defaults (`control:` band, confirm, threshold) unless given.
+    and the iterations until its measured rate first moved past the coordinator's band (detected),
+    and until a new plan was in force (`malleus demo`'s count), or "missed" when none came within
+    `--window` iterations. The job is declared `--horizon` steps long, so that a better plan pays
+    for its migration (over a few steps left, keeping the plan is the right answer), and ends once
+    a new plan is in force or the window has passed.
+The coordinator's thresholds are the job's (`control:` band, confirm, threshold, window) unless given.
 """
 from __future__ import annotations
 
@@ -71,25 +74,42 @@ def healthy_row(name: str, run: dict) -> dict:
             "unmeasured_at_end": run["status"].get("unmeasured") or {}}
 
 
-def straggler_row(name: str, factor: float, seed: int, device: int, shift: int, run: dict) -> dict:
+def straggler_row(name: str, factor: float, seed: int, device: int, shift: int, band: float, run: dict) -> dict:
+    """Iterations from the slowdown at `shift` until the device's measured rate moved past `band`
+    (`detected`), until the round it started ended (`decided`, with its outcome: a plan applied, or
+    the plan in force kept when the planner found none faster) and until a new plan was in force
+    (`planned`); None: not within the run."""
     from malleus_svc.control.demo import latencies
 
     emulate = [{"device": device, "factor": factor, "at_step": shift, "until_step": None}]
     early = [h for h in run["history"] if from_rates(h) and h["outcome"] == "applied" and h["step"] < shift]
+    seen = next((r["step"] for r in run["records"]
+                 if r["step"] >= shift and (r.get("rates") or {}).get(str(device), 1.0) >= 1.0 + band), None)
+    decided = next((h for h in run["history"] if from_rates(h) and h["step"] >= shift), None)
     lat = latencies(run, emulate)
     return {"job": name, "factor": factor, "seed": seed, "device": device,
-            "iterations": lat[0]["iterations"] if lat else None, "adopted_before_shift": len(early),
+            "detected": None if seen is None else seen - shift,
+            "decided": None if decided is None else (decided["step"] - shift, decided["outcome"]),
+            "planned": lat[0]["iterations"] if lat else None, "adopted_before_shift": len(early),
             "pace_held": run["records"][-1].get("pace_held") if run["records"] else None}
 
 
-def run_job(d: dict, steps: int) -> dict:
+def settled(records: list[dict], shift: int, window: int) -> bool:
+    """A straggler run may end: a new plan is in force since the slowdown, or the window has passed."""
+    at = next((r["plan_id"] for r in records if r["step"] == shift), None)
+    return bool(records) and (records[-1]["step"] >= shift + window or
+                              (at is not None and records[-1]["plan_id"] != at))
+
+
+def run_job(d: dict, steps: int, until=None) -> dict:
     from malleus_svc.config.job import JobConfig
     from malleus_svc.control.demo import View, run_one
 
-    return run_one(d["name"], JobConfig.from_dict(d), steps, False, View(False, out=open(os.devnull, "w")))
+    with open(os.devnull, "w") as quiet:
+        return run_one(d["name"], JobConfig.from_dict(d), steps, False, View(False, out=quiet), until=until)
 
 
-def markdown(argv, healthy: list[dict], found: list[dict], args, wall: float) -> str:
+def markdown(argv, healthy: list[dict], found: list[dict], args, band: float, wall: float) -> str:
     lines = [f"Command: `malleus bench detect {' '.join(argv)}`".rstrip() + f" — {time.strftime('%Y-%m-%d')}, "
              f"{os.cpu_count()} host cores, {wall / 60:.0f} min.", "",
              "Healthy runs (nothing straggles):", "",
@@ -99,31 +119,47 @@ def markdown(argv, healthy: list[dict], found: list[dict], args, wall: float) ->
         um = ", ".join(f"{d} ({s:.0%})" for d, s in h["unmeasured_at_end"].items()) or "none"
         lines.append(f"| {h['job']} | {h['workers']} | {h['steps']} | {h['pace_held']:.1%} | {h['rounds_kept']} | "
                      f"{h['adopted']} | {h['false_replans_per_1000']:.1f} | {um} |")
-    lines += ["", f"One device slowed from the first step after calibration; iterations until a new plan is in force "
-                  f"(missed: none within {args.window}), per seed:", "",
-              "| job | factor | iterations per seed | median | missed | plans adopted before the slowdown |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", f"One device slowed from the first step after calibration (a job declared {args.horizon} steps "
+                  f"long); iterations until its measured rate moved past the band ({band:g}) and until a new plan "
+                  f"was in force, per seed (–: none within {args.window}):", "",
+              "| job | factor | detected after | median | round decided after (outcome) | new plan in force after | median | "
+              "plans adopted before the slowdown |", "|---|---|---|---|---|---|---|---|"]
+
+    def cells(values: list) -> str:
+        hit = [v for v in values if v is not None]
+        return f"{', '.join('–' if v is None else str(v) for v in values)} | {statistics.median(hit) if hit else '–'}"
     for (job, factor) in dict.fromkeys((r["job"], r["factor"]) for r in found):
         rows = [r for r in found if (r["job"], r["factor"]) == (job, factor)]
-        its = [r["iterations"] for r in rows]
-        hit = [i for i in its if i is not None]
-        lines.append(f"| {job} | {factor:g}x | {', '.join('missed' if i is None else str(i) for i in its)} | "
-                     f"{statistics.median(hit) if hit else '-'} | {len(its) - len(hit)} | "
-                     f"{sum(r['adopted_before_shift'] for r in rows)} |")
+        decided = ", ".join("–" if r["decided"] is None else f"{r['decided'][0]} ({r['decided'][1]})" for r in rows)
+        lines.append(f"| {job} | {factor:g}x | {cells([r['detected'] for r in rows])} | {decided} | "
+                     f"{cells([r['planned'] for r in rows])} | {sum(r['adopted_before_shift'] for r in rows)} |")
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="malleus bench detect", description=__doc__.split("\n")[0])
     ap.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated, of {', '.join(JOBS)} (default all)")
     ap.add_argument("--healthy-steps", type=int, default=500, help="iterations of each healthy run (default 500; 0: none)")
     ap.add_argument("--factors", default="1.25,1.5,2,3", help="slowdowns to detect (default 1.25,1.5,2,3)")
     ap.add_argument("--seeds", type=int, default=2, help="straggler runs per job and factor (default 2)")
     ap.add_argument("--window", type=int, default=10, help="iterations after the slowdown to wait for a plan (default 10)")
-    for knob in ("band", "confirm", "threshold"):
-        ap.add_argument(f"--{knob}", type=float, default=None, help=f"the coordinator's `control.{knob}` (default its own)")
+    ap.add_argument("--horizon", type=int, default=200, help="steps a straggler run's job is declared to last (default 200)")
+    for knob in ("band", "confirm", "threshold", "window"):
+        ap.add_argument(f"--rate-{knob}", dest=f"rate_{knob}", type=float, default=None,
+                        help=f"the coordinator's `control.{knob}` (default the job's own)")
     ap.add_argument("--write", metavar="MD", help="replace this markdown file's detect section (BENCHMARKS.md)")
     ap.add_argument("--summary-out", metavar="JSON", help="write all numbers as JSON")
+    return ap
+
+
+def control_of(args) -> dict:
+    """The coordinator's knobs given on the command line, as a job file's `control:` section."""
+    return {k: (int(v) if k in ("confirm", "window") else v) for k in ("band", "confirm", "threshold", "window")
+            if (v := getattr(args, f"rate_{k}")) is not None}
+
+
+def main(argv: list[str]) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     jobs = [j for j in args.jobs.split(",") if j]
     bad = [j for j in jobs if j not in JOBS]
@@ -135,13 +171,15 @@ def main(argv: list[str]) -> int:
         ap.error(f"--factors must be numbers separated by commas, got {args.factors!r}")
     if any(f < 1 for f in factors) or args.healthy_steps < 0 or args.seeds < 0 or args.window < 1:
         ap.error("factors must be >= 1, --healthy-steps and --seeds >= 0, --window >= 1")
-    control = {k: (int(v) if k == "confirm" else v) for k in ("band", "confirm", "threshold")
-               if (v := getattr(args, k)) is not None}
+    if args.horizon < args.window + 10:
+        ap.error("--horizon must be at least --window + 10 (warm-up, calibration and healthy steps come first)")
+    control = control_of(args)
 
     import logging
 
     import ray
 
+    from malleus_svc.config.job import ControlConfig
     from malleus_svc.control.demo import HEALTHY_STEPS
     from malleus_svc.runtime.cluster import start_local_ray
 
@@ -159,16 +197,18 @@ def main(argv: list[str]) -> int:
                 print(f"[detect] {name}: {healthy[-1]}", file=sys.stderr, flush=True)
             for factor in factors:
                 for seed in range(args.seeds):
-                    steps = HEALTHY_STEPS + args.window + 1
-                    d = job_for(name, steps, [], seed, control)
+                    d = job_for(name, args.horizon, [], seed, control)
                     n = d["cluster"]["nodes"] * d["cluster"]["gpus_per_node"]
                     device = random.Random(seed).randrange(n)
                     d["emulate"]["stragglers"] = [{"device": device, "factor": factor, "at_step": HEALTHY_STEPS}]
-                    found.append(straggler_row(name, factor, seed, device, HEALTHY_STEPS, run_job(d, steps)))
+                    band = d["control"].get("band", ControlConfig.band)
+                    found.append(straggler_row(name, factor, seed, device, HEALTHY_STEPS, band,
+                                               run_job(d, args.horizon, lambda recs: settled(recs, HEALTHY_STEPS, args.window))))
                     print(f"[detect] {name}: {found[-1]}", file=sys.stderr, flush=True)
     finally:
         ray.shutdown()
-    md = markdown(argv, healthy, found, args, time.perf_counter() - t0)
+    band = control.get("band", ControlConfig.band)
+    md = markdown(argv, healthy, found, args, band, time.perf_counter() - t0)
     print(md)
     if args.summary_out:
         Path(args.summary_out).write_text(json.dumps({"healthy": healthy, "stragglers": found}, indent=2))

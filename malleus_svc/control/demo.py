@@ -28,7 +28,7 @@ import math
 import os
 import sys
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from malleus_svc.config.job import ControlConfig
 from malleus_svc.config.limits import MAX_GLOBAL_BATCH
@@ -129,8 +129,11 @@ class View:
         self.out.flush()
 
 
-def run_one(title: str, job, steps: int, static: bool, view: View) -> dict:
-    """Train `job` through a coordinator; the per-step lines, history and status at the end."""
+def run_one(title: str, job, steps: int, static: bool, view: View,
+            until: Callable[[list[dict]], bool] | None = None) -> dict:
+    """Train `job` through a coordinator; the per-step lines, history and status at the end. With
+    `until`, the run ends early once it holds for the metrics lines so far (the coordinator still
+    plans for all `steps`)."""
     import ray
 
     from .coordinator import actor_name, launch
@@ -142,7 +145,7 @@ def run_one(title: str, job, steps: int, static: bool, view: View) -> dict:
         view.event(f"[{title}] {w['devices']} workers ({w['cpus_per_worker']:g} logical CPU each) sharing "
                    f"{w['host_cores']} cores" + (f", each an emulated accelerator of {pace['gflops']:.3g} GFLOP/s"
                                                  if pace else "") + f"; coordinator {actor_name(job.name)}")
-        seen, ev_seen = 0, 0.0
+        seen, ev_seen, so_far = 0, 0.0, []
         while True:
             st = ray.get(h.status.remote())
             for ev in st["events"]:
@@ -154,7 +157,8 @@ def run_one(title: str, job, steps: int, static: bool, view: View) -> dict:
             for line in lines:
                 view.step(title, line, st)
             seen += len(lines)
-            if st["state"] in ("done", "failed") and seen >= st["step"]:
+            so_far += lines
+            if (st["state"] in ("done", "failed") and seen >= st["step"]) or (until is not None and until(so_far)):
                 break
             time.sleep(0.2)
         if st["state"] == "failed":
