@@ -10,8 +10,9 @@ each on an `auto` pace.
   * A straggler run per job, factor (`--factors`) and seed (`--seeds`; the slowed device is drawn
     from the seed): one device slowed from the first step after calibration and 3 healthy steps,
     and the iterations until its measured rate first moved past the coordinator's band (detected),
-    and until a new plan was in force (`malleus demo`'s count), or "missed" when none came within
-    `--window` iterations. The job is declared `--horizon` steps long, so that a better plan pays
+    until the round it started ended (decided: a plan applied, or the plan in force kept when the
+    planner found none faster) and until a new plan was in force (`malleus demo`'s count); "–"
+    when none came within `--window` iterations. The job is declared `--horizon` steps long, so that a better plan pays
     for its migration (over a few steps left, keeping the plan is the right answer), and ends once
     a new plan is in force or the window has passed.
 The coordinator's thresholds are the job's (`control:` band, confirm, threshold, window) unless given.
@@ -35,7 +36,12 @@ JOBS = ("tiny", "demo", "demo16")
 TINY_JOB = Path(__file__).resolve().parent.parent / "examples" / "tiny_job.yaml"
 
 
+def num_devices(name: str) -> int:
+    return {"tiny": 4, "demo": 8, "demo16": 16}[name]
+
+
 def job_for(name: str, steps: int, stragglers: list[dict], seed: int, control: dict) -> dict:
+    """The job file (as a dict) of one run: `name`'s job, `steps` long, these stragglers."""
     from malleus_svc.control.demo import job_dict
 
     if name == "tiny":
@@ -197,10 +203,9 @@ def main(argv: list[str]) -> int:
                 print(f"[detect] {name}: {healthy[-1]}", file=sys.stderr, flush=True)
             for factor in factors:
                 for seed in range(args.seeds):
-                    d = job_for(name, args.horizon, [], seed, control)
-                    n = d["cluster"]["nodes"] * d["cluster"]["gpus_per_node"]
-                    device = random.Random(seed).randrange(n)
-                    d["emulate"]["stragglers"] = [{"device": device, "factor": factor, "at_step": HEALTHY_STEPS}]
+                    device = random.Random(seed).randrange(num_devices(name))
+                    slow = [{"device": device, "factor": factor, "at_step": HEALTHY_STEPS}]
+                    d = job_for(name, args.horizon, slow, seed, control)
                     band = d["control"].get("band", ControlConfig.band)
                     found.append(straggler_row(name, factor, seed, device, HEALTHY_STEPS, band,
                                                run_job(d, args.horizon, lambda recs: settled(recs, HEALTHY_STEPS, args.window))))

@@ -46,3 +46,10 @@ def test_the_coordinators_knobs_reach_the_job_and_the_benchs_own_window_does_not
     args = detect.build_parser().parse_args(["--window", "7", "--rate-confirm", "1"])
     assert args.window == 7 and detect.control_of(args) == {"confirm": 1}
     assert detect.control_of(detect.build_parser().parse_args([])) == {}
+
+
+def test_each_job_has_the_devices_the_bench_draws_its_straggler_from():
+    for name in detect.JOBS:
+        d = detect.job_for(name, 30, [{"device": 0, "factor": 2.0, "at_step": 9}], 1, {"band": 0.2})
+        assert d["cluster"]["nodes"] * d["cluster"]["gpus_per_node"] == detect.num_devices(name)
+        assert d["control"]["band"] == 0.2 and d["train"]["steps"] == 30 and d["emulate"]["device"] == "auto"
