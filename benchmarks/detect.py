@@ -30,6 +30,8 @@ from pathlib import Path
 
 import yaml
 
+from malleus_svc.config.options import number_option
+
 from .planner import write_section
 
 JOBS = ("tiny", "demo", "demo16")
@@ -145,14 +147,18 @@ def markdown(argv, healthy: list[dict], found: list[dict], args, band: float, wa
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="malleus bench detect", description=__doc__.split("\n")[0])
     ap.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated, of {', '.join(JOBS)} (default all)")
-    ap.add_argument("--healthy-steps", type=int, default=500, help="iterations of each healthy run (default 500; 0: none)")
+    number_option(ap, "--healthy-steps", 0, 100_000, integer=True, default=500,
+                  help="iterations of each healthy run (default 500; 0: none)")
     ap.add_argument("--factors", default="1.25,1.5,2,3", help="slowdowns to detect (default 1.25,1.5,2,3)")
-    ap.add_argument("--seeds", type=int, default=2, help="straggler runs per job and factor (default 2)")
-    ap.add_argument("--window", type=int, default=10, help="iterations after the slowdown to wait for a plan (default 10)")
-    ap.add_argument("--horizon", type=int, default=200, help="steps a straggler run's job is declared to last (default 200)")
-    for knob in ("band", "confirm", "threshold", "window"):
-        ap.add_argument(f"--rate-{knob}", dest=f"rate_{knob}", type=float, default=None,
-                        help=f"the coordinator's `control.{knob}` (default the job's own)")
+    number_option(ap, "--seeds", 0, 100, integer=True, default=2, help="straggler runs per job and factor (default 2)")
+    number_option(ap, "--window", 1, 1000, integer=True, default=10,
+                  help="iterations after the slowdown to wait for a plan (default 10)")
+    number_option(ap, "--horizon", 20, 100_000, integer=True, default=200,
+                  help="steps a straggler run's job is declared to last (default 200)")
+    for knob, low, high, integer in (("band", 0.0, 100.0, False), ("confirm", 1, 100, True),
+                                     ("threshold", 1.0, 100.0, False), ("window", 1, 1000, True)):
+        number_option(ap, f"--rate-{knob}", low, high, integer=integer, dest=f"rate_{knob}", default=None,
+                      help=f"the coordinator's `control.{knob}` (default the job's own)")
     ap.add_argument("--write", metavar="MD", help="replace this markdown file's detect section (BENCHMARKS.md)")
     ap.add_argument("--summary-out", metavar="JSON", help="write all numbers as JSON")
     return ap
@@ -160,8 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def control_of(args) -> dict:
     """The coordinator's knobs given on the command line, as a job file's `control:` section."""
-    return {k: (int(v) if k in ("confirm", "window") else v) for k in ("band", "confirm", "threshold", "window")
-            if (v := getattr(args, f"rate_{k}")) is not None}
+    return {k: v for k in ("band", "confirm", "threshold", "window") if (v := getattr(args, f"rate_{k}")) is not None}
 
 
 def main(argv: list[str]) -> int:
@@ -175,8 +180,8 @@ def main(argv: list[str]) -> int:
         factors = [float(f) for f in args.factors.split(",") if f]
     except ValueError:
         ap.error(f"--factors must be numbers separated by commas, got {args.factors!r}")
-    if any(f < 1 for f in factors) or args.healthy_steps < 0 or args.seeds < 0 or args.window < 1:
-        ap.error("factors must be >= 1, --healthy-steps and --seeds >= 0, --window >= 1")
+    if any(not 1 <= f <= 100 for f in factors):
+        ap.error(f"--factors must be slowdowns in [1, 100], got {args.factors!r}")
     if args.horizon < args.window + 10:
         ap.error("--horizon must be at least --window + 10 (warm-up, calibration and healthy steps come first)")
     control = control_of(args)
