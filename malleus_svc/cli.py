@@ -6,6 +6,7 @@ unreachable cluster) ends with one clear line on stderr and exit code 2, never a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import sys
@@ -28,11 +29,17 @@ def _scenario_path(name: str) -> Path:
     return path
 
 
+def _load_scenario(args: argparse.Namespace):
+    """The scenario the command names, with the optimizer sharded where `--shard-optimizer` asks."""
+    scenario = load_scenario_of(_scenario_path(args.scenario))
+    return dataclasses.replace(scenario, shard_optimizer=True) if args.shard_optimizer else scenario
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from .planner import plan as make_plan
     from .planner.describe import diff_summary, plan_table, summary_line
 
-    scenario = load_scenario_of(_scenario_path(args.scenario))
+    scenario = _load_scenario(args)
     rates = dict(scenario.rates)
     rates.update(validate_rates(parse_rate_assignments(args.rate, "--rate"), scenario.num_devices, field_name="--rate"))
     overrides = {"objective": args.objective} if args.objective else {}
@@ -63,7 +70,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
     from .planner import plan as make_plan
     from .service.memory import measured_profile, print_memory
 
-    scenario = load_scenario_of(_scenario_path(args.scenario))
+    scenario = _load_scenario(args)
     if args.profile and scenario.shape is not None:
         layer_mb, embedding_mb = measured_profile(scenario)
         print(f"  layer_memory_mb: {layer_mb}\n  embedding_memory_mb: {embedding_mb}")
@@ -163,6 +170,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return benchmarks.main(args.rest)
 
 
+def _shard_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shard-optimizer", action="store_true", help="as if the scenario's parallel.shard_optimizer "
+                   "were true: Adam's moments split among the pipelines holding each piece (ZeRO-1)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="malleus", description="Straggler-resilient hybrid-parallel training on Ray.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -176,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--objective", choices=OBJECTIVES,
                    help=f"override the scenario's objective (default: the scenario's, else {DEFAULT_OBJECTIVE})")
     p.add_argument("--json", action="store_true", help="also print the plan JSON")
+    _shard_option(p)
     p.set_defaults(func=cmd_plan)
 
     m = sub.add_parser("memory", help="per-device peak memory of a plan, measured on the modules built on the "
@@ -185,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--json", action="store_true", help="also print the rows as JSON")
     m.add_argument("--profile", action="store_true", help="print measured layer_memory_mb and embedding_memory_mb "
                    "for the scenario's profile: instead of the table")
+    _shard_option(m)
     m.set_defaults(func=cmd_memory)
 
     e = sub.add_parser("export", help="a checkpoint as a Hugging Face LLaMA folder (config.json + model.safetensors)")

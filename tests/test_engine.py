@@ -29,6 +29,7 @@ TINY = preset("tiny")
 SEED = 1234
 # Clip at a norm the tiny model exceeds, so clipping is exercised too.
 OPTIM = OptimConfig(lr=1e-3, grad_clip=0.5)
+SHARDED = dataclasses.replace(OPTIM, shard_optimizer=True)   # Adam's state split among a piece's holders
 
 
 # ---------------------------------------------------------------------------- data
@@ -75,10 +76,13 @@ def _pipeline_share(plan: Plan, pipeline: int, batch: list[MicroBatch]) -> list[
 
 
 def _train_on_plan(rank: int, world: int, plan: Plan, batches: list[list[MicroBatch]], dtype: torch.dtype,
-                   bucket_bytes: int = GRAD_BUCKET_BYTES, held_out: list[MicroBatch] | None = None, shape=TINY):
+                   bucket_bytes: int = GRAD_BUCKET_BYTES, held_out: list[MicroBatch] | None = None, shape=TINY,
+                   optim: OptimConfig = OPTIM, states=None):
     if rank not in plan.roles():
         return None  # suspended: builds nothing, joins no group
-    engine = Engine(shape, plan, rank, seed=SEED, optim=OPTIM, dtype=dtype)
+    engine = Engine(shape, plan, rank, seed=SEED, optim=optim, dtype=dtype)
+    if states is not None:
+        engine.load_state(states)
     sync, role = engine.grad_sync, engine.role
     sync.bucket_bytes = bucket_bytes
     stats = []
@@ -89,11 +93,16 @@ def _train_on_plan(rank: int, world: int, plan: Plan, batches: list[list[MicroBa
     state = engine.export_state()
     evaluated = None if held_out is None else engine.eval_step(_pipeline_share(plan, role.pipeline, held_out),
                                                                sum(mb.num_loss_tokens for mb in held_out))
-    assert all(torch.equal(st.param, engine.export_state()[n].param) for n, st in state.items())   # eval changes nothing
-    return {"role": role, "stats": stats, "state": state, "buckets": (buckets, len(sync.buckets)), "eval": evaluated}
+    after = engine.export_state()        # collective when sharded: every device calls it once
+    assert all(torch.equal(st.param, after[n].param) for n, st in state.items())   # eval changes nothing
+    adam_elements = sum(s["exp_avg"].numel() for s in engine.optimizer.state.values()) + sum(
+        sum(m.numel() for m in b.moments[:1]) for b in getattr(sync, "chunked", []))
+    return {"role": role, "stats": stats, "state": state, "buckets": (buckets, len(sync.buckets)), "eval": evaluated,
+            "adam_elements": adam_elements, "param_elements": sum(p.numel() for p in engine.params.values())}
 
 
-def test_heterogeneous_plan_matches_single_process_training():
+@pytest.mark.parametrize("optim", [OPTIM, SHARDED], ids=["replicated", "sharded"])
+def test_heterogeneous_plan_matches_single_process_training(optim):
     # fp64 on both sides: in fp32 a handful of elements whose gradient nearly cancels (|g| ~ 1e-8)
     # have a rounding-level gradient difference that Adam's g / sqrt(v) normalisation blows up to
     # ~1e-6 in the parameter; in fp64 every element must agree, so any weighting error shows.
@@ -101,8 +110,12 @@ def test_heterogeneous_plan_matches_single_process_training():
     batches = global_batches(steps=4, micro_batches=HETERO.num_micro_batches, micro_batch_size=2)
     batches, held_out = batches[:3], batches[3]
     # Gradients reduced in buckets of 512 bytes: several per group, and views alone in theirs in place.
-    results = run_on_gloo(_train_on_plan, HETERO.num_devices, HETERO, batches, dtype, 512, held_out)
+    results = run_on_gloo(_train_on_plan, HETERO.num_devices, HETERO, batches, dtype, 512, held_out, TINY, optim)
     ref_losses, ref_params, ref_optim = reference_train(TINY, SEED, OPTIM, batches, dtype)
+    # Sharded: both pipelines hold every piece, so the devices hold Adam's state for half the
+    # elements they hold (a little less: the TP pair's rank 1 gets its norm weights ready-made).
+    held = sum(r["adam_elements"] for r in results if r) / sum(r["param_elements"] for r in results if r)
+    assert (held == 1.0) if not optim.shard_optimizer else (0.45 <= held <= 0.5 + 1e-3), held
     assert any(r["buckets"][0] > r["buckets"][1] for r in results if r)
     # An evaluation forward only through the pipelines == one process's loss on the trained weights.
     evaluated = {r["eval"] for r in results if r}
@@ -143,15 +156,16 @@ ONE = Plan(num_devices=1, num_layers=4, micro_batch_size=2, pipelines=(Pipeline(
 TIED = dataclasses.replace(TINY, tie_embeddings=True)
 
 
-@pytest.mark.parametrize("plan", [HETERO, TP2, ONE], ids=["heterogeneous", "tp2", "one-device"])
-def test_a_tied_head_trains_as_one_weight_under_any_plan(plan):
+@pytest.mark.parametrize("plan, optim", [(HETERO, OPTIM), (HETERO, SHARDED), (TP2, OPTIM), (ONE, OPTIM)],
+                         ids=["heterogeneous", "heterogeneous-sharded", "tp2", "one-device"])
+def test_a_tied_head_trains_as_one_weight_under_any_plan(plan, optim):
     """The head tied to the embedding: its copies (on other devices, in TP groups, or both on one
     device) sum their gradients before the update, count once in the norm and decay as the
     embedding does, so they stay equal bit for bit and train as the one shared parameter of a
     single process does."""
     dtype = torch.float64
     batches = global_batches(steps=3, micro_batches=plan.num_micro_batches, micro_batch_size=2)
-    results = run_on_gloo(_train_on_plan, plan.num_devices, plan, batches, dtype, GRAD_BUCKET_BYTES, None, TIED)
+    results = run_on_gloo(_train_on_plan, plan.num_devices, plan, batches, dtype, GRAD_BUCKET_BYTES, None, TIED, optim)
     ref_losses, ref_params, ref_optim = reference_train(TIED, SEED, OPTIM, batches, dtype)
     copies = [r["state"][n] for r in results if r for n in ("embedding.weight", "head.weight") if n in r["state"]]
     assert len(copies) >= 2 and all(torch.equal(c.param, copies[0].param) and torch.equal(c.exp_avg, copies[0].exp_avg)
@@ -196,6 +210,35 @@ def test_state_moves_to_another_plan_and_training_continues_exactly(init, shape)
     for name, ref in {**params2, **optim2}.items():
         torch.testing.assert_close(full[name], ref, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
 
+
+# Another held-out plan: three pipelines, TP 2 feeding TP 1 in one, a device holding a whole pipeline.
+THREE_WAY = Plan(
+    num_devices=5, num_layers=4, micro_batch_size=2,
+    pipelines=(
+        Pipeline((Stage((0,), (0, 4)),), micro_batches=2),
+        Pipeline((Stage((1, 2), (0, 3)), Stage((3,), (3, 4))), micro_batches=2),
+        Pipeline((Stage((4,), (0, 4)),), micro_batches=1),
+    ),
+)
+
+
+@pytest.mark.parametrize("shape", [TINY, TIED], ids=["untied", "tied"])
+def test_a_sharded_optimizer_state_moves_between_plans_exactly(shape):
+    """Sharded on one plan, exported (each piece's moments gathered from its holders), cut for
+    another plan whose chunks fall elsewhere, sharded again: two steps equal one process's two."""
+    dtype = torch.float64
+    batches = global_batches(steps=2, micro_batches=5, micro_batch_size=2, seed=7)
+    first = run_on_gloo(_train_on_plan, HETERO.num_devices, HETERO, batches[:1], dtype, 512, None, shape, SHARDED)
+    states = full_shard_states(assemble_full(r["state"] for r in first if r))
+    second = run_on_gloo(_train_on_plan, THREE_WAY.num_devices, THREE_WAY, batches[1:], dtype, 512, None, shape,
+                         SHARDED, states)
+    _, params, optim = reference_train(shape, SEED, OPTIM, batches, dtype)
+    full = assemble_full(r["state"] for r in second if r)
+    for name, ref in {**params, **optim}.items():
+        if name.endswith(STEP):
+            assert int(full[name]) == 2, name
+        else:
+            torch.testing.assert_close(full[name], ref, rtol=1e-7, atol=1e-9, msg=lambda m: f"{name}: {m}")
 
 
 def _two_phase(rank: int, world: int, batches: list[list[MicroBatch]]):

@@ -1,4 +1,5 @@
 """Memory of a stage measured on the meta device (runtime/memory.py) and `malleus memory`."""
+import dataclasses
 import json
 
 import pytest
@@ -120,3 +121,67 @@ def test_a_smaller_group_multiplies_only_what_it_splits():
     assert (paper.block_mb(2.0, 1), paper.ends_mb(2.0)) == (160.0, 100.0)    # h · (K, E)
     assert (ours.block_mb(2.0, 1), ours.ends_mb(2.0)) == (140.0, 60.0)       # h · (K - R) + R
     assert ours.block_mb(1.0, 2) == 100.0 and ours.block_mb(2.0, 3) == 2 * (120.0 - 40.0) + 40.0   # depth 3 extrapolated
+
+
+def test_a_sharded_optimizer_keeps_one_pipelines_share_of_the_moments():
+    from malleus_svc.costmodel.profile import MemoryProfile
+
+    base = MemoryProfile((100.0, 80.0), 50.0, 0.0, 0.0, 1000.0, replicated_layer_mb=(30.0, 20.0),
+                         replicated_embedding_mb=40.0)
+    sharded = MemoryProfile(base.layer_mb, 50.0, 0.0, 0.0, 1000.0, replicated_layer_mb=(30.0, 20.0),
+                            replicated_embedding_mb=40.0, sharded_layer_mb=24.0, sharded_embedding_mb=8.0)
+    assert sharded.over(1) == sharded and base.over(4) is base     # one pipeline, or nothing sharded: as before
+    assert (sharded.block_mb(2.0, 1), sharded.ends_mb(2.0)) == (base.block_mb(2.0, 1), base.ends_mb(2.0))
+    four = sharded.over(4)        # 3/4 of the sharded parts gone, the layer's split by the group like the rest
+    assert four.block_mb(2.0, 1) == base.block_mb(2.0, 1) - 2.0 * 24.0 * 0.75
+    assert four.ends_mb(2.0) == base.ends_mb(2.0) - 8.0 * 0.75
+
+
+def test_cli_shows_the_sharded_moments_and_the_model_still_agrees(capsys):
+    """`--shard-optimizer` on the 70B plan of two pipelines: each device keeps half of the Adam
+    moments it would hold unsharded, and the planner's model of that stays within 3% of the stage."""
+    rc = main(["memory", "llama70b-64gpu", "--json", "--plan", _plan_file(), "--shard-optimizer"])
+    out = capsys.readouterr().out
+    rows = json.loads(out[out.index("\n["):])
+    assert rc == 0 and "optimizer sharded among the plan's 2 pipelines" in out
+    main(["memory", "llama70b-64gpu", "--json", "--plan", _plan_file()])
+    plain = capsys.readouterr().out
+    unsharded = json.loads(plain[plain.index("\n["):])
+    for r, u in zip(rows, unsharded):
+        assert r["adam_mb"] == pytest.approx(u["adam_mb"] / 2, abs=0.1)
+        assert r["total_mb"] == pytest.approx(u["total_mb"] - u["adam_mb"] / 2, abs=0.2)
+        assert abs(r["planner_gap"]) < 0.03
+
+
+def _plan_file(cache={}):
+    if "path" not in cache:
+        import tempfile
+
+        from malleus_svc.config.job import load_scenario_of
+        from malleus_svc.config.scenario import find_scenario
+        from malleus_svc.planner import plan
+        from malleus_svc.planner.build import build_problem
+
+        path = tempfile.mkdtemp() + "/plan.json"
+        plan(build_problem(load_scenario_of(find_scenario("llama70b-64gpu")))).plan.save(path)
+        cache["path"] = path
+    return cache["path"]
+
+
+def test_the_planner_uses_memory_only_a_sharded_optimizer_frees():
+    """70B on 72 GiB devices: memory binds, and the planner, told the moments are sharded, finds a
+    better plan than it can without, one that would not fit unsharded."""
+    from pathlib import Path
+
+    from malleus_svc.config.job import load_scenario_of
+    from malleus_svc.planner import plan
+    from malleus_svc.planner.build import build_problem
+    from malleus_svc.planner.search import memory_violations
+
+    sc = load_scenario_of(Path(__file__).parents[1] / "examples" / "llama70b_72gb.yaml")
+    plain = build_problem(sc)
+    sharded = build_problem(dataclasses.replace(sc, shard_optimizer=True))
+    best, best_sharded = plan(plain), plan(sharded)
+    assert best_sharded.objective < best.objective * 0.99
+    assert not memory_violations(sharded, best_sharded.plan) and not memory_violations(plain, best.plan)
+    assert memory_violations(plain, best_sharded.plan)

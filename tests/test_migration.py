@@ -3,6 +3,7 @@ thing on a local Ray cluster (8 workers, 2 logical nodes of 4), checked bitwise.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 from collections import Counter
 from fractions import Fraction
@@ -293,3 +294,14 @@ def test_training_continues_as_if_started_under_the_new_plan(group, migrated):
     report = group.migrate(PLAN_A)
     assert report.buckets == len(plan_migration(PLAN_B, PLAN_A, _tiny()).flows())
     _assert_bitwise(group.full_state(), migrated_full)
+
+    # The optimizer sharded (each piece's Adam moments split among its holders): the same state
+    # exports whole (gathered), migrates live to B, where the chunks fall elsewhere, and trains on as
+    # the replicated optimizer does, up to the order of the gradient sums.
+    group.apply_plan(PLAN_A, _tiny(), seed=99, optim=dataclasses.replace(_optim(), shard_optimizer=True))
+    group.load_full_state(migrated["before"])
+    _assert_bitwise(group.full_state(), migrated["before"])
+    group.migrate(PLAN_B)
+    assert [group.step(ids).loss for ids in batches] == pytest.approx(fresh_losses, rel=1e-6)
+    for name, t in group.full_state().items():
+        torch.testing.assert_close(t, migrated_full[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -20,9 +20,10 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 STEPS, GLOBAL, SAMPLES = 12, 8, 512
 
 
-def job(name: str, ckpt_dir=None, every: int = 0, parallel=None) -> JobConfig:
+def job(name: str, ckpt_dir=None, every: int = 0, parallel=None, shard_optimizer: bool = False) -> JobConfig:
     d = {"name": name, "cluster": {"nodes": 1, "gpus_per_node": 4, "gpu_memory_mb": 16000}, "model": "tiny",
-         "parallel": parallel or {"dp": 2, "tp": 1, "pp": 2}, "batch": {"global": GLOBAL, "micro": 2},
+         "parallel": {**(parallel or {"dp": 2, "tp": 1, "pp": 2}), "shard_optimizer": shard_optimizer},
+         "batch": {"global": GLOBAL, "micro": 2},
          "data": {"source": "synthetic", "seq_len": 64, "num_samples": SAMPLES, "vocab": 256},
          "train": {"steps": STEPS, "lr": 1e-3, "warmup_steps": 3, "decay": "cosine", "min_lr": 1e-4},
          "metrics": {"enabled": False}}
@@ -245,9 +246,12 @@ def test_worker_lost_mid_iteration_is_replaced_from_a_replica(reference, tmp_pat
     check_history(lines, reference, rtol=1e-6)
 
 
-def test_worker_without_replica_is_restored_from_the_checkpoint(reference, tmp_path):
-    """One pipeline of four stages (no data parallelism): device 2's layers exist nowhere else, so
-    the job goes back to its newest checkpoint, redoes the steps since, and ends on the same curve."""
+@pytest.mark.parametrize("layout", ["one-pipeline", "sharded-optimizer"])
+def test_worker_without_replica_is_restored_from_the_checkpoint(reference, tmp_path, layout):
+    """Device 2's state exists nowhere else, so the job goes back to its newest checkpoint, redoes
+    the steps since, and ends on the same curve. One pipeline of four stages: its layers are its
+    own. Two pipelines with the optimizer sharded: the layers have a replica, but its share of the
+    Adam moments has none."""
     import ray
 
     status = {}
@@ -263,11 +267,14 @@ def test_worker_without_replica_is_restored_from_the_checkpoint(reference, tmp_p
     from malleus_svc.planner import baseline_plan
     from malleus_svc.planner.build import build_problem
 
-    cfg = job("rel-nocopy", tmp_path / "ckpt", every=2, parallel={"dp": 1, "tp": 1, "pp": 4})
-    one_pipeline = baseline_plan(build_problem(cfg.scenario))
-    rc, lines = run(cfg, tmp_path / "m.jsonl", fault=fault, plan=one_pipeline, static=True, collective_timeout_s=20)
+    sharded = layout == "sharded-optimizer"
+    cfg = job(f"rel-{layout}", tmp_path / "ckpt", every=2, parallel={"dp": 2 if sharded else 1, "tp": 1,
+                                                                     "pp": 2 if sharded else 4},
+              shard_optimizer=sharded)
+    plan = baseline_plan(build_problem(cfg.scenario))
+    rc, lines = run(cfg, tmp_path / "m.jsonl", fault=fault, plan=plan, static=True, collective_timeout_s=20)
     assert rc == 0
     failure = status["failures"][0]
-    print(f"\nRELIABILITY worker without replica: {failure}")
+    print(f"\nRELIABILITY worker without replica ({layout}): {failure}")
     assert failure["lost"] == [2] and failure["source"] == "none", failure
     check_history(lines, reference, rtol=1e-4)     # another plan than the reference's: fp32 sums reorder

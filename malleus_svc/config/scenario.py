@@ -10,7 +10,8 @@ Format (YAML or JSON; see README "Scenario format"):
               # {preset: llama-70b, layers: 40}   (override fields of a preset), or
               # {layers: 32, hidden: 4096, heads: 32, ffn: 11008, vocab: 32000, seq_len: 4096}, or
               # {layers: 32}   (only when `profile` gives tp_alpha, layer_memory_mb and embedding_memory_mb)
-    parallel: {dp: 2, tp: 4, pp: 2}
+    parallel: {dp: 2, tp: 4, pp: 2, shard_optimizer: false}
+              # shard_optimizer: Adam's moments split among the pipelines holding each piece (ZeRO-1)
     batch:    {global: 64, micro: 1}
     profile:  {tp_alpha: [1, 2, 4], layer_memory_mb: [1500, 1270, 1040, 810], embedding_memory_mb: 600,
                reserved_memory_mb: 4500, safety_margin_mb: 4096, t0_seconds: 0.05}
@@ -93,6 +94,7 @@ class Scenario:
     planner: Mapping[str, Any] = field(default_factory=dict)
     device: DeviceSpec = field(default_factory=DeviceSpec)   # what the derived profile terms assume
     pretrained: str | None = None       # model.from_pretrained: a Hugging Face LLaMA folder the job starts from
+    shard_optimizer: bool = False       # Adam's moments split among the pipelines holding each piece (ZeRO-1)
 
     @property
     def num_devices(self) -> int:
@@ -128,6 +130,7 @@ class Scenario:
 
         par = root.section("parallel", required=True)
         dp, tp, pp = par.int("dp", minimum=1), par.int("tp", minimum=1), par.int("pp", minimum=1)
+        shard_optimizer = par.bool("shard_optimizer", False)
         par.done()
         if tp & (tp - 1):
             raise ConfigError("parallel.tp", tp, "expected a power of two (groups split into tp/2, tp/4, ..., 1)", source)
@@ -193,7 +196,8 @@ class Scenario:
         root.done()
         return cls(name=name, nodes=nodes, gpus_per_node=gpn, gpu_memory_mb=mem_mb, num_layers=num_layers,
                    shape=shape, dp=dp, tp=tp, pp=pp, global_batch=gb, micro_batch=mb, profile=profile,
-                   rates=rates, excluded=frozenset(excluded), planner=planner, device=dev, pretrained=pretrained)
+                   rates=rates, excluded=frozenset(excluded), planner=planner, device=dev, pretrained=pretrained,
+                   shard_optimizer=shard_optimizer)
 
 
 def parse_shape_variant(s: Section) -> dict[str, Any]:

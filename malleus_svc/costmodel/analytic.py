@@ -20,6 +20,8 @@ MB = 1024.0 * 1024.0
 TRAIN_STATE_BYTES_PER_PARAM = 18.0
 # What migrates at an iteration boundary: fp32 master weights and the two Adam moments.
 MIGRATED_BYTES_PER_PARAM = 12.0
+# What a sharded optimizer (ZeRO-1) splits among the pipelines holding a piece: Adam's m and v.
+SHARDED_BYTES_PER_PARAM = 8.0
 
 
 def _allreduce_seconds(nbytes: float, ranks: int, gbps: float) -> float:
@@ -79,7 +81,8 @@ def block_activation_bytes(shape: ModelShape, tp: int, device: DeviceSpec) -> tu
 
 
 def memory_profile(shape: ModelShape, tp: int, pp: int, micro_batch: int, gpu_memory_mb: float,
-                   reserved_mb: float, safety_margin_mb: float, device: DeviceSpec) -> MemoryProfile:
+                   reserved_mb: float, safety_margin_mb: float, device: DeviceSpec,
+                   shard_optimizer: bool = False) -> MemoryProfile:
     """This runtime's memory at TP degree `tp` (what `malleus memory` measures on the meta device):
     K[d] for d = max(pp, 2)..1 in-flight micro-batches and E for the embedding or head, each with
     the part a smaller TP group does not split. A block: fp32 master weights, gradients and Adam
@@ -87,7 +90,9 @@ def memory_profile(shape: ModelShape, tp: int, pp: int, micro_batch: int, gpu_me
     its norms, plus its activations per micro-batch in flight. The embedding and the head are
     replicated in the group: the first stage also keeps the embedding's output per micro-batch in
     flight, the last the final norm's input and output of its one micro-batch and its loss's
-    backward transients (`geometry.loss_backward_bytes`)."""
+    backward transients (`geometry.loss_backward_bytes`). With `shard_optimizer`, the Adam moments of
+    the split part of a block and of the embedding or head (the smaller: the saving the model can
+    promise either end) are what the plan's pipelines split among themselves."""
     tokens = micro_batch * shape.seq_len
     norms = 2 * shape.hidden
     state_split = (shape.block_params() - norms) * TRAIN_STATE_BYTES_PER_PARAM / tp / MB
@@ -102,9 +107,12 @@ def memory_profile(shape: ModelShape, tp: int, pp: int, micro_batch: int, gpu_me
             + tokens * (2 * shape.hidden * device.act_bytes + 4)
             + loss_backward_bytes(shape.vocab, tokens, device.act_bytes))
     ends = max(first, last) / MB
+    sharded = SHARDED_BYTES_PER_PARAM / MB if shard_optimizer else 0.0
     return MemoryProfile(layer_mb=layer_mb, embedding_mb=ends, reserved_mb=reserved_mb,
                          safety_margin_mb=safety_margin_mb, gpu_memory_mb=gpu_memory_mb,
-                         replicated_layer_mb=kept_mb, replicated_embedding_mb=ends)
+                         replicated_layer_mb=kept_mb, replicated_embedding_mb=ends,
+                         sharded_layer_mb=(shape.block_params() - norms) / tp * sharded,
+                         sharded_embedding_mb=min(shape.embedding_params(), shape.head_params()) * sharded)
 
 
 def comm_costs(shape: ModelShape, tp: int, dp: int, micro_batch: int, device: DeviceSpec) -> CommCosts:

@@ -1,6 +1,7 @@
 """The planner's cost terms: per-device memory of a stage and communication, as plain numbers."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 BACKWARD_RATIO = 2.0   # a block's backward time / its forward time (weights and inputs: twice the work)
@@ -17,6 +18,11 @@ class MemoryProfile:
     `replicated_layer_mb` (same depths) and `replicated_embedding_mb` are the parts every member
     holds whole (norms, the activations entering a TP region, an embedding not split over the
     group), which a smaller group does not multiply. Left empty, everything splits (the paper's model).
+
+    With the optimizer sharded (ZeRO-1), `sharded_layer_mb` (split by the group like the rest) and
+    `sharded_embedding_mb` (whole on each member) are the parts of the above that the `pipelines`
+    holding each piece split among themselves: a plan of P pipelines keeps 1/P of them per device
+    (`over(P)`).
     """
 
     layer_mb: tuple[float, ...]
@@ -26,6 +32,21 @@ class MemoryProfile:
     gpu_memory_mb: float
     replicated_layer_mb: tuple[float, ...] = ()
     replicated_embedding_mb: float = 0.0
+    sharded_layer_mb: float = 0.0
+    sharded_embedding_mb: float = 0.0
+    pipelines: int = 1
+
+    @property
+    def sharded(self) -> bool:
+        return self.sharded_layer_mb > 0 or self.sharded_embedding_mb > 0
+
+    def over(self, pipelines: int) -> "MemoryProfile":
+        """This model for a plan of `pipelines` pipelines (the divisor of the sharded state)."""
+        return dataclasses.replace(self, pipelines=pipelines) if self.sharded else self
+
+    @property
+    def _unsharded(self) -> float:
+        return 1.0 - 1.0 / self.pipelines
 
     def per_layer_mb(self, in_flight: int) -> float:
         """K[d]; beyond the listed depths, extrapolate linearly (the authors' code raised IndexError)."""
@@ -34,11 +55,12 @@ class MemoryProfile:
     def block_mb(self, h: float, in_flight: int) -> float:
         """One block on a device of a group h = tp/|g| times smaller than full, `in_flight` deep."""
         kept = _at_depth(self.replicated_layer_mb, in_flight) if self.replicated_layer_mb else 0.0
-        return h * (self.per_layer_mb(in_flight) - kept) + kept
+        return h * (self.per_layer_mb(in_flight) - kept - self.sharded_layer_mb * self._unsharded) + kept
 
     def ends_mb(self, h: float) -> float:
         """The embedding's (or head's) share on a device of the first (or last) stage of such a group."""
-        return h * (self.embedding_mb - self.replicated_embedding_mb) + self.replicated_embedding_mb
+        return (h * (self.embedding_mb - self.replicated_embedding_mb) + self.replicated_embedding_mb
+                - self.sharded_embedding_mb * self._unsharded)
 
     @property
     def budget_mb(self) -> float:

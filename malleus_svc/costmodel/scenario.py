@@ -27,7 +27,8 @@ def scenario_costs(sc: Scenario) -> ScenarioCosts:
     layer_mb, emb = prof.layer_memory_mb, prof.embedding_memory_mb
     if shape is not None and (layer_mb is None or emb is None):
         memory = analytic.memory_profile(shape, sc.tp, sc.pp, sc.micro_batch, sc.gpu_memory_mb,
-                                         prof.reserved_memory_mb, prof.safety_margin_mb, sc.device)
+                                         prof.reserved_memory_mb, prof.safety_margin_mb, sc.device,
+                                         sc.shard_optimizer)
         if layer_mb is not None or emb is not None:   # measured numbers say nothing of what splits
             memory = dataclasses.replace(memory, layer_mb=tuple(layer_mb or memory.layer_mb),
                                          embedding_mb=memory.embedding_mb if emb is None else emb,

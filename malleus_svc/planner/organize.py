@@ -24,6 +24,7 @@ Two generators, one scorer:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import heapq
 import itertools
 import math
@@ -61,6 +62,9 @@ class Scorer:
     `effective_stages`: a stage that gets 0 blocks is dropped from the plan (its devices are
     suspended), so ILP-2 sees only the stages that hold blocks (m_i >= S_i then counts real
     stages). The authors' code keeps the nominal S_i; `authors.py` turns this off.
+
+    With the optimizer sharded, a pipeline's memory rows depend on how many pipelines share its
+    state: an organisation of P pipelines is scored by `for_pipelines(P)`, a scorer of its own.
     """
 
     def __init__(self, problem: PlannerProblem, objective: str | None = None, effective_stages: bool = True):
@@ -73,7 +77,25 @@ class Scorer:
         self._reordered: dict[tuple, tuple] = {}      # what `stage_order` answers for each order
         self._cap_memo: dict[tuple, tuple[int, ...] | None] = {}
         self._p2p: dict[tuple, tuple[float, ...]] = {}   # a pipeline's stage nodes -> its p2p extras
-        self.ilp1_calls = 0
+        self._by_count: dict[int, Scorer] = {}
+        self._root = self
+        self._ilp1_calls = 0
+
+    @property
+    def ilp1_calls(self) -> int:
+        return self._ilp1_calls + sum(s._ilp1_calls for s in self._by_count.values())
+
+    def for_pipelines(self, count: int) -> "Scorer":
+        """The scorer of organisations of `count` pipelines (this one unless the state is sharded)."""
+        root = self._root
+        memory = root.problem.memory.over(count)
+        if memory == root.problem.memory:
+            return root
+        if count not in root._by_count:
+            sub = Scorer(dataclasses.replace(root.problem, memory=memory), root.objective, root.effective_stages)
+            sub._root = root
+            root._by_count[count] = sub
+        return root._by_count[count]
 
     def p2p(self, nodes: tuple[int | None, ...]) -> tuple[float, ...]:
         """`p2p_extras` of a pipeline whose stages sit on these nodes (templates repeat them)."""
@@ -159,7 +181,7 @@ class Scorer:
 
     def _solve(self, ys, hs, extra, prefer) -> LayerSolution | None:
         p = self.problem
-        self.ilp1_calls += 1
+        self._ilp1_calls += 1
         return solve_layers(ys, [float(h) for h in hs], p.num_layers, p.memory, extra=extra,
                             solver=p.solver, prefer=prefer, time_limit_s=p.time_limit_s, mip_gap=p.mip_gap)
 
@@ -170,6 +192,9 @@ class Scorer:
               prefer_micro_batches: Sequence[int] | None = None) -> Score | None:
         """Objective of an organisation given per pipeline its stages' (y, h); None = infeasible.
         Memoised when nothing is preferred: templates of different groupings repeat organisations."""
+        scorer = self.for_pipelines(len(pipelines))
+        if scorer is not self:
+            return scorer.score(pipelines, extras, sizes, prefer_layers, prefer_micro_batches)
         if prefer_layers is not None or prefer_micro_batches is not None:
             return self._score(pipelines, extras, sizes, prefer_layers, prefer_micro_batches)
         key = tuple(tuple(p) for p in pipelines), _frozen(extras), _frozen(sizes)
@@ -247,6 +272,7 @@ def reorder_stages(scorer: Scorer, template: Template, specials: Sequence[Group]
     best while memory is loose; when it binds, split groups (more memory per block) may need the
     deeper stages, where fewer micro-batches are in flight."""
     out = []
+    scorer = scorer.for_pipelines(len(template))
     for pipe, classes in zip(template, template_classes(template, specials)):
         order = scorer.stage_order(tuple(classes))
         pool: dict[tuple, list[int]] = {}

@@ -220,7 +220,8 @@ def memory_violations(problem: PlannerProblem, plan: Plan) -> list[str]:
     """Stages whose blocks exceed the memory cap of the Malleus memory model (empty = the plan fits)."""
     out = []
     for i, pipe in enumerate(plan.pipelines):
-        caps = layer_caps([problem.tp / s.tp for s in pipe.stages], problem.num_layers, problem.memory)
+        caps = layer_caps([problem.tp / s.tp for s in pipe.stages], problem.num_layers,
+                          problem.memory.over(len(plan.pipelines)))
         for j, (s, c) in enumerate(zip(pipe.stages, caps)):
             if s.num_layers > c:
                 out.append(f"pipeline {i} stage {j}: {s.num_layers} blocks at TP {s.tp}, memory allows {c}")

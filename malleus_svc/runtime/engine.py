@@ -15,7 +15,7 @@ import math
 import time
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -23,13 +23,15 @@ import torch.distributed as dist
 from malleus_svc.config.job import TrainConfig
 from malleus_svc.config.lr_schedule import LrSchedule
 from malleus_svc.config.presets import ModelShape
-from malleus_svc.geometry import TIED, decayed, part_tensors, split_dim, tensor_spec, tp_divisibility_error
+from malleus_svc.geometry import decayed, split_dim, tensor_spec, tp_divisibility_error
 from malleus_svc.plan import Plan
 from malleus_svc.runtime.batch import MicroBatch
 from malleus_svc.runtime.device_clock import DeviceClock, make_clock
-from malleus_svc.runtime.groups import Groups, PipelinePeers, Piece, ordered_group_ranks, tied_piece, world_rank
+from malleus_svc.runtime.distributed_optimizer import ShardedGradientSync
+from malleus_svc.runtime.gradient_sync import GRAD_BUCKET_BYTES, GradientSync, _buckets  # noqa: F401 (the engine's API)
+from malleus_svc.runtime.groups import Groups, PipelinePeers
 from malleus_svc.runtime.model import build_stage_model, compile_blocks
-from malleus_svc.runtime.optimizer import AdamW
+from malleus_svc.runtime.optimizer import AdamW, update_bytes
 from malleus_svc.runtime.precision import WorkingWeights, compute_dtype_for
 from malleus_svc.runtime.schedule import Post, Transfer, stage_program
 from malleus_svc.runtime.transport import P2PTransport, StageTransport
@@ -53,12 +55,13 @@ class OptimConfig:
     decay_embeddings: bool = _TRAIN.decay_embeddings
     schedule: LrSchedule = _TRAIN.schedule
     compile: bool | None = _TRAIN.compile        # blocks compiled (None: on CUDA only)
+    shard_optimizer: bool = False       # Adam's moments split among a piece's holders (ZeRO-1; the scenario's)
 
     @classmethod
-    def of(cls, train: TrainConfig) -> "OptimConfig":
+    def of(cls, train: TrainConfig, shard_optimizer: bool = False) -> "OptimConfig":
         return cls(lr=train.lr, betas=train.betas, eps=train.eps, weight_decay=train.weight_decay,
                    grad_clip=train.grad_clip, decay_embeddings=train.decay_embeddings, schedule=train.schedule,
-                   compile=train.compile)
+                   compile=train.compile, shard_optimizer=shard_optimizer)
 
     def compiles_on(self, device: torch.device) -> bool:
         return self.compile if self.compile is not None else device.type == "cuda"
@@ -104,12 +107,6 @@ class ShardState:
     full_shape: tuple[int, ...]
 
 
-def update_bytes(params: Iterable[torch.Tensor]) -> float:
-    """Bytes an AdamW update moves: it reads parameter, gradient and both moments, and writes all
-    but the gradient back."""
-    return 7.0 * sum(p.numel() * p.element_size() for p in params)
-
-
 def validate_plan_for_model(shape: ModelShape, plan: Plan) -> None:
     """Raise ValueError if this model cannot run under this plan."""
     if plan.num_layers != shape.layers:
@@ -130,124 +127,12 @@ def _check_rank(plan: Plan, rank: int) -> None:
                              "so it builds no Engine")
 
 
-# A reduction's flat copy is bounded by this (DDP's default bucket): the gradients are never copied whole.
-GRAD_BUCKET_BYTES = 25 << 20
-
-
-def _buckets(views: list[torch.Tensor], cap: int) -> Iterator[list[torch.Tensor]]:
-    """Consecutive runs of `views` of at most `cap` bytes each (a larger view is a run of its own)."""
-    run: list[torch.Tensor] = []
-    size = 0
-    for v in views:
-        n = v.numel() * v.element_size()
-        if run and size + n > cap:
-            yield run
-            run, size = [], 0
-        run.append(v)
-        size += n
-    if run:
-        yield run
-
-
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor copied to `device` without the host waiting: on CUDA from pinned memory, non-
     blocking (a copy from pageable memory synchronises the stream first)."""
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
-
-
-class GradientSync:
-    """Sums each gradient piece over the pipelines holding it, and measures the global norm.
-
-    Sharded pieces: flattened into buckets per group (same order on every member, since every
-    member walks the same pieces in plan order) and all-reduced among one holder per pipeline.
-    Replicated tensors: all-reduced among the TP-rank-0 holders, then broadcast in the TP group.
-    A tied embedding and head: one contribution per device (the sum of the copies it holds),
-    all-reduced among the TP-rank-0 holders of either, so every copy gets the weight's whole
-    gradient, counted once in the norm.
-    """
-
-    def __init__(self, groups: Groups, params: Mapping[str, torch.nn.Parameter], shape: ModelShape,
-                 bucket_bytes: int = GRAD_BUCKET_BYTES):
-        self.groups, self.rank, self.bucket_bytes = groups, groups.rank, bucket_bytes
-        r, t = groups.tp.rank, groups.tp.size
-        self.buckets: dict[tuple[int, ...], list[tuple[str, int | None, int, int]]] = {}
-        self.norm_items: list[tuple[str, int | None, int, int]] = []
-        self.broadcast_items: list[tuple[str, int | None, int, int]] = []
-        sharded, replicated = groups.local_pieces()
-        tied = tied_piece(groups.plan) if groups.tied else None
-        self.tied_names = [n for n in TIED if n in params] if tied else []   # the copies this device holds
-
-        def add(piece: Piece, item) -> None:
-            if len(set(piece.members)) > 1:
-                self.buckets.setdefault(tuple(sorted(piece.members)), []).append(item)
-            if piece.members[0] == self.rank:
-                self.norm_items.append(item)
-
-        for piece in sharded:
-            for spec in part_tensors(shape, piece.part):
-                if spec.split_dim is None:
-                    continue
-                offset = spec.held_rows(r, t)[0]
-                lo, hi = spec.rows((piece.start, piece.end))
-                add(piece, (spec.name, spec.split_dim, lo - offset, hi - offset))
-        for piece in replicated:
-            for spec in part_tensors(shape, piece.part):
-                if spec.split_dim is not None or spec.name in self.tied_names:
-                    continue
-                self._add_replicated(piece, (spec.name, None, 0, 0), add, t)
-        if self.tied_names:
-            self._add_replicated(tied, (self.tied_names[0], None, 0, 0), add, t)
-        self.order = [k for k in ordered_group_ranks(groups.plan, groups.tied) if k in self.buckets]
-        self.params = params
-
-    def _add_replicated(self, piece: Piece, item, add, tp_size: int) -> None:
-        if self.rank in piece.members:
-            add(piece, item)
-        if tp_size > 1 and len(piece.members) > 1:
-            self.broadcast_items.append(item)
-
-    def _view(self, item) -> torch.Tensor:
-        name, dim, lo, hi = item
-        g = self.params[name].grad
-        return g if dim is None else g.narrow(dim, lo, hi - lo)
-
-    def _collective(self, items, op: Callable[[torch.Tensor], None]) -> None:
-        """`op` on the items' gradient views, a bucket of at most `bucket_bytes` at a time: one flat
-        copy per bucket (a view that is contiguous and alone in its bucket is reduced in place)."""
-        for views in _buckets([self._view(it) for it in items], self.bucket_bytes):
-            if len(views) == 1 and views[0].is_contiguous():
-                op(views[0])
-                continue
-            flat = torch.cat([v.reshape(-1) for v in views])
-            op(flat)
-            offset = 0
-            for v in views:
-                n = v.numel()
-                v.copy_(flat[offset:offset + n].view_as(v))
-                offset += n
-
-    def reduce(self) -> None:
-        both = [self.params[n].grad for n in self.tied_names] if len(self.tied_names) == 2 else None
-        if both:               # this device's one contribution to the tied weight
-            both[0].add_(both[1])
-        for key in self.order:  # one global order on every rank: no cycle of waiting groups
-            group = self.groups.group(key)
-            self._collective(self.buckets[key], lambda f: dist.all_reduce(f, group=group))
-        if self.broadcast_items:
-            tp_group, src = self.groups.tp.group, world_rank(self.groups.stage_devices[0])
-            self._collective(self.broadcast_items, lambda f: dist.broadcast(f, src=src, group=tp_group))
-        if both:
-            both[1].copy_(both[0])
-
-    def local_square_norm(self) -> torch.Tensor:
-        """Sum of squares of the pieces this device counts (each unique element exactly once), in fp64
-        on the device: one fused norm over all pieces, nothing read by the host."""
-        views = [self._view(item) for item in self.norm_items]
-        if not views:
-            return torch.zeros((), dtype=torch.float64, device=next(iter(self.params.values())).device)
-        return torch.stack(torch._foreach_norm(views, 2, dtype=torch.float64)).square().sum()
 
 
 class Engine:
@@ -284,7 +169,8 @@ class Engine:
         self.params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
         self.optimizer = optim.make(self.params, tied=shape.tie_embeddings)
         self.working = WorkingWeights(self.params, compute_dtype or compute_dtype_for(self.device, dtype))
-        self.grad_sync = GradientSync(self.groups, self.params, shape)
+        sync = ShardedGradientSync if optim.shard_optimizer else GradientSync
+        self.grad_sync = sync(self.groups, self.params, shape, self.optimizer)
         self.transport = transport(self.groups.peers, self.device, self.working.dtype)
         self._update_pending = False
 
@@ -353,9 +239,10 @@ class Engine:
         if not self._update_pending:
             raise RuntimeError(f"rank {self.rank}: no finished train_step whose update is pending")
         t0 = time.perf_counter()
-        with self.clock.op("update", nbytes=update_bytes(self.params.values())):
-            self.optimizer.step(lr)
-            self.working.refresh()
+        with self.clock.op("update", nbytes=self.grad_sync.update_bytes()):
+            self.grad_sync.step(lr)
+        self.grad_sync.publish()
+        self.working.refresh()
         self._update_pending = False
         return time.perf_counter() - t0
 
@@ -483,7 +370,7 @@ class Engine:
         if clip is None or clip <= 0:
             return
         # the same rule as torch.nn.utils.clip_grad_norm_, on the device: the host reads nothing
-        grads = [p.grad for p in self.params.values()]
+        grads = self.grad_sync.grads()
         coef = (clip / (grad_norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype)   # the masters' one dtype
         torch._foreach_mul_(grads, coef)
 
@@ -494,18 +381,16 @@ class Engine:
 
     def export_state(self, copy: bool = True) -> dict[str, ShardState]:
         """Every tensor this device holds, with its Adam moments: CPU copies, or with `copy=False`
-        the live tensors where they are (for a migration, which reads them before the engine goes)."""
+        the live tensors where they are (for a migration, which reads them before the engine goes).
+        With the optimizer sharded, every active device exports at once (the moments are gathered)."""
         def take(t: torch.Tensor) -> torch.Tensor:
             return t.detach().cpu().clone() if copy else t.detach()
 
         out = {}
-        for name, p in self.params.items():
+        for name, (exp_avg, exp_avg_sq, step) in self.grad_sync.moments().items():
             dim, start, end, full = self._shard_bounds(name)
-            state = self.optimizer.state.get(p, {})
-            exp_avg = state.get("exp_avg", torch.zeros_like(p))
-            exp_avg_sq = state.get("exp_avg_sq", torch.zeros_like(p))
-            out[name] = ShardState(dim, start, end, take(p), take(exp_avg), take(exp_avg_sq),
-                                   int(state.get("step", 0)), full)
+            out[name] = ShardState(dim, start, end, take(self.params[name]), take(exp_avg), take(exp_avg_sq),
+                                   step, full)
         return out
 
     def load_pretrained(self, folder: str) -> None:
@@ -530,6 +415,7 @@ class Engine:
         missing = [n for n in self.params if n not in states]
         if missing:
             raise ValueError(f"rank {self.rank}: no state given for {missing}")
+        moments = {}
         for name, p in self.params.items():
             dim, start, end, full = self._shard_bounds(name)
             st = states[name]
@@ -544,14 +430,8 @@ class Engine:
 
             with torch.no_grad():
                 p.copy_(cut(st.param).to(p.device))
-            if st.step > 0:
-                self.optimizer.state[p] = {
-                    "step": torch.tensor(float(st.step)),
-                    "exp_avg": cut(st.exp_avg).to(device=p.device, dtype=p.dtype).clone(),
-                    "exp_avg_sq": cut(st.exp_avg_sq).to(device=p.device, dtype=p.dtype).clone(),
-                }
-            else:
-                self.optimizer.state.pop(p, None)
+            moments[name] = (cut(st.exp_avg), cut(st.exp_avg_sq), st.step)
+        self.grad_sync.load_moments(moments)
         self.working.refresh()
 
 

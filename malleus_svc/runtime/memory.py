@@ -29,6 +29,7 @@ reserved memory and safety margin cover.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 from typing import Iterator
 
@@ -106,6 +107,11 @@ class StageMemory:
 
     def terms(self) -> Iterator[tuple[str, int]]:
         return ((f.name, getattr(self, f.name)) for f in fields(self))
+
+    def sharded_over(self, pipelines: int) -> "StageMemory":
+        """With the optimizer sharded among `pipelines` holders of every piece: the Adam moments of
+        each chunk, 1/pipelines of them (each bucket's padding, under `pipelines` elements, aside)."""
+        return dataclasses.replace(self, adam=-(-self.adam // pipelines))
 
 
 @dataclass(frozen=True)

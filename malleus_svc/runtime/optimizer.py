@@ -28,21 +28,42 @@ class AdamW:
             if p.grad is not None:
                 p.grad.zero_()
 
+    def decays(self, p: torch.Tensor) -> bool:
+        return p not in self.no_decay
+
+    @staticmethod
+    def new_state(like: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Adam's state of a tensor before its first update (torch's layout)."""
+        return {"step": torch.tensor(0.0, dtype=torch.float32, device="cpu"),
+                "exp_avg": torch.zeros_like(like, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(like, memory_format=torch.preserve_format)}
+
     @torch.no_grad()
-    def step(self, lr: float | None = None) -> None:
-        """One update, at `lr` (None: the constructor's), of every parameter that has a gradient."""
-        params = [p for p in self.params if p.grad is not None]
+    def step(self, lr: float | None = None, params: Iterable[torch.Tensor] | None = None) -> None:
+        """One update, at `lr` (None: the constructor's), of every parameter (or of `params`) that
+        has a gradient."""
+        params = [p for p in (self.params if params is None else params) if p.grad is not None]
         for p in params:
             if p not in self.state:
-                self.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32, device="cpu"),
-                                 "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                                 "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
-        decayed = [p for p in params if p not in self.no_decay]
-        kept = [p for p in params if p in self.no_decay]
-        for group, weight_decay in ((decayed, self.weight_decay), (kept, 0.0)):
-            states = [self.state[p] for p in group]
+                self.state[p] = self.new_state(p)
+        self.update(params, [p.grad for p in params], [self.state[p] for p in params],
+                    [self.decays(p) for p in params], lr)
+
+    @torch.no_grad()
+    def update(self, params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict[str, torch.Tensor]],
+               decays: list[bool], lr: float | None = None) -> None:
+        """The update of any tensors (parameters or slices of them) with their gradients and states,
+        weight decay where `decays`: each state's step and moments advance in place."""
+        for want, weight_decay in ((True, self.weight_decay), (False, 0.0)):
+            group = [i for i, d in enumerate(decays) if d == want]
             if group:
-                adamw(group, [p.grad for p in group], [s["exp_avg"] for s in states],
-                      [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], amsgrad=False,
-                      beta1=self.betas[0], beta2=self.betas[1], lr=self.lr if lr is None else lr,
-                      weight_decay=weight_decay, eps=self.eps, maximize=False)
+                adamw([params[i] for i in group], [grads[i] for i in group],
+                      [states[i]["exp_avg"] for i in group], [states[i]["exp_avg_sq"] for i in group], [],
+                      [states[i]["step"] for i in group], amsgrad=False, beta1=self.betas[0], beta2=self.betas[1],
+                      lr=self.lr if lr is None else lr, weight_decay=weight_decay, eps=self.eps, maximize=False)
+
+
+def update_bytes(params: Iterable[torch.Tensor]) -> float:
+    """Bytes an AdamW update moves: it reads parameter, gradient and both moments, and writes all
+    but the gradient back."""
+    return 7.0 * sum(p.numel() * p.element_size() for p in params)

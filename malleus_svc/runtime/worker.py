@@ -254,6 +254,12 @@ class DeviceWorker:
             return None
         return self.engine.export_state()
 
+    def hold_state(self) -> None:
+        """Keep this device's shards for the next world's migration (every device with work at once:
+        a sharded optimizer gathers its moments); `close(keep_state=True)` then keeps these."""
+        if self.engine is not None:
+            self._held = self.engine.export_state(copy=False)
+
     def load_pretrained(self, folder: str) -> bool:
         """Read this device's shards of a Hugging Face folder's weights into its Engine, if any."""
         if self.engine is None:
@@ -423,7 +429,10 @@ class DeviceWorker:
         from .groups import clear_group_cache
 
         if self.engine is not None:    # a second close (a rendezvous retry) keeps what the first kept
-            self._held = self.engine.export_state(copy=False) if keep_state else None
+            # a sharded optimizer's moments are gathered by all devices at once (`hold_state`), never here:
+            # a close may follow a lost peer
+            sharded = self.engine.optim.shard_optimizer
+            self._held = (self._held if sharded else self.engine.export_state(copy=False)) if keep_state else None
         self._drop_engine()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -44,6 +44,7 @@ class StageReport:
     planner_mb: float
     analytic_mb: float
     capacity_mb: float
+    unsharded_adam: int      # the Adam moments' bytes were the optimizer not sharded
 
     @property
     def total_mb(self) -> float:
@@ -70,7 +71,7 @@ class StageReport:
 def _analytic_problem(sc: Scenario, problem: PlannerProblem) -> PlannerProblem:
     mem = problem.memory
     auto = analytic.memory_profile(sc.shape, sc.tp, sc.pp, sc.micro_batch, mem.gpu_memory_mb, mem.reserved_mb,
-                                   mem.safety_margin_mb, sc.device)
+                                   mem.safety_margin_mb, sc.device, sc.shard_optimizer)
     return dataclasses.replace(problem, memory=auto)
 
 
@@ -86,18 +87,19 @@ def plan_memory(sc: Scenario, plan: Plan) -> list[StageReport]:
     except ValueError as e:
         raise PlanError(str(e)) from None
     auto = _analytic_problem(sc, problem)
-    rows = []
+    rows, pipelines = [], len(plan.pipelines)
     for i, pipe in enumerate(plan.pipelines):
         last = len(pipe.stages) - 1
         for j, st in enumerate(pipe.stages):
             depth = min(len(pipe.stages) - j, pipe.micro_batches)
             ends = j in (0, last)
-            fp = _footprint(sc.shape, st.num_layers, j == 0, j == last, st.tp, sc.micro_batch)
+            measured = _footprint(sc.shape, st.num_layers, j == 0, j == last, st.tp, sc.micro_batch).at_depth(depth)
             rows.append(StageReport(
-                i, j, tuple(st.devices), st.num_layers, st.tp, depth, fp.at_depth(depth),
-                problem.memory.reserved_mb,
-                device_peak_mb(problem, st.tp, st.num_layers, depth, ends),
-                device_peak_mb(auto, st.tp, st.num_layers, depth, ends), sc.gpu_memory_mb))
+                i, j, tuple(st.devices), st.num_layers, st.tp, depth,
+                measured.sharded_over(pipelines) if sc.shard_optimizer else measured, problem.memory.reserved_mb,
+                device_peak_mb(problem, st.tp, st.num_layers, depth, ends, pipelines),
+                device_peak_mb(auto, st.tp, st.num_layers, depth, ends, pipelines), sc.gpu_memory_mb,
+                measured.adam))
     return rows
 
 
@@ -140,6 +142,11 @@ def verdict(rows: list[StageReport]) -> str:
             f"{100 * abs(auto.gap(auto.analytic_mb)):.0f}%; target {100 * GAP_TARGET:.0f}%")
 
 
+def _spread(values) -> str:
+    values = [v / GB for v in values]
+    return f"{min(values):.1f}-{max(values):.1f}"
+
+
 def measured_profile(sc: Scenario) -> tuple[list[float], float]:
     """`layer_memory_mb` (d = max(pp, 2)..1) and `embedding_memory_mb` for the scenario's `profile:`,
     measured: a block is the difference of 2- and 1-block stages at the scenario's TP (boundary
@@ -159,6 +166,10 @@ def print_memory(sc: Scenario, plan: Plan, as_json: bool = False) -> int:
     print(f"memory of plan {plan.plan_id} for {sc.name}: micro-batch {sc.micro_batch} x {sc.shape.seq_len} tokens; "
           f"GB per device (2^30 bytes); gap = planner / measured - 1")
     print(memory_table(rows))
+    if sc.shard_optimizer:
+        print(f"optimizer sharded among the plan's {len(plan.pipelines)} pipelines: Adam's moments "
+              f"{_spread(r.unsharded_adam for r in rows)} GB per device unsharded, "
+              f"{_spread(r.measured.adam for r in rows)} GB sharded")
     print(verdict(rows))
     if as_json:
         print(json.dumps([r.to_dict() for r in rows], indent=2))

@@ -34,9 +34,11 @@ class StageMemory:
                 "blocks": self.blocks, "in_flight": self.in_flight, "peak_mb": round(self.peak_mb, 1)}
 
 
-def device_peak_mb(problem: PlannerProblem, tp_size: int, blocks: int, in_flight: int, holds_embedding: bool) -> float:
-    """Peak MB on one device of a group of `tp_size` holding `blocks` blocks with `in_flight` micro-batches alive."""
-    mem = problem.memory
+def device_peak_mb(problem: PlannerProblem, tp_size: int, blocks: int, in_flight: int, holds_embedding: bool,
+                   pipelines: int = 1) -> float:
+    """Peak MB on one device of a group of `tp_size` holding `blocks` blocks with `in_flight` micro-batches
+    alive, in a plan of `pipelines` pipelines (they share a sharded optimizer's state)."""
+    mem = problem.memory.over(pipelines)
     h = problem.tp / tp_size
     per_block = mem.block_mb(h, max(1, in_flight))   # every stage runs >= 1 micro-batch
     return per_block * blocks + (mem.ends_mb(h) if holds_embedding else 0.0) + mem.reserved_mb
@@ -47,7 +49,7 @@ def stage_memory(plan: Plan, problem: PlannerProblem, sim: SimResult) -> list[St
     for i, (pipe, pres) in enumerate(zip(plan.pipelines, sim.pipelines)):
         last = len(pipe.stages) - 1
         for j, (st, sres) in enumerate(zip(pipe.stages, pres.stages)):
-            peak = device_peak_mb(problem, st.tp, st.num_layers, sres.max_in_flight, j in (0, last))
+            peak = device_peak_mb(problem, st.tp, st.num_layers, sres.max_in_flight, j in (0, last), len(plan.pipelines))
             out.append(StageMemory(i, j, st.devices, st.num_layers, sres.max_in_flight, peak))
     return out
 

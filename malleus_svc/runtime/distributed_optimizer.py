@@ -1,0 +1,216 @@
+"""The distributed optimizer (ZeRO-1): Adam's state of each piece split among the pipelines holding it.
+
+Megatron's distributed optimizer, over this runtime's reduction groups (gradient_sync.py): every
+piece that several pipelines hold is reduced in buckets, and each bucket is cut into as many equal
+chunks as its group has members, the member of group rank k owning chunk k (the last padded with
+zeros). A step then:
+  * reduce-scatters each bucket, so a member receives the summed gradient of its own chunk only;
+  * counts its own chunks in the global norm (each element once) and clips them;
+  * updates its own chunk of the parameters with the chunk's Adam moments, which only it holds;
+  * all-gathers the updated chunks back into every member's parameters (`publish`), then sends the
+    replicated tensors to the TP ranks that do not reduce them, and copies a tied weight's update
+    into its second copy.
+What no other pipeline holds (a piece of one pipeline) is updated where it lies, as without sharding.
+The update is elementwise, so it equals the replicated one up to the order of the gradient sums.
+
+The moments of a chunk exist on one device only: exporting the state (a checkpoint, a migration)
+gathers them among the members, so the state leaves plan-agnostic and the next plan cuts its own
+chunks; a device lost takes its chunks with it, and the job restores a checkpoint.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+from malleus_svc.config.presets import ModelShape
+from malleus_svc.runtime.gradient_sync import GRAD_BUCKET_BYTES, GradientSync, Item, Moments, _buckets, narrow
+from malleus_svc.runtime.groups import Groups, world_rank
+from malleus_svc.runtime.optimizer import AdamW, update_bytes
+
+
+@dataclass
+class _Chunked:
+    """A bucket of one group's items, cut in equal chunks; this device owns elements [lo, hi)."""
+    group: "dist.ProcessGroup"
+    items: list[Item]
+    sizes: list[int]
+    chunk: int                            # elements per member: the bucket padded to members x chunk
+    lo: int
+    hi: int
+    runs: list[tuple[int, int, bool]] = field(default_factory=list)   # [a, e) of the own chunk, decayed?
+    grad: torch.Tensor | None = None      # the own chunk's reduced gradient, from reduce to step
+    updated: torch.Tensor | None = None   # the own chunk's updated parameters, from step to publish
+    moments: tuple[torch.Tensor, ...] = ()                            # exp_avg, exp_avg_sq of the own chunk
+    states: list[dict[str, torch.Tensor]] = field(default_factory=list)   # Adam's, one per run (views of those)
+
+    @property
+    def padded(self) -> int:
+        return self.chunk * dist.get_world_size(self.group)
+
+    def overlaps(self) -> Iterator[tuple[Item, int, int, int]]:
+        """(item, a, e, start): elements [a, e) of the own chunk are the item's from flat index `start`."""
+        offset = 0
+        for item, n in zip(self.items, self.sizes):
+            a, e = max(offset, self.lo), min(offset + n, self.hi)
+            if a < e:
+                yield item, a - self.lo, e - self.lo, a - offset
+            offset += n
+
+    def own(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The own chunk's elements of `tensors` (by name, each shaped like its parameter), padded."""
+        out = next(iter(tensors.values())).new_zeros(self.chunk)
+        for item, a, e, start in self.overlaps():
+            out[a:e] = narrow(tensors[item[0]], item).reshape(-1)[start:start + e - a]
+        return out
+
+    def gather_into(self, own: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Every member's chunk of `own`'s kind, all-gathered into `tensors` (by name)."""
+        flat = own.new_empty(self.padded)
+        dist.all_gather_single(flat, own, group=self.group)
+        offset = 0
+        for item, n in zip(self.items, self.sizes):
+            view = narrow(tensors[item[0]], item)
+            view.copy_(flat[offset:offset + n].view_as(view))
+            offset += n
+
+
+class ShardedGradientSync(GradientSync):
+    """GradientSync whose pieces held by several pipelines are reduce-scattered and updated by chunk."""
+
+    def __init__(self, groups: Groups, params: Mapping[str, torch.nn.Parameter], shape: ModelShape,
+                 optimizer: AdamW, bucket_bytes: int = GRAD_BUCKET_BYTES):
+        super().__init__(groups, params, shape, optimizer, bucket_bytes)
+        self.steps = 0                                # updates of the chunks (all of them at once)
+        self._chunked: list[_Chunked] | None = None   # cut at first use, once bucket_bytes is final
+        bucketed = {it for items in self.buckets.values() for it in items}
+        self.local_norm_items = [it for it in self.norm_items if it not in bucketed]
+        # updated elsewhere: the bucketed tensors, those the TP group's rank 0 sends, a tied second copy
+        elsewhere = {it[0] for it in bucketed} | {it[0] for it in self.broadcast_items}
+        if len(self.tied_names) == 2 and self.tied_names[0] in elsewhere:
+            elsewhere.add(self.tied_names[1])
+        self.local = {name: p for name, p in params.items() if name not in elsewhere}
+        self.weights = {name: p.detach() for name, p in params.items()}
+
+    @property
+    def chunked(self) -> list[_Chunked]:
+        if self._chunked is None:
+            self._chunked = [self._cut(key, run) for key in self.order for run in self._runs(self.buckets[key])]
+        return self._chunked
+
+    def _runs(self, items: list[Item]) -> Iterator[list[Item]]:
+        """The items in buckets of at most `bucket_bytes`, as GradientSync cuts them."""
+        i = 0
+        for views in _buckets([self._view(it, grad=False) for it in items], self.bucket_bytes):
+            yield items[i:i + len(views)]
+            i += len(views)
+
+    def _cut(self, key: tuple[int, ...], items: list[Item]) -> _Chunked:
+        group = self.groups.group(key)
+        sizes = [self._view(it, grad=False).numel() for it in items]
+        total = sum(sizes)
+        chunk = math.ceil(total / len(key))
+        k = dist.get_group_rank(group, world_rank(self.rank))
+        b = _Chunked(group, items, sizes, chunk, min(k * chunk, total), min((k + 1) * chunk, total))
+        for item, a, e, _ in b.overlaps():     # runs of one weight-decay rule: one Adam tensor each
+            decays = self.optimizer.decays(self.params[item[0]])
+            if b.runs and b.runs[-1][1] == a and b.runs[-1][2] == decays:
+                b.runs[-1] = (b.runs[-1][0], e, decays)
+            else:
+                b.runs.append((a, e, decays))
+        return b
+
+    # ------------------------------------------------------------------ the step
+    def reduce(self) -> None:
+        if len(self.tied_names) == 2:      # this device's one contribution to the tied weight
+            self.params[self.tied_names[0]].grad.add_(self.params[self.tied_names[1]].grad)
+        for b in self.chunked:             # one global order on every rank, as GradientSync's
+            views = [self._view(it).reshape(-1) for it in b.items]
+            flat = torch.cat([*views, views[0].new_zeros(b.padded - sum(b.sizes))])
+            b.grad = flat.new_empty(b.chunk)
+            dist.reduce_scatter_single(b.grad, flat, group=b.group)
+
+    def local_square_norm(self) -> torch.Tensor:
+        views = [self._view(item) for item in self.local_norm_items] + [b.grad for b in self.chunked]
+        if not views:
+            return torch.zeros((), dtype=torch.float64, device=next(iter(self.params.values())).device)
+        return torch.stack(torch._foreach_norm(views, 2, dtype=torch.float64)).square().sum()
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.local.values()] + [b.grad for b in self.chunked]
+
+    def update_bytes(self) -> float:
+        return update_bytes(self.local.values()) + 7.0 * sum(b.grad.numel() * b.grad.element_size()
+                                                             for b in self.chunked if b.grad is not None)
+
+    @torch.no_grad()
+    def step(self, lr: float | None) -> None:
+        self.optimizer.step(lr, self.local.values())
+        for b in self.chunked:
+            if not b.moments:
+                self._set_moments(b, tuple(b.grad.new_zeros(b.chunk) for _ in range(2)))
+            param = b.own(self.weights)
+            self.optimizer.update([param[a:e] for a, e, _ in b.runs], [b.grad[a:e] for a, e, _ in b.runs],
+                                  b.states, [d for *_, d in b.runs], lr)
+            b.grad, b.updated = None, param
+        self.steps += 1
+
+    def _set_moments(self, b: _Chunked, moments: tuple[torch.Tensor, torch.Tensor]) -> None:
+        b.moments = moments
+        b.states = [{"step": torch.tensor(float(self.steps)), "exp_avg": moments[0][a:e],
+                     "exp_avg_sq": moments[1][a:e]} for a, e, _ in b.runs]
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """Every member's updated chunks into every member's parameters; then the replicated tensors
+        to the TP ranks that do not reduce them, and a tied weight into its second copy."""
+        for b in self.chunked:
+            b.gather_into(b.updated, self.weights)
+            b.updated = None
+        if self.broadcast_items:
+            tp_group, src = self.groups.tp.group, world_rank(self.groups.stage_devices[0])
+            self._collective(self.broadcast_items, lambda f: dist.broadcast(f, src=src, group=tp_group), grad=False)
+        if len(self.tied_names) == 2:
+            self.weights[self.tied_names[1]].copy_(self.weights[self.tied_names[0]])
+
+    # ------------------------------------------------------------------ state in and out
+    @torch.no_grad()
+    def moments(self) -> dict[str, Moments]:
+        """As GradientSync's, the chunks' moments gathered: every active device calls this at once."""
+        out = super().moments()
+        if self.steps == 0:
+            return out
+        for which in (0, 1):
+            full = {name: torch.zeros_like(p) for name, p in self.weights.items() if name not in self.local}
+            for b in self.chunked:
+                b.gather_into(b.moments[which], full)
+            if self.broadcast_items:
+                tp_group, src = self.groups.tp.group, world_rank(self.groups.stage_devices[0])
+                for item in self.broadcast_items:
+                    view = narrow(full[item[0]], item)
+                    flat = view.contiguous()
+                    dist.broadcast(flat, src=src, group=tp_group)
+                    view.copy_(flat)
+            if len(self.tied_names) == 2 and self.tied_names[1] in full:
+                full[self.tied_names[1]] = full[self.tied_names[0]]
+            for name, t in full.items():
+                m = list(out[name])
+                m[which], m[2] = t, self.steps
+                out[name] = tuple(m)
+        return out
+
+    @torch.no_grad()
+    def load_moments(self, moments: Mapping[str, Moments]) -> None:
+        super().load_moments({name: m for name, m in moments.items() if name in self.local})
+        steps = {m[2] for name, m in moments.items() if name not in self.local}
+        if len(steps) > 1:
+            raise ValueError(f"rank {self.rank}: the state's tensors are at different steps {sorted(steps)}")
+        self.steps = steps.pop() if steps else 0
+        for b in self.chunked:
+            b.moments, b.states = (), []
+            if self.steps:
+                self._set_moments(b, tuple(b.own({name: m[which].to(self.weights[name]) for name, m in moments.items()})
+                                           for which in (0, 1)))
