@@ -7,7 +7,7 @@ import importlib
 import textwrap
 
 BENCHES = ("planner", "planner-scale", "objectives", "runtime", "simulate", "malleable", "rates", "calibrate", "lengths",
-           "lengths-runtime", "prepare-data", "init", "host-memory", "step", "detect")
+           "lengths-runtime", "prepare-data", "init", "host-memory", "step", "detect", "overlap")
 
 
 class _WholeNames(argparse.HelpFormatter):

@@ -270,6 +270,34 @@ def test_an_update_waits_for_apply_and_a_new_step_drops_an_unapplied_one():
     assert twice and "no finished train_step" in twice
 
 
+def _overlapped(rank: int, world: int, optim: OptimConfig, compute: torch.dtype):
+    if rank not in HETERO.roles():
+        return None
+    engine = Engine(TINY, HETERO, rank, seed=SEED, optim=optim, compute_dtype=compute)
+    engine.grad_sync.bucket_bytes = 512
+    batch = global_batches(steps=1, micro_batches=HETERO.num_micro_batches, micro_batch_size=2)[0]
+    stats = engine.train_step(_pipeline_share(HETERO, engine.role.pipeline, batch),
+                              sum(mb.num_loss_tokens for mb in batch))
+    sync = engine.grad_sync
+    return sync.launched_early, sync.pending_at_first_launch, len(engine.model.blocks), stats.global_loss
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "sharded"])
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-working-weights"])
+def test_gradient_buckets_are_reduced_behind_the_last_backward(sharded, compute):
+    """With overlap, the gradient hooks launch buckets while the step's last backward still runs
+    (the master weights' hooks also fire when a bf16 working copy computed the gradient); without,
+    every bucket waits for backward's end. The losses agree either way."""
+    optim = dataclasses.replace(OPTIM, shard_optimizer=sharded)
+    on = [r for r in run_on_gloo(_overlapped, HETERO.num_devices, optim, compute) if r]
+    off = [r for r in run_on_gloo(_overlapped, HETERO.num_devices,
+                                  dataclasses.replace(optim, overlap_grad_reduce=False), compute) if r]
+    assert all(early == 0 and pending == 0 for early, pending, *_ in off)
+    # a device of several blocks launches its first bucket while the others' gradients are to come
+    assert all(early > 0 for early, *_ in on) and all(pending > 0 for _, pending, blocks, _ in on if blocks > 1)
+    assert {loss for *_, loss in on} == {loss for *_, loss in off} and len({loss for *_, loss in on}) == 1
+
+
 # ---------------------------------------------------------------------------- compiled blocks
 @pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
 def test_compiled_blocks_train_like_eager_ones(compute):

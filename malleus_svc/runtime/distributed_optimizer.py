@@ -20,27 +20,24 @@ chunks; a device lost takes its chunks with it, and the job restores a checkpoin
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
 from malleus_svc.config.presets import ModelShape
-from malleus_svc.runtime.gradient_sync import GRAD_BUCKET_BYTES, GradientSync, Item, Moments, _buckets, narrow
+from malleus_svc.runtime.gradient_sync import GRAD_BUCKET_BYTES, Bucket, GradientSync, Item, Moments, narrow
 from malleus_svc.runtime.groups import Groups, world_rank
 from malleus_svc.runtime.optimizer import AdamW, update_bytes
 
 
 @dataclass
-class _Chunked:
-    """A bucket of one group's items, cut in equal chunks; this device owns elements [lo, hi)."""
-    group: "dist.ProcessGroup"
-    items: list[Item]
-    sizes: list[int]
-    chunk: int                            # elements per member: the bucket padded to members x chunk
-    lo: int
-    hi: int
+class _Chunked(Bucket):
+    """A bucket cut in equal chunks, one per member; this device owns elements [lo, hi)."""
+    chunk: int = 0                        # elements per member: the bucket padded to members x chunk
+    lo: int = 0
+    hi: int = 0
     runs: list[tuple[int, int, bool]] = field(default_factory=list)   # [a, e) of the own chunk, decayed?
     grad: torch.Tensor | None = None      # the own chunk's reduced gradient, from reduce to step
     updated: torch.Tensor | None = None   # the own chunk's updated parameters, from step to publish
@@ -85,7 +82,6 @@ class ShardedGradientSync(GradientSync):
                  optimizer: AdamW, bucket_bytes: int = GRAD_BUCKET_BYTES):
         super().__init__(groups, params, shape, optimizer, bucket_bytes)
         self.steps = 0                                # updates of the chunks (all of them at once)
-        self._chunked: list[_Chunked] | None = None   # cut at first use, once bucket_bytes is final
         bucketed = {it for items in self.buckets.values() for it in items}
         self.local_norm_items = [it for it in self.norm_items if it not in bucketed]
         # updated elsewhere: the bucketed tensors, those the TP group's rank 0 sends, a tied second copy
@@ -97,24 +93,15 @@ class ShardedGradientSync(GradientSync):
 
     @property
     def chunked(self) -> list[_Chunked]:
-        if self._chunked is None:
-            self._chunked = [self._cut(key, run) for key in self.order for run in self._runs(self.buckets[key])]
-        return self._chunked
+        return self.launch_order
 
-    def _runs(self, items: list[Item]) -> Iterator[list[Item]]:
-        """The items in buckets of at most `bucket_bytes`, as GradientSync cuts them."""
-        i = 0
-        for views in _buckets([self._view(it, grad=False) for it in items], self.bucket_bytes):
-            yield items[i:i + len(views)]
-            i += len(views)
-
-    def _cut(self, key: tuple[int, ...], items: list[Item]) -> _Chunked:
-        group = self.groups.group(key)
-        sizes = [self._view(it, grad=False).numel() for it in items]
-        total = sum(sizes)
+    def _bucket(self, key: tuple[int, ...], index: int, items: list[Item]) -> _Chunked:
+        base = super()._bucket(key, index, items)
+        total = sum(base.sizes)
         chunk = math.ceil(total / len(key))
-        k = dist.get_group_rank(group, world_rank(self.rank))
-        b = _Chunked(group, items, sizes, chunk, min(k * chunk, total), min((k + 1) * chunk, total))
+        k = dist.get_group_rank(base.group, world_rank(self.rank))
+        b = _Chunked(**{f.name: getattr(base, f.name) for f in fields(Bucket)},
+                     chunk=chunk, lo=min(k * chunk, total), hi=min((k + 1) * chunk, total))
         for item, a, e, _ in b.overlaps():     # runs of one weight-decay rule: one Adam tensor each
             decays = self.optimizer.decays(self.params[item[0]])
             if b.runs and b.runs[-1][1] == a and b.runs[-1][2] == decays:
@@ -124,14 +111,22 @@ class ShardedGradientSync(GradientSync):
         return b
 
     # ------------------------------------------------------------------ the step
-    def reduce(self) -> None:
-        if len(self.tied_names) == 2:      # this device's one contribution to the tied weight
-            self.params[self.tied_names[0]].grad.add_(self.params[self.tied_names[1]].grad)
-        for b in self.chunked:             # one global order on every rank, as GradientSync's
-            views = [self._view(it).reshape(-1) for it in b.items]
-            flat = torch.cat([*views, views[0].new_zeros(b.padded - sum(b.sizes))])
-            b.grad = flat.new_empty(b.chunk)
-            dist.reduce_scatter_single(b.grad, flat, group=b.group)
+    def _launch(self, b: _Chunked) -> None:
+        """Start the bucket's reduce-scatter: this device receives its own chunk's sum."""
+        self._fold_tied(b)
+        views = [self._view(it).reshape(-1) for it in b.items]
+        b.flat = torch.cat([*views, views[0].new_zeros(b.padded - sum(b.sizes))])
+        b.grad = b.flat.new_empty(b.chunk)
+        b.work = dist.reduce_scatter_single(b.grad, b.flat, group=b.group, async_op=True)
+
+    def _finish(self, b: _Chunked) -> None:
+        b.work.wait()
+        b.work = b.flat = None
+
+    def _settle(self) -> None:
+        """The TP ranks that do not reduce get the updated weights (`publish`), not the gradients."""
+        if len(self.tied_names) == 2:
+            self.params[self.tied_names[1]].grad.copy_(self.params[self.tied_names[0]].grad)
 
     def local_square_norm(self) -> torch.Tensor:
         views = [self._view(item) for item in self.local_norm_items] + [b.grad for b in self.chunked]

@@ -56,6 +56,7 @@ class OptimConfig:
     schedule: LrSchedule = _TRAIN.schedule
     compile: bool | None = _TRAIN.compile        # blocks compiled (None: on CUDA only)
     shard_optimizer: bool = False       # Adam's moments split among a piece's holders (ZeRO-1; the scenario's)
+    overlap_grad_reduce: bool = True    # each gradient bucket reduced as soon as backward finishes it
 
     @classmethod
     def of(cls, train: TrainConfig, shard_optimizer: bool = False) -> "OptimConfig":
@@ -194,9 +195,11 @@ class Engine:
         # no clock read here: on CUDA it would wait for the last update; this step's read at its end
         # takes that update's time (and an evaluation's) under their own kinds, not "compute"
         self._flops, self._block_ops = 0.0, 0
+        self._last_micro = len(micro_batches) - 1
         self._loss = torch.zeros((), dtype=torch.float64, device=self.device)
         self._inflight: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
         self._update_pending = False      # an update never applied is dropped with its gradients
+        self.grad_sync.reset()
         self.optimizer.zero_grad()
         for p in self.params.values():  # every parameter gets a gradient buffer, even if unused
             if p.grad is None:
@@ -359,6 +362,8 @@ class Engine:
         x, out, forward_flops = self._inflight.pop(i)
         grad = received.to(out.dtype) if received is not None else None
         blocks = len(self.model.blocks)
+        if i == self._last_micro and self.optim.overlap_grad_reduce:
+            self.grad_sync.arm()      # the gradients become final in this backward: reduce them behind it
         with self.clock.op("compute", flops=2 * forward_flops, blocks=blocks):   # backward: twice the forward's FLOPs
             torch.autograd.backward(out, grad)
         self._flops += 2 * forward_flops

@@ -2,14 +2,15 @@
 pipelines that hold it (groups.py), and the global norm with each unique element counted once."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
 from malleus_svc.config.presets import ModelShape
-from malleus_svc.geometry import TIED, part_tensors
-from malleus_svc.runtime.groups import Groups, Piece, ordered_group_ranks, tied_piece, world_rank
+from malleus_svc.geometry import TIED, model_parts, part_of, part_tensors
+from malleus_svc.runtime.groups import Groups, Piece, tied_piece, world_rank
 from malleus_svc.runtime.optimizer import AdamW, update_bytes
 
 Item = tuple[str, "int | None", int, int]   # a tensor's name, its split dim, and rows [lo, hi) of it there
@@ -35,17 +36,38 @@ def _buckets(views: list[torch.Tensor], cap: int) -> Iterator[list[torch.Tensor]
         yield run
 
 
+@dataclass
+class Bucket:
+    """Consecutive items of one group, reduced as one flat tensor: launched once every gradient it
+    reads is final, waited for before the update."""
+    key: tuple[int, ...]
+    index: int                    # its place among the group's buckets
+    group: "dist.ProcessGroup"
+    items: list[Item]
+    sizes: list[int]
+    names: frozenset[str]         # the parameters whose gradients it reads
+    position: int                 # the last part it covers in model order (backward finishes those first)
+    work: "dist.Work | None" = None
+    flat: torch.Tensor | None = None
+
+
 class GradientSync:
     """Sums each gradient piece over the pipelines holding it, measures the global norm, and runs
     the device's optimizer on the result (replicated: every holder updates the whole piece; see
     distributed_optimizer.py for the sharded kind).
 
-    Sharded pieces: flattened into buckets per group (same order on every member, since every
+    Sharded pieces: flattened into buckets per group (same buckets on every member, since every
     member walks the same pieces in plan order) and all-reduced among one holder per pipeline.
     Replicated tensors: all-reduced among the TP-rank-0 holders, then broadcast in the TP group.
     A tied embedding and head: one contribution per device (the sum of the copies it holds),
     all-reduced among the TP-rank-0 holders of either, so every copy gets the weight's whole
     gradient, counted once in the norm.
+
+    Overlap: `arm()` before the step's last backward, and each bucket is launched (asynchronously)
+    from a gradient hook as soon as the gradients it reads are final, while backward goes on;
+    `reduce()` launches what is left and waits once. Buckets launch in one global order, latest
+    part first (the order backward finishes them), so no two devices launch shared ones in
+    different orders.
     """
 
     def __init__(self, groups: Groups, params: Mapping[str, torch.nn.Parameter], shape: ModelShape,
@@ -77,10 +99,98 @@ class GradientSync:
                 if spec.split_dim is not None or spec.name in self.tied_names:
                     continue
                 self._add_replicated(piece, (spec.name, None, 0, 0), add, t)
+        self.tied_item = (self.tied_names[0], None, 0, 0) if self.tied_names else None
         if self.tied_names:
-            self._add_replicated(tied, (self.tied_names[0], None, 0, 0), add, t)
-        self.order = [k for k in ordered_group_ranks(groups.plan, groups.tied) if k in self.buckets]
+            self._add_replicated(tied, self.tied_item, add, t)
         self.params = params
+        self._parts = {part: i for i, part in enumerate(model_parts(shape.layers))}
+        for items in self.buckets.values():    # in the order backward finishes them, latest part first
+            items.sort(key=lambda it: -self._position(it))
+        self._order: list[Bucket] | None = None    # cut at first use, once bucket_bytes is final
+        self._armed, self._final, self._next = False, set(), 0
+        self.launched_early = self.pending_at_first_launch = 0
+        self._names = {id(p): name for name, p in params.items()}
+        self._hooked = {it[0] for items in self.buckets.values() for it in items} | set(self.tied_names)
+        for name in self._hooked:
+            params[name].register_post_accumulate_grad_hook(self._on_final)
+
+    # ------------------------------------------------------------------ buckets
+    @property
+    def launch_order(self) -> list[Bucket]:
+        if self._order is None:
+            made = [self._bucket(key, i, run) for key, items in self.buckets.items()
+                    for i, run in enumerate(self._runs(items))]
+            self._order = sorted(made, key=lambda b: (-b.position, b.key, b.index))
+        return self._order
+
+    def _runs(self, items: list[Item]) -> Iterator[list[Item]]:
+        """The items in runs of at most `bucket_bytes`."""
+        i = 0
+        for views in _buckets([self._view(it, grad=False) for it in items], self.bucket_bytes):
+            yield items[i:i + len(views)]
+            i += len(views)
+
+    def _position(self, item: Item) -> int:
+        """The item's part in model order. A tied weight's copies are the embedding on some members and
+        the head on others: placed as the embedding, the same on every member."""
+        return 0 if item == self.tied_item else self._parts[part_of(item[0])]
+
+    def _bucket(self, key: tuple[int, ...], index: int, items: list[Item]) -> Bucket:
+        names = {it[0] for it in items}
+        if self.tied_item in items:
+            names |= set(self.tied_names)   # both copies final: the device's one contribution is their sum
+        return Bucket(key, index, self.groups.group(key), items, [self._view(it, grad=False).numel() for it in items],
+                      frozenset(names), max(self._position(it) for it in items))
+
+    def reset(self) -> None:
+        """A new step: nothing armed or in flight (a step that failed may have left both)."""
+        self._armed, self._final, self._next = False, set(), 0
+        for b in self._order or ():
+            b.work = b.flat = None
+
+    def arm(self) -> None:
+        """The next backward is the step's last: launch each bucket once its gradients are final."""
+        self.reset()
+        self._armed, self.pending_at_first_launch = True, 0
+
+    def _on_final(self, p: torch.Tensor) -> None:
+        if self._armed:
+            self._final.add(self._names[id(p)])
+            self._launch_through(lambda b: b.names <= self._final)
+
+    def _launch_through(self, ready: Callable[[Bucket], bool]) -> None:
+        order = self.launch_order
+        if self._armed and self._next == 0 and order and ready(order[0]):   # how much of backward they overlap
+            self.pending_at_first_launch = len(self._hooked) - len(self._final)
+        while self._next < len(order) and ready(order[self._next]):
+            self._launch(order[self._next])
+            self._next += 1
+
+    def _launch(self, b: Bucket) -> None:
+        """Start the bucket's all-reduce (in place when it is one contiguous view)."""
+        self._fold_tied(b)
+        views = [self._view(it) for it in b.items]
+        if len(views) == 1 and views[0].is_contiguous():
+            b.flat = None
+            b.work = dist.all_reduce(views[0], group=b.group, async_op=True)
+        else:
+            b.flat = torch.cat([v.reshape(-1) for v in views])
+            b.work = dist.all_reduce(b.flat, group=b.group, async_op=True)
+
+    def _finish(self, b: Bucket) -> None:
+        b.work.wait()
+        if b.flat is not None:
+            offset = 0
+            for item, n in zip(b.items, b.sizes):
+                view = self._view(item)
+                view.copy_(b.flat[offset:offset + n].view_as(view))
+                offset += n
+        b.work = b.flat = None
+
+    def _fold_tied(self, b: Bucket | None) -> None:
+        """The tied weight's gradient: the sum of the copies this device holds, before it is reduced."""
+        if len(self.tied_names) == 2 and (b is None or self.tied_item in b.items):
+            self.params[self.tied_names[0]].grad.add_(self.params[self.tied_names[1]].grad)
 
     def _add_replicated(self, piece: Piece, item, add, tp_size: int) -> None:
         if self.rank in piece.members:
@@ -109,17 +219,25 @@ class GradientSync:
                 offset += n
 
     def reduce(self) -> None:
-        both = [self.params[n].grad for n in self.tied_names] if len(self.tied_names) == 2 else None
-        if both:               # this device's one contribution to the tied weight
-            both[0].add_(both[1])
-        for key in self.order:  # one global order on every rank: no cycle of waiting groups
-            group = self.groups.group(key)
-            self._collective(self.buckets[key], lambda f: dist.all_reduce(f, group=group))
+        """Launch the buckets not launched yet, wait for all of them (the step's one wait), then send
+        the replicated tensors to the TP ranks that do not reduce them."""
+        self._armed = False
+        self.launched_early = self._next      # buckets that backward's hooks launched (overlapped)
+        if self.tied_item is not None and not any(self.tied_item in b.items for b in self.launch_order):
+            self._fold_tied(None)       # reduced by no one else: this device's sum is the gradient
+        self._launch_through(lambda b: True)
+        for b in self.launch_order:
+            self._finish(b)
+        self._next = 0
+        self._settle()
+
+    def _settle(self) -> None:
+        """After the reductions: what the TP ranks that do not reduce need, and the tied copies."""
         if self.broadcast_items:
             tp_group, src = self.groups.tp.group, world_rank(self.groups.stage_devices[0])
             self._collective(self.broadcast_items, lambda f: dist.broadcast(f, src=src, group=tp_group))
-        if both:
-            both[1].copy_(both[0])
+        if len(self.tied_names) == 2:
+            self.params[self.tied_names[1]].grad.copy_(self.params[self.tied_names[0]].grad)
 
     def local_square_norm(self) -> torch.Tensor:
         """Sum of squares of the pieces this device counts (each unique element exactly once), in fp64
