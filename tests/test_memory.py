@@ -138,18 +138,20 @@ def test_a_sharded_optimizer_keeps_one_pipelines_share_of_the_moments():
 
 
 def test_cli_shows_the_sharded_moments_and_the_model_still_agrees(capsys):
-    """`--shard-optimizer` on the 70B plan of two pipelines: each device keeps half of the Adam
-    moments it would hold unsharded, and the planner's model of that stays within 3% of the stage."""
+    """`--shard-optimizer` on the 70B plan of two pipelines: each device keeps half of the fp32
+    masters and Adam moments it would hold unsharded, and the planner's model of that stays within
+    3% of the stage."""
     rc = main(["memory", "llama70b-64gpu", "--json", "--plan", _plan_file(), "--shard-optimizer"])
     out = capsys.readouterr().out
     rows = json.loads(out[out.index("\n["):])
-    assert rc == 0 and "optimizer sharded among the plan's 2 pipelines" in out
+    assert rc == 0 and "optimizer sharded among the plan's 2 pipelines: fp32 masters and Adam moments" in out
     main(["memory", "llama70b-64gpu", "--json", "--plan", _plan_file()])
     plain = capsys.readouterr().out
     unsharded = json.loads(plain[plain.index("\n["):])
     for r, u in zip(rows, unsharded):
         assert r["adam_mb"] == pytest.approx(u["adam_mb"] / 2, abs=0.1)
-        assert r["total_mb"] == pytest.approx(u["total_mb"] - u["adam_mb"] / 2, abs=0.2)
+        assert r["params_mb"] == pytest.approx(u["params_mb"] / 2, abs=0.1) and r["grads_mb"] == u["grads_mb"]
+        assert r["total_mb"] == pytest.approx(u["total_mb"] - (u["adam_mb"] + u["params_mb"]) / 2, abs=0.2)
         assert abs(r["planner_gap"]) < 0.03
 
 
@@ -169,8 +171,8 @@ def _plan_file(cache={}):
 
 
 def test_the_planner_uses_memory_only_a_sharded_optimizer_frees():
-    """70B on 72 GiB devices: memory binds, and the planner, told the moments are sharded, finds a
-    better plan than it can without, one that would not fit unsharded."""
+    """70B on 64 GiB devices: memory binds, and the planner, told the optimizer's state is sharded,
+    finds a better plan than it can without, one that would not fit unsharded."""
     from pathlib import Path
 
     from malleus_svc.config.job import load_scenario_of
@@ -178,7 +180,7 @@ def test_the_planner_uses_memory_only_a_sharded_optimizer_frees():
     from malleus_svc.planner.build import build_problem
     from malleus_svc.planner.search import memory_violations
 
-    sc = load_scenario_of(Path(__file__).parents[1] / "examples" / "llama70b_72gb.yaml")
+    sc = load_scenario_of(Path(__file__).parents[1] / "examples" / "llama70b_64gb.yaml")
     plain = build_problem(sc)
     sharded = build_problem(dataclasses.replace(sc, shard_optimizer=True))
     best, best_sharded = plan(plain), plan(sharded)

@@ -11,7 +11,7 @@ Format (YAML or JSON; see README "Scenario format"):
               # {layers: 32, hidden: 4096, heads: 32, ffn: 11008, vocab: 32000, seq_len: 4096}, or
               # {layers: 32}   (only when `profile` gives tp_alpha, layer_memory_mb and embedding_memory_mb)
     parallel: {dp: 2, tp: 4, pp: 2, shard_optimizer: false}
-              # shard_optimizer: Adam's moments split among the pipelines holding each piece (ZeRO-1)
+              # shard_optimizer: fp32 masters and Adam moments split among the pipelines holding each piece (ZeRO-1)
     batch:    {global: 64, micro: 1}
     profile:  {tp_alpha: [1, 2, 4], layer_memory_mb: [1500, 1270, 1040, 810], embedding_memory_mb: 600,
                reserved_memory_mb: 4500, safety_margin_mb: 4096, t0_seconds: 0.05}
@@ -94,7 +94,7 @@ class Scenario:
     planner: Mapping[str, Any] = field(default_factory=dict)
     device: DeviceSpec = field(default_factory=DeviceSpec)   # what the derived profile terms assume
     pretrained: str | None = None       # model.from_pretrained: a Hugging Face LLaMA folder the job starts from
-    shard_optimizer: bool = False       # Adam's moments split among the pipelines holding each piece (ZeRO-1)
+    shard_optimizer: bool = False       # the optimizer's state split among the pipelines holding each piece (ZeRO-1)
 
     @property
     def num_devices(self) -> int:

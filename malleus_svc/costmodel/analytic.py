@@ -20,8 +20,9 @@ MB = 1024.0 * 1024.0
 TRAIN_STATE_BYTES_PER_PARAM = 18.0
 # What migrates at an iteration boundary: fp32 master weights and the two Adam moments.
 MIGRATED_BYTES_PER_PARAM = 12.0
-# What a sharded optimizer (ZeRO-1) splits among the pipelines holding a piece: Adam's m and v.
-SHARDED_BYTES_PER_PARAM = 8.0
+# What a sharded optimizer (ZeRO-1) splits among the pipelines holding a piece: the fp32 master and
+# Adam's m and v (the bf16 working copy and the fp32 gradients stay whole).
+SHARDED_BYTES_PER_PARAM = 12.0
 
 
 def _allreduce_seconds(nbytes: float, ranks: int, gbps: float) -> float:
@@ -90,9 +91,9 @@ def memory_profile(shape: ModelShape, tp: int, pp: int, micro_batch: int, gpu_me
     its norms, plus its activations per micro-batch in flight. The embedding and the head are
     replicated in the group: the first stage also keeps the embedding's output per micro-batch in
     flight, the last the final norm's input and output of its one micro-batch and its loss's
-    backward transients (`geometry.loss_backward_bytes`). With `shard_optimizer`, the Adam moments of
-    the split part of a block and of the embedding or head (the smaller: the saving the model can
-    promise either end) are what the plan's pipelines split among themselves."""
+    backward transients (`geometry.loss_backward_bytes`). With `shard_optimizer`, the fp32 masters and
+    Adam moments of the split part of a block and of the embedding or head (the smaller: the saving
+    the model can promise either end) are what the plan's pipelines split among themselves."""
     tokens = micro_batch * shape.seq_len
     norms = 2 * shape.hidden
     state_split = (shape.block_params() - norms) * TRAIN_STATE_BYTES_PER_PARAM / tp / MB

@@ -1,4 +1,5 @@
-"""The distributed optimizer (ZeRO-1): Adam's state of each piece split among the pipelines holding it.
+"""The distributed optimizer (ZeRO-1): the optimizer's state of each piece split among the pipelines
+holding it: Adam's moments, and the fp32 masters where a working copy computes (mixed precision).
 
 Megatron's distributed optimizer, over this runtime's reduction groups (gradient_sync.py): every
 piece that several pipelines hold is reduced in buckets, and each bucket is cut into as many equal
@@ -6,16 +7,17 @@ chunks as its group has members, the member of group rank k owning chunk k (the 
 zeros). A step then:
   * reduce-scatters each bucket, so a member receives the summed gradient of its own chunk only;
   * counts its own chunks in the global norm (each element once) and clips them;
-  * updates its own chunk of the parameters with the chunk's Adam moments, which only it holds;
-  * all-gathers the updated chunks back into every member's parameters (`publish`), then sends the
+  * updates its own chunk of the fp32 masters with the chunk's Adam moments, which only it holds;
+  * all-gathers the updated chunks into every member's weights (`publish`): the parameters, or with
+    a working copy, that copy, whose other masters are freed after the first update; then sends the
     replicated tensors to the TP ranks that do not reduce them, and copies a tied weight's update
     into its second copy.
 What no other pipeline holds (a piece of one pipeline) is updated where it lies, as without sharding.
 The update is elementwise, so it equals the replicated one up to the order of the gradient sums.
 
-The moments of a chunk exist on one device only: exporting the state (a checkpoint, a migration)
-gathers them among the members, so the state leaves plan-agnostic and the next plan cuts its own
-chunks; a device lost takes its chunks with it, and the job restores a checkpoint.
+A chunk's moments (and shed masters) exist on one device only: exporting the state (a checkpoint,
+a migration) gathers them among the members, so the state leaves plan-agnostic and the next plan
+cuts its own chunks; a device lost takes its chunks with it, and the job restores a checkpoint.
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from malleus_svc.config.presets import ModelShape
-from malleus_svc.runtime.gradient_sync import GRAD_BUCKET_BYTES, Bucket, GradientSync, Item, Moments, narrow
+from malleus_svc.runtime.gradient_sync import GRAD_BUCKET_BYTES, Bucket, GradientSync, Item, TensorState, narrow
+from malleus_svc.runtime.precision import WorkingWeights
 from malleus_svc.runtime.groups import Groups, world_rank
 from malleus_svc.runtime.optimizer import AdamW, update_bytes
 
@@ -40,7 +43,7 @@ class _Chunked(Bucket):
     hi: int = 0
     runs: list[tuple[int, int, bool]] = field(default_factory=list)   # [a, e) of the own chunk, decayed?
     grad: torch.Tensor | None = None      # the own chunk's reduced gradient, from reduce to step
-    updated: torch.Tensor | None = None   # the own chunk's updated parameters, from step to publish
+    master: torch.Tensor | None = None    # the own chunk's fp32 master weights, from the first step on
     moments: tuple[torch.Tensor, ...] = ()                            # exp_avg, exp_avg_sq of the own chunk
     states: list[dict[str, torch.Tensor]] = field(default_factory=list)   # Adam's, one per run (views of those)
 
@@ -79,8 +82,9 @@ class ShardedGradientSync(GradientSync):
     """GradientSync whose pieces held by several pipelines are reduce-scattered and updated by chunk."""
 
     def __init__(self, groups: Groups, params: Mapping[str, torch.nn.Parameter], shape: ModelShape,
-                 optimizer: AdamW, bucket_bytes: int = GRAD_BUCKET_BYTES):
+                 optimizer: AdamW, bucket_bytes: int = GRAD_BUCKET_BYTES, working: WorkingWeights | None = None):
         super().__init__(groups, params, shape, optimizer, bucket_bytes)
+        self.working = working if working is not None and working.mixed else None
         self.steps = 0                                # updates of the chunks (all of them at once)
         bucketed = {it for items in self.buckets.values() for it in items}
         self.local_norm_items = [it for it in self.norm_items if it not in bucketed]
@@ -89,6 +93,7 @@ class ShardedGradientSync(GradientSync):
         if len(self.tied_names) == 2 and self.tied_names[0] in elsewhere:
             elsewhere.add(self.tied_names[1])
         self.local = {name: p for name, p in params.items() if name not in elsewhere}
+        self.elsewhere = sorted(elsewhere)
         self.weights = {name: p.detach() for name, p in params.items()}
 
     @property
@@ -147,65 +152,93 @@ class ShardedGradientSync(GradientSync):
         for b in self.chunked:
             if not b.moments:
                 self._set_moments(b, tuple(b.grad.new_zeros(b.chunk) for _ in range(2)))
-            param = b.own(self.weights)
-            self.optimizer.update([param[a:e] for a, e, _ in b.runs], [b.grad[a:e] for a, e, _ in b.runs],
+            if b.master is None:
+                b.master = b.own(self.weights)
+            self.optimizer.update([b.master[a:e] for a, e, _ in b.runs], [b.grad[a:e] for a, e, _ in b.runs],
                                   b.states, [d for *_, d in b.runs], lr)
-            b.grad, b.updated = None, param
+            b.grad = None
         self.steps += 1
+        if self.working is not None and not self.working.external:
+            self._shed_masters()
 
     def _set_moments(self, b: _Chunked, moments: tuple[torch.Tensor, torch.Tensor]) -> None:
         b.moments = moments
         b.states = [{"step": torch.tensor(float(self.steps)), "exp_avg": moments[0][a:e],
                      "exp_avg_sq": moments[1][a:e]} for a, e, _ in b.runs]
 
+    def _shed_masters(self) -> None:
+        """With a working copy to compute on, the full fp32 masters of what is updated elsewhere are
+        not needed: their storage goes (the parameters stay, shapes and gradients whole), and the
+        working copy takes the gathered chunks instead of a refresh."""
+        for name in self.elsewhere:
+            self.params[name].untyped_storage().resize_(0)
+        self.working.external = set(self.elsewhere)
+
+    def _restore_masters(self) -> None:
+        """Whole masters again (a load writes them): the chunks are cut from them at the next step."""
+        if self.working is not None and self.working.external:
+            for name in self.elsewhere:
+                p = self.params[name]
+                p.untyped_storage().resize_(p.numel() * p.element_size())
+            self.working.external = set()
+        for b in self.chunked:
+            b.master = None
+
+    @property
+    def _targets(self) -> dict[str, torch.Tensor]:
+        """Where updated weights go: the working copy once the masters are shed, else the masters."""
+        if self.working is not None and self.working.external:
+            return self.working.tensors
+        return self.weights
+
     @torch.no_grad()
     def publish(self) -> None:
-        """Every member's updated chunks into every member's parameters; then the replicated tensors
-        to the TP ranks that do not reduce them, and a tied weight into its second copy."""
+        """Every member's updated chunks into every member's weights; then the replicated tensors to
+        the TP ranks that do not reduce them, and a tied weight into its second copy."""
+        targets = self._targets
         for b in self.chunked:
-            b.gather_into(b.updated, self.weights)
-            b.updated = None
+            b.gather_into(b.master, targets)
         if self.broadcast_items:
             tp_group, src = self.groups.tp.group, world_rank(self.groups.stage_devices[0])
-            self._collective(self.broadcast_items, lambda f: dist.broadcast(f, src=src, group=tp_group), grad=False)
+            self._collective(self.broadcast_items, lambda f: dist.broadcast(f, src=src, group=tp_group), targets)
         if len(self.tied_names) == 2:
-            self.weights[self.tied_names[1]].copy_(self.weights[self.tied_names[0]])
+            targets[self.tied_names[1]].copy_(targets[self.tied_names[0]])
 
     # ------------------------------------------------------------------ state in and out
     @torch.no_grad()
-    def moments(self) -> dict[str, Moments]:
-        """As GradientSync's, the chunks' moments gathered: every active device calls this at once."""
-        out = super().moments()
-        if self.steps == 0:
-            return out
-        for which in (0, 1):
-            full = {name: torch.zeros_like(p) for name, p in self.weights.items() if name not in self.local}
+    def state(self) -> dict[str, TensorState]:
+        """As GradientSync's, with the chunks' moments (and shed masters) gathered whole: every active
+        device calls this at once."""
+        out = super().state()
+        shed = self.working is not None and bool(self.working.external)
+        kinds = ([0] if shed else []) + ([1, 2] if self.steps else [])
+        for which in kinds:      # 0: the masters, 1 and 2: the moments
+            full = {name: torch.zeros_like(self.params[name]) for name in self.elsewhere}
             for b in self.chunked:
-                b.gather_into(b.moments[which], full)
+                b.gather_into(b.master if which == 0 else b.moments[which - 1], full)
             if self.broadcast_items:
                 tp_group, src = self.groups.tp.group, world_rank(self.groups.stage_devices[0])
-                for item in self.broadcast_items:
-                    view = narrow(full[item[0]], item)
-                    flat = view.contiguous()
-                    dist.broadcast(flat, src=src, group=tp_group)
-                    view.copy_(flat)
+                self._collective(self.broadcast_items, lambda f: dist.broadcast(f, src=src, group=tp_group), full)
             if len(self.tied_names) == 2 and self.tied_names[1] in full:
                 full[self.tied_names[1]] = full[self.tied_names[0]]
             for name, t in full.items():
-                m = list(out[name])
-                m[which], m[2] = t, self.steps
-                out[name] = tuple(m)
+                entry = list(out[name])
+                entry[which], entry[3] = t, self.steps
+                out[name] = tuple(entry)
         return out
 
     @torch.no_grad()
-    def load_moments(self, moments: Mapping[str, Moments]) -> None:
-        super().load_moments({name: m for name, m in moments.items() if name in self.local})
-        steps = {m[2] for name, m in moments.items() if name not in self.local}
+    def load(self, states: Mapping[str, TensorState]) -> None:
+        self._restore_masters()
+        super().load({name: st for name, st in states.items() if name in self.local})
+        for name in self.elsewhere:
+            self.params[name].copy_(states[name][0].to(self.params[name].device))
+        steps = {st[3] for name, st in states.items() if name in self.elsewhere}
         if len(steps) > 1:
             raise ValueError(f"rank {self.rank}: the state's tensors are at different steps {sorted(steps)}")
         self.steps = steps.pop() if steps else 0
         for b in self.chunked:
             b.moments, b.states = (), []
             if self.steps:
-                self._set_moments(b, tuple(b.own({name: m[which].to(self.weights[name]) for name, m in moments.items()})
-                                           for which in (0, 1)))
+                self._set_moments(b, tuple(b.own({name: st[which].to(self.weights[name]) for name, st in states.items()})
+                                           for which in (1, 2)))

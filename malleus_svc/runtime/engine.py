@@ -170,8 +170,8 @@ class Engine:
         self.params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
         self.optimizer = optim.make(self.params, tied=shape.tie_embeddings)
         self.working = WorkingWeights(self.params, compute_dtype or compute_dtype_for(self.device, dtype))
-        sync = ShardedGradientSync if optim.shard_optimizer else GradientSync
-        self.grad_sync = sync(self.groups, self.params, shape, self.optimizer)
+        self.grad_sync = (ShardedGradientSync(self.groups, self.params, shape, self.optimizer, working=self.working)
+                          if optim.shard_optimizer else GradientSync(self.groups, self.params, shape, self.optimizer))
         self.transport = transport(self.groups.peers, self.device, self.working.dtype)
         self._update_pending = False
 
@@ -256,7 +256,7 @@ class Engine:
         then its first block alone at the quarter (what a stage of one block costs beyond its
         FLOPs). No pipeline transfers; a TP group's members must rehearse together."""
         g = torch.Generator().manual_seed(0)
-        scratch = [torch.nn.Parameter(p.detach().clone()) for p in self.params.values()]
+        scratch = [torch.nn.Parameter(torch.randn(p.shape, generator=g).to(p)) for p in self.params.values()]
         for p in scratch:
             p.grad = torch.randn(p.shape, generator=g).to(p)
         update = self.optim.make(dict(zip(self.params, scratch)))
@@ -392,10 +392,9 @@ class Engine:
             return t.detach().cpu().clone() if copy else t.detach()
 
         out = {}
-        for name, (exp_avg, exp_avg_sq, step) in self.grad_sync.moments().items():
+        for name, (param, exp_avg, exp_avg_sq, step) in self.grad_sync.state().items():
             dim, start, end, full = self._shard_bounds(name)
-            out[name] = ShardState(dim, start, end, take(self.params[name]), take(exp_avg), take(exp_avg_sq),
-                                   step, full)
+            out[name] = ShardState(dim, start, end, take(param), take(exp_avg), take(exp_avg_sq), step, full)
         return out
 
     def load_pretrained(self, folder: str) -> None:
@@ -420,8 +419,8 @@ class Engine:
         missing = [n for n in self.params if n not in states]
         if missing:
             raise ValueError(f"rank {self.rank}: no state given for {missing}")
-        moments = {}
-        for name, p in self.params.items():
+        cut_states = {}
+        for name in self.params:
             dim, start, end, full = self._shard_bounds(name)
             st = states[name]
             if tuple(st.full_shape) != full:
@@ -433,10 +432,8 @@ class Engine:
             def cut(t: torch.Tensor) -> torch.Tensor:
                 return t if dim is None else t.narrow(dim, start - st.start, end - start)
 
-            with torch.no_grad():
-                p.copy_(cut(st.param).to(p.device))
-            moments[name] = (cut(st.exp_avg), cut(st.exp_avg_sq), st.step)
-        self.grad_sync.load_moments(moments)
+            cut_states[name] = (cut(st.param), cut(st.exp_avg), cut(st.exp_avg_sq), st.step)
+        self.grad_sync.load(cut_states)
         self.working.refresh()
 
 

@@ -14,7 +14,7 @@ from malleus_svc.runtime.groups import Groups, Piece, tied_piece, world_rank
 from malleus_svc.runtime.optimizer import AdamW, update_bytes
 
 Item = tuple[str, "int | None", int, int]   # a tensor's name, its split dim, and rows [lo, hi) of it there
-Moments = tuple[torch.Tensor, torch.Tensor, int]   # a tensor's exp_avg, exp_avg_sq and Adam step
+TensorState = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]   # a parameter, its exp_avg, exp_avg_sq, Adam step
 
 
 # A reduction's flat copy is bounded by this (DDP's default bucket): the gradients are never copied whole.
@@ -203,10 +203,12 @@ class GradientSync:
         p = self.params[item[0]]
         return narrow(p.grad if grad else p.detach(), item)
 
-    def _collective(self, items, op: Callable[[torch.Tensor], None], grad: bool = True) -> None:
-        """`op` on the items' gradient (or parameter) views, a bucket of at most `bucket_bytes` at a
-        time: one flat copy per bucket (a view that is contiguous and alone in its bucket in place)."""
-        for views in _buckets([self._view(it, grad) for it in items], self.bucket_bytes):
+    def _collective(self, items, op: Callable[[torch.Tensor], None],
+                    tensors: Mapping[str, torch.Tensor] | None = None) -> None:
+        """`op` on the items' gradient views (or their views of `tensors`, by name), a bucket of at most
+        `bucket_bytes` at a time: one flat copy per bucket (a view contiguous and alone in it in place)."""
+        views = [self._view(it) if tensors is None else narrow(tensors[it[0]], it) for it in items]
+        for views in _buckets(views, self.bucket_bytes):
             if len(views) == 1 and views[0].is_contiguous():
                 op(views[0])
                 continue
@@ -261,19 +263,22 @@ class GradientSync:
     def publish(self) -> None:
         """What the update must send to other devices: nothing, every holder updated its copy."""
 
-    def moments(self) -> dict[str, Moments]:
-        """Every parameter's Adam moments and step (zeros and 0 before its first update)."""
+    def state(self) -> dict[str, TensorState]:
+        """Every parameter with its Adam moments and step (zeros and 0 before its first update): the
+        live tensors."""
         out = {}
         for name, p in self.params.items():
             st = self.optimizer.state.get(p)
-            out[name] = ((st["exp_avg"], st["exp_avg_sq"], int(st["step"])) if st
-                         else (torch.zeros_like(p), torch.zeros_like(p), 0))
+            out[name] = ((p.detach(), st["exp_avg"], st["exp_avg_sq"], int(st["step"])) if st
+                         else (p.detach(), torch.zeros_like(p), torch.zeros_like(p), 0))
         return out
 
-    def load_moments(self, moments: Mapping[str, Moments]) -> None:
-        """Set the moments `moments()` gives (each like its parameter): step 0 drops the state."""
-        for name, (exp_avg, exp_avg_sq, step) in moments.items():
+    @torch.no_grad()
+    def load(self, states: Mapping[str, TensorState]) -> None:
+        """Set what `state()` gives (each tensor like its parameter); step 0 drops Adam's state."""
+        for name, (param, exp_avg, exp_avg_sq, step) in states.items():
             p = self.params[name]
+            p.copy_(param.to(p.device))
             if step > 0:
                 self.optimizer.state[p] = {"step": torch.tensor(float(step)),
                                            "exp_avg": exp_avg.to(device=p.device, dtype=p.dtype).clone(),

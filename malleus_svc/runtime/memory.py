@@ -109,9 +109,10 @@ class StageMemory:
         return ((f.name, getattr(self, f.name)) for f in fields(self))
 
     def sharded_over(self, pipelines: int) -> "StageMemory":
-        """With the optimizer sharded among `pipelines` holders of every piece: the Adam moments of
-        each chunk, 1/pipelines of them (each bucket's padding, under `pipelines` elements, aside)."""
-        return dataclasses.replace(self, adam=-(-self.adam // pipelines))
+        """With the optimizer sharded among `pipelines` holders of every piece: the fp32 masters and
+        Adam moments of each chunk, 1/pipelines of them (each bucket's padding, under `pipelines`
+        elements, aside); the gradients stay whole."""
+        return dataclasses.replace(self, params=-(-self.params // pipelines), adam=-(-self.adam // pipelines))
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,7 @@ class WorkingWeights:
         self.dtype = dtype
         self.mixed = any(p.dtype != dtype for p in self.masters.values())
         self.tensors: dict[str, torch.Tensor] = {}
+        self.external: set[str] = set()   # written by their owner (a sharded optimizer), not by `refresh`
         if not self.mixed:
             return
         with torch.no_grad():
@@ -101,7 +102,8 @@ class WorkingWeights:
         """Copy the masters into the working weights: after each optimizer step and each load."""
         with torch.no_grad():
             for name, w in self.tensors.items():
-                w.copy_(self.masters[name])
+                if name not in self.external:
+                    w.copy_(self.masters[name])
 
     @property
     def nbytes(self) -> int:

@@ -44,7 +44,7 @@ class StageReport:
     planner_mb: float
     analytic_mb: float
     capacity_mb: float
-    unsharded_adam: int      # the Adam moments' bytes were the optimizer not sharded
+    unsharded: int           # the fp32 masters' and Adam moments' bytes were the optimizer not sharded
 
     @property
     def total_mb(self) -> float:
@@ -99,7 +99,7 @@ def plan_memory(sc: Scenario, plan: Plan) -> list[StageReport]:
                 measured.sharded_over(pipelines) if sc.shard_optimizer else measured, problem.memory.reserved_mb,
                 device_peak_mb(problem, st.tp, st.num_layers, depth, ends, pipelines),
                 device_peak_mb(auto, st.tp, st.num_layers, depth, ends, pipelines), sc.gpu_memory_mb,
-                measured.adam))
+                measured.params + measured.adam))
     return rows
 
 
@@ -167,9 +167,9 @@ def print_memory(sc: Scenario, plan: Plan, as_json: bool = False) -> int:
           f"GB per device (2^30 bytes); gap = planner / measured - 1")
     print(memory_table(rows))
     if sc.shard_optimizer:
-        print(f"optimizer sharded among the plan's {len(plan.pipelines)} pipelines: Adam's moments "
-              f"{_spread(r.unsharded_adam for r in rows)} GB per device unsharded, "
-              f"{_spread(r.measured.adam for r in rows)} GB sharded")
+        print(f"optimizer sharded among the plan's {len(plan.pipelines)} pipelines: fp32 masters and Adam moments "
+              f"{_spread(r.unsharded for r in rows)} GB per device unsharded, "
+              f"{_spread(r.measured.params + r.measured.adam for r in rows)} GB sharded")
     print(verdict(rows))
     if as_json:
         print(json.dumps([r.to_dict() for r in rows], indent=2))
