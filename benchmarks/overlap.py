@@ -53,20 +53,24 @@ def _step_times(rank: int, world: int, shape, overlap: bool, shard: bool, tokens
 
 
 def main(argv: list[str]) -> int:
+    from malleus_svc.config.options import number_option
     from malleus_svc.config.presets import ModelShape
     from malleus_svc.runtime.local_world import run_local_world
 
     ap = argparse.ArgumentParser(prog="malleus bench overlap", description=__doc__.split("\n")[0])
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=64, help="tokens per micro-batch (one micro-batch per pipeline)")
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--tflops", type=float, default=0.01, help="the emulated accelerator's FLOP/s, in TFLOP/s")
-    ap.add_argument("--gbps", type=float, default=4.0, help="its memory bandwidth (the optimizer step), GB/s")
+    number_option(ap, "--hidden", 128, 8192, integer=True, default=1024, help="a multiple of 128 (heads of 128)")
+    number_option(ap, "--layers", 1, 64, integer=True, default=4)
+    number_option(ap, "--tokens", 8, 8192, integer=True, default=64,
+                  help="tokens per micro-batch (one micro-batch per pipeline)")
+    number_option(ap, "--steps", 1, 1000, integer=True, default=4)
+    number_option(ap, "--rounds", 1, 100, integer=True, default=2)
+    number_option(ap, "--tflops", 1e-4, 1e3, default=0.01, help="the emulated accelerator's FLOP/s, in TFLOP/s")
+    number_option(ap, "--gbps", 0.01, 1e4, default=4.0, help="its memory bandwidth (the optimizer step), GB/s")
     ap.add_argument("--shard", action="store_true", help="the distributed optimizer: reduce-scatter, not all-reduce")
     ap.add_argument("--write", metavar="MD", help="update this markdown file's overlap section")
     args = ap.parse_args(argv)
+    if args.hidden % 128:
+        ap.error(f"--hidden must be a multiple of 128, got {args.hidden}")
     shape = ModelShape(layers=args.layers, hidden=args.hidden, heads=args.hidden // 128, ffn=int(2.75 * args.hidden),
                        vocab=8192, seq_len=args.tokens)
     runs: dict[bool, list[dict]] = {False: [], True: []}
