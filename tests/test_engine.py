@@ -19,8 +19,8 @@ from malleus_svc.config.presets import ModelShape, preset
 from malleus_svc.geometry import one_f_one_b
 from malleus_svc.plan import Pipeline, Plan, Stage
 from malleus_svc.runtime.batch import IGNORE_INDEX, MicroBatch
-from malleus_svc.runtime.engine import (GRAD_BUCKET_BYTES, STEP, Engine, OptimConfig, _buckets, assemble_full,
-                                        full_shard_states)
+from malleus_svc.runtime.engine import STEP, Engine, OptimConfig, assemble_full, full_shard_states
+from malleus_svc.runtime.gradient_sync import GRAD_BUCKET_BYTES, _buckets
 from malleus_svc.runtime.model import Block, StageModel, full_model, init_part, take_shard
 from malleus_svc.runtime.reference import reference_loss, reference_train
 from malleus_svc.runtime.tensor_parallel import TensorParallel

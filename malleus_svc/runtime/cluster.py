@@ -703,7 +703,7 @@ class WorkerGroup:
         Between steps."""
         from malleus_svc.costmodel.profile import LinkTimes
 
-        from .engine import GRAD_BUCKET_BYTES
+        from .gradient_sync import GRAD_BUCKET_BYTES
 
         if self.plan is None:
             raise WorkerGroupError("no plan applied: nothing to time the links under")

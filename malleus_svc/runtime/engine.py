@@ -28,7 +28,7 @@ from malleus_svc.plan import Plan
 from malleus_svc.runtime.batch import MicroBatch
 from malleus_svc.runtime.device_clock import DeviceClock, make_clock
 from malleus_svc.runtime.distributed_optimizer import ShardedGradientSync
-from malleus_svc.runtime.gradient_sync import GRAD_BUCKET_BYTES, GradientSync, _buckets  # noqa: F401 (the engine's API)
+from malleus_svc.runtime.gradient_sync import GradientSync
 from malleus_svc.runtime.groups import Groups, PipelinePeers
 from malleus_svc.runtime.model import build_stage_model, compile_blocks
 from malleus_svc.runtime.optimizer import AdamW, update_bytes
@@ -55,7 +55,7 @@ class OptimConfig:
     decay_embeddings: bool = _TRAIN.decay_embeddings
     schedule: LrSchedule = _TRAIN.schedule
     compile: bool | None = _TRAIN.compile        # blocks compiled (None: on CUDA only)
-    shard_optimizer: bool = False       # Adam's moments split among a piece's holders (ZeRO-1; the scenario's)
+    shard_optimizer: bool = False       # the optimizer's state split among a piece's holders (ZeRO-1; the scenario's)
     overlap_grad_reduce: bool = True    # each gradient bucket reduced as soon as backward finishes it
 
     @classmethod
