@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from malleus_svc.config.presets import ModelShape
-from malleus_svc.runtime.gradient_sync import GRAD_BUCKET_BYTES, Bucket, GradientSync, Item, TensorState, narrow
+from malleus_svc.runtime.gradient_sync import (GRAD_BUCKET_BYTES, Bucket, GradientSync, Item, TensorState, narrow,
+                                               unflatten)
 from malleus_svc.runtime.precision import WorkingWeights
 from malleus_svc.runtime.groups import Groups, world_rank
 from malleus_svc.runtime.optimizer import AdamW, update_bytes
@@ -71,11 +72,7 @@ class _Chunked(Bucket):
         """Every member's chunk of `own`'s kind, all-gathered into `tensors` (by name)."""
         flat = own.new_empty(self.padded)
         dist.all_gather_single(flat, own, group=self.group)
-        offset = 0
-        for item, n in zip(self.items, self.sizes):
-            view = narrow(tensors[item[0]], item)
-            view.copy_(flat[offset:offset + n].view_as(view))
-            offset += n
+        unflatten(flat, [narrow(tensors[item[0]], item) for item in self.items])
 
 
 class ShardedGradientSync(GradientSync):

@@ -170,21 +170,14 @@ class GradientSync:
         """Start the bucket's all-reduce (in place when it is one contiguous view)."""
         self._fold_tied(b)
         views = [self._view(it) for it in b.items]
-        if len(views) == 1 and views[0].is_contiguous():
-            b.flat = None
-            b.work = dist.all_reduce(views[0], group=b.group, async_op=True)
-        else:
-            b.flat = torch.cat([v.reshape(-1) for v in views])
-            b.work = dist.all_reduce(b.flat, group=b.group, async_op=True)
+        alone = len(views) == 1 and views[0].is_contiguous()
+        b.flat = None if alone else torch.cat([v.reshape(-1) for v in views])
+        b.work = dist.all_reduce(views[0] if alone else b.flat, group=b.group, async_op=True)
 
     def _finish(self, b: Bucket) -> None:
         b.work.wait()
         if b.flat is not None:
-            offset = 0
-            for item, n in zip(b.items, b.sizes):
-                view = self._view(item)
-                view.copy_(b.flat[offset:offset + n].view_as(view))
-                offset += n
+            unflatten(b.flat, [self._view(it) for it in b.items])
         b.work = b.flat = None
 
     def _fold_tied(self, b: Bucket | None) -> None:
@@ -214,11 +207,7 @@ class GradientSync:
                 continue
             flat = torch.cat([v.reshape(-1) for v in views])
             op(flat)
-            offset = 0
-            for v in views:
-                n = v.numel()
-                v.copy_(flat[offset:offset + n].view_as(v))
-                offset += n
+            unflatten(flat, views)
 
     def reduce(self) -> None:
         """Launch the buckets not launched yet, wait for all of them (the step's one wait), then send
@@ -285,6 +274,15 @@ class GradientSync:
                                            "exp_avg_sq": exp_avg_sq.to(device=p.device, dtype=p.dtype).clone()}
             else:
                 self.optimizer.state.pop(p, None)
+
+
+def unflatten(flat: torch.Tensor, views: list[torch.Tensor]) -> None:
+    """Copy consecutive runs of `flat` back into `views`, in order (the inverse of their concatenation)."""
+    offset = 0
+    for v in views:
+        n = v.numel()
+        v.copy_(flat[offset:offset + n].view_as(v))
+        offset += n
 
 
 def narrow(t: torch.Tensor, item: Item) -> torch.Tensor:
