@@ -55,6 +55,9 @@ class FakeEvent:
         self.stream.synchronizations += 1
         self.stream.completed = max(self.stream.completed, self.index)
 
+    def query(self) -> bool:
+        return self.index is not None and self.index <= self.stream.completed
+
     def elapsed_time(self, end: "FakeEvent") -> float:
         for e in (self, end):
             if e.index is None or e.index > self.stream.completed:
@@ -100,6 +103,28 @@ def test_the_cuda_clock_reads_once_per_step_and_leaves_collectives_out():
     with clock.op("compute"):
         device.run(0.02)
     assert clock.read()["compute"] == pytest.approx(0.06)
+
+
+def test_the_clocks_count_the_ops_the_device_has_finished_without_waiting():
+    """The watchdog's progress: a CUDA clock counts ops whose last event completed (queried, never
+    waited for), across reads; a paced clock an op as it returns."""
+    device = VirtualTime()
+    clock, stream = fake_cuda_clock(device)
+    for _ in range(3):
+        with clock.op("compute"):
+            device.run(0.01)
+    assert clock.finished() == 0 and stream.synchronizations == 0     # queued, none known done
+    clock._ops[1].end.synchronize()                                   # the GPU got past the second
+    assert clock.finished() == 2
+    clock.read()
+    with clock.op("compute"):
+        device.run(0.01)
+    assert clock.finished() == 3                                      # read ones stay counted
+    paced = PacedClock()
+    for n in range(1, 3):
+        with paced.op("compute"):
+            pass
+        assert paced.finished() == n
 
 
 def test_an_op_that_does_not_hold_the_wall_keeps_its_device_time(monkeypatch):

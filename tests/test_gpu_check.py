@@ -47,13 +47,14 @@ def test_the_cpu_mode_runs_every_check_that_needs_no_cuda_and_they_pass():
     print(p.stdout)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     table = _table(p.stdout)
-    assert list(table) == ["attention-sdpa-bf16", "attention-flash", "train-bf16", "step-host-syncs", "length-sweep",
+    cuda_only = ("step-host-syncs", "collective-host-free", "watchdog-abort")
+    assert list(table) == ["attention-sdpa-bf16", "attention-flash", "train-bf16", *cuda_only, "length-sweep",
                            "throttled-clock", "memory-peak", "pipeline-2-stage", "migration"]
     assert table["attention-flash"][:2] == ["skip", "no CUDA" if not torch.cuda.is_available() else "--device cpu"]
     assert table["memory-peak"][:2] == ["skip", "needs CUDA's allocator"]
-    assert table["step-host-syncs"][0] == "skip"
+    assert all(table[name][0] == "skip" for name in cuda_only)
     for name, (status, figure, tolerance) in table.items():
-        if name not in ("attention-flash", "memory-peak", "step-host-syncs"):
+        if name not in ("attention-flash", "memory-peak", *cuda_only):
             assert _passed(name, status, figure) and figure and tolerance != "-", (name, status, figure)
     assert "gloo:" in table["pipeline-2-stage"][1]
     assert "bitwise" in table["migration"][1] and "NOT" not in table["migration"][1]
@@ -118,12 +119,13 @@ def test_a_check_that_raises_is_a_failed_row_and_the_others_still_run(monkeypatc
 
     monkeypatch.setattr(gpu_check, "check_two_devices", broken)   # the failure; the other checks run for real
     results = gpu_check.run_checks(torch.device("cpu"), gpu_check.preset("tiny"))
-    assert [r.check for r in results] == ["attention-sdpa-bf16", "attention-flash", "train-bf16", "step-host-syncs",
+    cuda_only = ("step-host-syncs", "collective-host-free", "watchdog-abort")
+    assert [r.check for r in results] == ["attention-sdpa-bf16", "attention-flash", "train-bf16", *cuda_only,
                                           "length-sweep", "throttled-clock", "memory-peak", "pipeline-2-stage, migration"]
     statuses = {r.check: r.status for r in results}
-    assert statuses["attention-flash"] == statuses["memory-peak"] == statuses["step-host-syncs"] == "skip"
-    assert all(_passed(r.check, r.status, r.figure) for r in results[:6]
-               if r.check not in ("attention-flash", "step-host-syncs")), results
+    assert all(statuses[name] == "skip" for name in ("attention-flash", "memory-peak", *cuda_only))
+    assert all(_passed(r.check, r.status, r.figure) for r in results[:8]
+               if r.check not in ("attention-flash", *cuda_only)), results
     assert results[-1].status == "fail"
     assert results[-1].figure == "raised RuntimeError: last line says what"
     table = format_table(results).splitlines()

@@ -3,13 +3,15 @@
 torch's default for NCCL (TORCH_NCCL_ASYNC_ERROR_HANDLING=3) tears the whole process down when its
 watchdog sees a collective fail or time out: every survivor of a lost peer would die with it, and
 each recovery would fall back to the checkpoint. Recovery from replicas (cluster.WorkerGroup)
-needs what gloo does by itself: the collective raises in the calling thread at the timeout, the
-process stays up, and it leaves the old world for a new one. So, before the process group exists
-(ProcessGroupNCCL reads these when it is built):
-  TORCH_NCCL_ASYNC_ERROR_HANDLING=2  the watchdog aborts the failed communicator, nothing more;
-  TORCH_NCCL_BLOCKING_WAIT=1         `wait()` blocks and raises at the group's timeout.
+needs what gloo does by itself: the step raises at the timeout, the process stays up, and it leaves
+the old world for a new one. So, before the process group exists (ProcessGroupNCCL reads it when
+it is built):
+  TORCH_NCCL_ASYNC_ERROR_HANDLING=2  torch's watchdog only aborts a failed communicator.
+The step raises through the runtime's own watchdog (runtime/watchdog.py), which aborts the world's
+communicators when a step's work outlives the collective timeout. `wait()` stays non-blocking
+(TORCH_NCCL_BLOCKING_WAIT unset): it orders streams, and the host runs ahead of the GPU.
 A value the job sets itself in the workers' environment is kept, with a warning if it would take
-the survivors down. gloo reads none of these.
+the survivors down or hold the host on every collective. gloo reads none of these.
 """
 from __future__ import annotations
 
@@ -18,19 +20,26 @@ from typing import MutableMapping
 
 log = logging.getLogger(__name__)
 
-SURVIVABLE_NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "1"}
-# Values under which a failed collective takes the process with it (or never raises).
-_FATAL = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": {"1", "3"}, "TORCH_NCCL_BLOCKING_WAIT": {"0"}}
+SURVIVABLE_NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+# Values the job may set that cost it: what each does, and what the runtime would rather have.
+_TEARDOWN = "a lost peer will take the survivors down with it, so recovery falls back to the checkpoint (2 keeps them up)"
+_COSTLY = {
+    ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"): _TEARDOWN,
+    ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3"): _TEARDOWN,
+    ("TORCH_NCCL_BLOCKING_WAIT", "1"): "every collective and pipeline receive holds the host until the GPU has "
+                                       "finished it, so the host cannot run ahead (unset it: the runtime's "
+                                       "watchdog detects a lost peer without it)",
+}
 
 
 def prepare_collective_env(backend: str, environ: MutableMapping[str, str]) -> dict[str, str]:
     """Set the NCCL error handling survivors need in `environ` (os.environ) before the world is
-    built; returns what is now in force. A no-op for gloo."""
+    built; returns the NCCL settings now in force. A no-op for gloo."""
     if backend != "nccl":
         return {}
     for key, value in SURVIVABLE_NCCL_ENV.items():
-        have = environ.setdefault(key, value)
-        if have in _FATAL[key]:
-            log.warning("%s=%s is set for the workers: a lost peer will take the survivors down with it, "
-                        "so recovery falls back to the checkpoint (%s keeps them up)", key, have, value)
-    return {key: environ[key] for key in SURVIVABLE_NCCL_ENV}
+        environ.setdefault(key, value)
+    for (key, value), why in _COSTLY.items():
+        if environ.get(key) == value:
+            log.warning("%s=%s is set for the workers: %s", key, value, why)
+    return {key: environ[key] for key in (*SURVIVABLE_NCCL_ENV, "TORCH_NCCL_BLOCKING_WAIT") if key in environ}

@@ -198,6 +198,7 @@ class DeviceClock(Protocol):
            blocks: int = 0) -> contextlib.AbstractContextManager: ...
     def collective(self) -> contextlib.AbstractContextManager: ...
     def read(self) -> dict[str, float]: ...
+    def finished(self) -> int: ...
 
 
 @dataclass
@@ -221,6 +222,7 @@ class PacedClock:
     rehearsal: list[OpCost] | None = None   # while a list, every op's cost is kept in it (unpaced)
     _device: dict[str, float] = field(default_factory=dict)
     _collective_seconds: float = 0.0
+    _finished: int = 0
 
     @contextlib.contextmanager
     def op(self, kind: str, flops: float = 0.0, nbytes: float = 0.0, blocks: int = 0) -> Iterator[None]:
@@ -247,6 +249,11 @@ class PacedClock:
             else:
                 seconds = own
         self._device[kind] = self._device.get(kind, 0.0) + seconds
+        self._finished += 1
+
+    def finished(self) -> int:
+        """Ops finished so far (the watchdog's progress): on CPU an op is done when it returns."""
+        return self._finished
 
     @contextlib.contextmanager
     def collective(self) -> Iterator[None]:
@@ -297,6 +304,7 @@ class CudaClock:
         self.rate = 1.0
         self.pace_count = PaceCount()
         self._ops: list[_TimedOp] = []
+        self._read_ops = 0                    # ops read (and so finished) before those in _ops
         self._open: _TimedOp | None = None
         self._last: dict[str, float] = {}     # mean device seconds of each op kind, last read
 
@@ -331,6 +339,7 @@ class CudaClock:
         if not self._ops:
             return {}
         self._ops[-1].end.synchronize()
+        self._read_ops += len(self._ops)
         out: dict[str, float] = {}
         own: dict[str, list[float]] = {}
         for op in self._ops:
@@ -340,6 +349,17 @@ class CudaClock:
         self._ops.clear()
         self._last = {k: sum(v) / len(v) for k, v in own.items()}   # what an emulated sleep is sized from
         return out
+
+    def finished(self) -> int:
+        """Ops the GPU has finished so far, from any thread and without waiting (the watchdog's
+        progress). A snapshot of the owner's list: a read racing it may count some twice, which
+        only looks like progress."""
+        done = self._read_ops
+        for op in list(self._ops):
+            if not op.end.query():
+                break
+            done += 1
+        return done
 
     def cycles_per_second(self) -> float:
         """GPU cycles the sleep kernel spins per second, measured once."""

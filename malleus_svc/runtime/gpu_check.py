@@ -18,6 +18,13 @@ Checks, each against an oracle with a stated tolerance:
                         packs it was not fitted on (CPU: TP 2 only, 5 rounds, on the paced clock)
   step-host-syncs       a training step (compiled blocks, bf16) under CUDA's sync debug mode makes at
                         most one call that waits for the GPU, the read that ends it; CUDA only
+  collective-host-free  in an NCCL world set up as workers set it up (no blocking wait), a
+                        collective queued behind 0.5 s of GPU work returns to the host at once,
+                        with the GPU still busy; CUDA only (the NCCL rules on CPU:
+                        tests/test_watchdog.py)
+  watchdog-abort        the same world, a collective behind 3 s of GPU work under a 1 s watchdog:
+                        the watchdog aborts the communicators, the wait raises PeerLost, and a new
+                        NCCL world built in the same process all-reduces right; CUDA only
   throttled-clock       device time of an emulated straggler: an Engine at rate 3 on the device's
                         own clock (CUDA: `CudaClock`, events and a sleep kernel; CPU: the paced
                         clock) measures 3x the device time of its healthy steps
@@ -46,6 +53,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -61,7 +69,7 @@ from malleus_svc.plan import Pipeline, Plan, Stage
 from malleus_svc.runtime import attention
 from malleus_svc.runtime.batch import MicroBatch
 from malleus_svc.runtime.datasets import SyntheticVarLen, collate
-from malleus_svc.runtime.device_clock import PacedClock, host_cores, make_clock, pace_for
+from malleus_svc.runtime.device_clock import CudaClock, PacedClock, host_cores, make_clock, pace_for
 from malleus_svc.runtime.engine import Engine, OptimConfig, ShardState, assemble_full, full_shard_states
 from malleus_svc.runtime.length_sweep import default_repeats, device_sweeps
 from malleus_svc.runtime.local_world import run_local_world
@@ -216,6 +224,63 @@ def check_host_syncs(device: torch.device, shape: ModelShape) -> Result:
         print(f"step-host-syncs: the host waited at {where}", flush=True)
     figure = f"{len(syncs)} in a step" + (f" (first at {syncs[0]})" if syncs else "")
     return Result(name, _verdict(len(syncs) <= 1), figure, "<= 1, the step's end")
+
+
+HOST_FREE_S = 0.05     # the host's time in a collective queued behind 0.5 s of GPU work
+
+
+def _collectives_and_abort(rank: int, world: int) -> dict:
+    """One rank of an NCCL world of one (run_local_world sets the workers' NCCL environment)."""
+    import torch.distributed as dist
+
+    from malleus_svc.runtime.groups import abort_world
+    from malleus_svc.runtime.watchdog import PeerLost, Watchdog
+
+    device = torch.device("cuda", rank)
+    cycles = CudaClock().cycles_per_second()
+    t = torch.ones(1 << 20, device=device)
+    torch.cuda.synchronize(device)
+    torch.cuda._sleep(int(0.5 * cycles))
+    t0 = time.perf_counter()
+    dist.all_reduce(t)
+    host_s = time.perf_counter() - t0
+    busy = not torch.cuda.current_stream(device).query()
+    torch.cuda.synchronize(device)
+
+    dog = Watchdog(1.0, abort_world, poll_s=0.05)
+    torch.cuda._sleep(int(3 * cycles))
+    dist.all_reduce(t)
+    t0 = time.perf_counter()
+    try:
+        with dog.watch("a collective behind 3 s of GPU work"):
+            t.sum().item()
+        raised = ""
+    except PeerLost as e:
+        raised = str(e)
+    waited_s = time.perf_counter() - t0
+    dog.close()
+    left = not dist.is_initialized()
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    x = torch.full((4,), 2.0, device=device)
+    dist.all_reduce(x)
+    return {"host_s": host_s, "busy": busy, "raised": raised, "waited_s": waited_s, "left": left,
+            "rebuilt": x.tolist() == [2.0] * 4}
+
+
+def check_collectives(device: torch.device) -> list[Result]:
+    names = ("collective-host-free", "watchdog-abort")
+    if device.type != "cuda":
+        return [Result(n, "skip", "CUDA only (on CPU: tests/test_watchdog.py, NCCL's rules)", "-") for n in names]
+    got = run_local_world(_collectives_and_abort, 1, backend="nccl")[0]
+    free = Result(names[0], _verdict(got["host_s"] <= HOST_FREE_S and got["busy"]),
+                  f"host {got['host_s'] * 1e3:.1f} ms, GPU {'still busy' if got['busy'] else 'already done'}",
+                  f"<= {HOST_FREE_S * 1e3:g} ms, GPU busy")
+    ok = bool(got["raised"]) and got["left"] and got["rebuilt"]
+    abort = Result(names[1], _verdict(ok),
+                   f"{'raised PeerLost' if got['raised'] else 'did not raise'} after {got['waited_s']:.1f} s; "
+                   f"world {'left' if got['left'] else 'still up'}; new world {'works' if got['rebuilt'] else 'broken'}",
+                   "raises, leaves the world, a new one works")
+    return [free, abort]
 
 
 # On CUDA the throttled ops must be GPU-bound. A launch-bound op (a small model: the GPU idles
@@ -428,6 +493,7 @@ def _run(device: torch.device, shape: ModelShape) -> list[Result]:
         ("attention-flash", lambda: check_flash(device)),
         ("train-bf16", lambda: check_train_bf16(device, shape)),
         ("step-host-syncs", lambda: check_host_syncs(device, shape)),
+        ("collective-host-free, watchdog-abort", lambda: check_collectives(device)),
         ("length-sweep", lambda: check_length_sweep(device, GPU_BOUND_SHAPE if device.type == "cuda" else shape)),
         ("throttled-clock", lambda: check_throttled_clock(device, GPU_BOUND_SHAPE if device.type == "cuda" else shape)),
         ("memory-peak", lambda: check_memory_peak(device, GPU_BOUND_SHAPE)),

@@ -88,6 +88,16 @@ _SIDE: "dist.ProcessGroup | None" = None   # the world's gloo side group (prepar
 _GROUP_CACHE: dict[tuple[int, tuple[int, ...]], "dist.ProcessGroup"] = {}
 
 
+def abort_world() -> None:
+    """End every communicator of this process's world now, from any thread, whatever is pending on
+    them (the watchdog's abort). NCCL: `ncclCommAbort` on all of them, which ends their queued
+    kernels with an error; the world is forgotten, so leaving it later destroys nothing. gloo needs
+    none: its collectives raise at the group's timeout by themselves, and its abort does not
+    release a pending wait."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()):
+        dist.distributed_c10d._abort_process_group()
+
+
 def clear_group_cache() -> None:
     """Forget cached groups (after the default process group has been destroyed and re-made)."""
     global _SIDE

@@ -47,6 +47,10 @@ class NcclRuleError(RuntimeError):
     """A schedule broke NCCL's p2p rules: a mismatched pair of ops, or a deadlock."""
 
 
+class CommunicatorAborted(RuntimeError):
+    """The rank's communicator was aborted (`RulesHub.abort`): its pending and later ops fail."""
+
+
 @dataclass(frozen=True)
 class Op:
     kind: Literal["send", "recv"]
@@ -104,6 +108,13 @@ class RulesMatcher:
 
     def idle(self, rank: int) -> bool:
         return not self._streams.get(rank)
+
+    def posted(self, rank: int) -> int:
+        return self._posted.get(rank, 0)
+
+    def drop(self, rank: int) -> None:
+        """Forget `rank`'s pending batches (its communicator is gone); peers' ops with it never match."""
+        self._streams.pop(rank, None)
 
     def progress(self) -> bool:
         """Match every op that can match now; True if any did."""
@@ -251,7 +262,9 @@ class RulesHub:
 
     `world` ranks take part; a rank's `wait` fails when all of them are waiting (or have called
     `close`) and nothing can match, or when nothing has matched for `timeout` seconds. The first
-    failure is kept and raised in every rank's next call, so all of them stop.
+    failure is kept and raised in every rank's next call, so all of them stop. `abort(rank)` is
+    `ncclCommAbort` on that rank's communicator: from any thread, its pending wait and every later
+    call fail at once, and its ops are gone, so a peer's op with it never completes.
     """
 
     def __init__(self, world: int, timeout: float = 30.0):
@@ -260,12 +273,13 @@ class RulesHub:
         self._cv = threading.Condition()
         self._waiting: dict[int, int] = {}
         self._closed: set[int] = set()
+        self._aborted: set[int] = set()
         self._error: str | None = None
         self._last_progress = time.monotonic()
 
     def post(self, rank: int, ops: Sequence[Op], payloads: Sequence[Any]) -> int:
         with self._cv:
-            self._check()
+            self._check(rank)
             seq = self._m.post(rank, ops, payloads)
             self._advance()
             return seq
@@ -276,7 +290,7 @@ class RulesHub:
             self._waiting[rank] = seq
             try:
                 while True:
-                    self._check()
+                    self._check(rank)
                     self._advance()
                     if self._m.completed(rank, seq):
                         return self._m.received(rank, seq)
@@ -296,6 +310,18 @@ class RulesHub:
             self._closed.add(rank)
             self._cv.notify_all()
 
+    def abort(self, rank: int) -> None:
+        with self._cv:
+            self._aborted.add(rank)
+            self._closed.add(rank)
+            self._m.drop(rank)
+            self._cv.notify_all()
+
+    def posted(self, rank: int) -> int:
+        """How many batches `rank` has posted."""
+        with self._cv:
+            return self._m.posted(rank)
+
     def _advance(self) -> None:
         try:
             if self._m.progress():
@@ -311,7 +337,9 @@ class RulesHub:
         self._cv.notify_all()
         raise NcclRuleError(self._error)
 
-    def _check(self) -> None:
+    def _check(self, rank: int) -> None:
+        if rank in self._aborted:
+            raise CommunicatorAborted(f"rank {rank}'s communicator was aborted")
         if self._error is not None:
             raise NcclRuleError(self._error)
 
@@ -406,5 +434,5 @@ def run_threads(fns: Mapping[int, Callable[[], Any]], hub: RulesHub) -> dict[int
     return results
 
 
-__all__ = ["NcclRuleError", "Op", "RulesMatcher", "run_programs", "pipeline_programs", "RulesHub",
+__all__ = ["NcclRuleError", "CommunicatorAborted", "Op", "RulesMatcher", "run_programs", "pipeline_programs", "RulesHub",
            "serve_hub", "RulesTransport", "rules_exchange", "run_threads"]

@@ -66,6 +66,7 @@ class DeviceWorker:
         self.world_ready = False
         self._listener = None        # rank 0's rendezvous socket, from pick_port to init_world
         self._shard_write = None     # this device's checkpoint files being written
+        self.watchdog = None         # times this world's communication (init_world to close)
 
     # ------------------------------------------------------------------ where am I
     @ray.method(concurrency_group="control")
@@ -106,8 +107,9 @@ class DeviceWorker:
         import torch.distributed as dist
 
         from .collective_env import prepare_collective_env
-        from .groups import prepare_world, set_collective_timeout, set_world_devices
+        from .groups import abort_world, prepare_world, set_collective_timeout, set_world_devices
         from .rendezvous import join
+        from .watchdog import Watchdog
 
         if dist.is_initialized():
             raise RuntimeError(f"device {self.device_id}: torch.distributed is already initialised; "
@@ -119,6 +121,7 @@ class DeviceWorker:
         set_world_devices(devices)
         set_collective_timeout(datetime.timedelta(seconds=float(timeout_s)))
         prepare_world()
+        self.watchdog = Watchdog(float(timeout_s), abort_world, progress=self.clock.finished)
         self.world_ready = True
         return backend
 
@@ -170,7 +173,7 @@ class DeviceWorker:
         """
         self._check_ready("train")
         t0 = time.perf_counter()
-        with self._leaving_world_on_failure():
+        with self._leaving_world_on_failure("a train step"):
             mbs = self._collate(micro_batch_ids)
             collate_s = time.perf_counter() - t0
             stats = self.engine.train_step(mbs, int(loss_tokens), apply=False)
@@ -192,7 +195,7 @@ class DeviceWorker:
         """The loss of this pipeline's share of held-out samples on the weights as they are (after
         the last update: Ray runs one caller's calls in order), forward only; see Engine.eval_step."""
         self._check_ready("evaluate")
-        with self._leaving_world_on_failure():
+        with self._leaving_world_on_failure("an evaluation"):
             loss = self.engine.eval_step(self._collate(micro_batch_ids), int(loss_tokens))
         return {"device": self.device_id, "loss": loss}
 
@@ -208,17 +211,23 @@ class DeviceWorker:
 
         return [collate(self.dataset, list(ids), self.mode, self.seq_len) for ids in micro_batch_ids]
 
+    def _watched(self, what: str):
+        """Communication under the watchdog: a peer lost inside it raises PeerLost at the collective
+        timeout, also where the host would otherwise wait on the device forever (NCCL)."""
+        return self.watchdog.watch(what) if self.watchdog is not None else contextlib.nullcontext()
+
     @contextlib.contextmanager
-    def _leaving_world_on_failure(self):
+    def _leaving_world_on_failure(self, what: str):
         """A failed step (a collective that lost a peer, data that would not collate) ends in a
         recovery, which starts by every survivor leaving the world with its state (`close`). Leaving
         now closes this device's connections, so the peers still waiting on it fail at once instead
-        of at their collective timeout. gloo only: tearing down an NCCL communicator after a failed
-        collective may block, and no GPU here has tried it."""
+        of at their collective timeout. On NCCL only once the watchdog has aborted the communicators:
+        tearing down one with work pending may block."""
         try:
-            yield
+            with self._watched(what):
+                yield
         except Exception:
-            if not self.use_gpu:
+            if not self.use_gpu or (self.watchdog is not None and self.watchdog.fired):
                 self.close(keep_state=True)
             raise
 
@@ -226,7 +235,8 @@ class DeviceWorker:
         """The optimizer update of the last train_step at `lr` (None: the peak), and its seconds."""
         if self.engine is None:
             raise RuntimeError(f"device {self.device_id} has no work under plan {self.plan_id}: no update to apply")
-        return {"update_seconds": self.engine.apply_update(lr)}
+        with self._watched("an optimizer update"):
+            return {"update_seconds": self.engine.apply_update(lr)}
 
     def _memory(self) -> dict[str, int]:
         """Memory of this device now and at its peak over this step: CUDA allocations on GPU, the
@@ -252,13 +262,15 @@ class DeviceWorker:
     def export_state(self):
         if self.engine is None:
             return None
-        return self.engine.export_state()
+        with self._watched("a state export"):
+            return self.engine.export_state()
 
     def hold_state(self) -> None:
         """Keep this device's shards for the next world's migration (every device with work at once:
         a sharded optimizer gathers its moments); `close(keep_state=True)` then keeps these."""
         if self.engine is not None:
-            self._held = self.engine.export_state(copy=False)
+            with self._watched("a state export"):
+                self._held = self.engine.export_state(copy=False)
 
     def load_pretrained(self, folder: str) -> bool:
         """Read this device's shards of a Hugging Face folder's weights into its Engine, if any."""
@@ -286,7 +298,8 @@ class DeviceWorker:
         self._shard_write = None     # one not collected belonged to a save its coordinator gave up
         parts = {}
         if self.engine is not None:
-            live = self.engine.export_state(copy=False)
+            with self._watched("a checkpoint's state export"):
+                live = self.engine.export_state(copy=False)
             written = pieces_written(Plan.from_dict(plan_dict), self.device_id, self.engine.shape)
             parts = {part: {n: snapshot(live[n]) for n in names} for part, names in written.items()}
         self._shard_write = ShardWrite(folder, self.device_id, parts)
@@ -340,7 +353,8 @@ class DeviceWorker:
         schedule = plan_migration(old, new, shape, bucket_bytes=int(bucket_bytes), unavailable=unavailable)
         old_states = None if fresh else self.engine.export_state(copy=False) if self.engine is not None else self._held
         export_s = time.perf_counter() - t0
-        states, stats = execute_migration(schedule, self.device_id, old_states, comm_device=self.torch_device)
+        with self._watched("a migration"):
+            states, stats = execute_migration(schedule, self.device_id, old_states, comm_device=self.torch_device)
         del old_states
         self._held = None    # only now: a migration that failed leaves the kept shards for another try
         t1 = time.perf_counter()
@@ -381,9 +395,10 @@ class DeviceWorker:
 
         from .link_probe import time_links
         from .precision import compute_dtype_for
-        return time_links(self.device_id, [tuple(p) for p in pairs], list(reducers), int(boundary_elements),
-                          int(reduce_elements), compute_dtype_for(self.torch_device, torch.float32),
-                          self.torch_device, int(repeats))
+        with self._watched("a link probe"):
+            return time_links(self.device_id, [tuple(p) for p in pairs], list(reducers), int(boundary_elements),
+                              int(reduce_elements), compute_dtype_for(self.torch_device, torch.float32),
+                              self.torch_device, int(repeats))
 
     def length_sweep(self, shape, tps: Sequence[int], seq_len: int, link_gbps: float, layers: int = 2,
                      repeats: int = 9):
@@ -436,6 +451,9 @@ class DeviceWorker:
         self._drop_engine()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self.watchdog is not None:
+            self.watchdog.close()
+            self.watchdog = None
         clear_group_cache()  # cached subgroups belonged to the world just destroyed
         self.world_ready = False
 
