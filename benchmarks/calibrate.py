@@ -165,6 +165,8 @@ class Terms:
                                                  # (a holder in a TP group of g reduces its 1/g shard)
     p2p: float = 0.0                             # s per boundary per micro-batch on the sender (CommCosts): 0 here,
                                                  # the runtime's sender does not block (see the hand-off)
+    overlap: bool = True                         # the runtime reduced behind the last backward (the recorded
+                                                 # runs 6-20 predate that: they reduced after it)
 
 
 @dataclass(frozen=True)
@@ -255,7 +257,7 @@ def calibrated_problem(fit: ComputeFit, mbs: int, seq_len: int, terms: Terms = T
     problem = dataclasses.replace(build_problem(sc, comm=comm), tp_alpha=(1.0, fit.t1 / fit.t2))
     return problem, SimOptions(optimizer_per_block=max(0.0, fit.opt_per_block) / t0,
                                     handoff=(terms.handoff[0] / t0, terms.handoff[1] / t0),
-                                    corun_slowdown=terms.corun)
+                                    corun_slowdown=terms.corun, overlap_grad_reduce=terms.overlap)
 
 
 def sim_seconds(plan: Plan, fit: ComputeFit, mbs: int, seq_len: int, terms: Terms = Terms()) -> float:
@@ -279,7 +281,7 @@ def fit_corun(runs: Sequence[tuple[Plan, float]], fit: ComputeFit, mbs: int, seq
 
 
 def calibrate_from(prof: dict, mbs: int, seq_len: int, constant: bool, handoff: tuple[float, float] = (0.0, 0.0),
-                   sync: float = 0.0) -> tuple[ComputeFit, Terms]:
+                   sync: float = 0.0, overlap: bool = True) -> tuple[ComputeFit, Terms]:
     """(compute fit, terms) from profiling results {name: (kind, plan, seconds)} and the measured
     hand-off seconds (activation, gradient) at the runtime's boundary tensor and gradient
     all-reduce seconds per block: compute from the 'single' runs, then κ from the 'corun' runs."""
@@ -288,7 +290,7 @@ def calibrate_from(prof: dict, mbs: int, seq_len: int, constant: bool, handoff: 
     rows = [(plan.pipelines[0].stages[0].tp, LAYERS, plan.pipelines[0].micro_batches, T)
             for kind, plan, T in prof.values() if kind == "single"]
     fit = fit_compute(rows, constant=constant)
-    terms = Terms(handoff=tuple(handoff), sync=sync)
+    terms = Terms(handoff=tuple(handoff), sync=sync, overlap=overlap)
     corun = [(plan, T) for kind, plan, T in prof.values() if kind == "corun"]
     if corun:
         terms = dataclasses.replace(terms, corun=fit_corun(corun, fit, mbs, seq_len, terms))
@@ -538,9 +540,11 @@ def run(steps: int, rounds: int, mbs: int, seq_len: int, repeats: int = 100,
     if unpaced:   # the pace was lost on the way (a rebuilt clock): the figures would be host time
         raise RuntimeError(f"device clock: no paced ops in {unpaced}")
     prof = {n: (kind, p, samples[n].stat()) for n, (kind, p) in profiles.items()}
-    fits = {c: calibrate_from(prof, mbs, seq_len, constant=c, handoff=handoff_s, sync=sync_s) for c in (False, True)}
+    fits = {c: calibrate_from(prof, mbs, seq_len, constant=c, handoff=handoff_s, sync=sync_s,
+                              overlap=optim.overlap_grad_reduce) for c in (False, True)}
     prof_min = {n: (kind, p, samples[n].stat("min")) for n, (kind, p) in profiles.items()}
-    by_min = calibrate_from(prof_min, mbs, seq_len, constant=False, handoff=handoff_s, sync=sync_s)
+    by_min = calibrate_from(prof_min, mbs, seq_len, constant=False, handoff=handoff_s, sync=sync_s,
+                            overlap=optim.overlap_grad_reduce)
     coeffs = {("with_constant" if c else "simulator_terms"): _coeff_dict(*f) for c, f in fits.items()}
     coeffs["simulator_terms_by_min"] = _coeff_dict(*by_min)
     coeffs["estimator"] = ESTIMATOR
@@ -550,7 +554,8 @@ def run(steps: int, rounds: int, mbs: int, seq_len: int, repeats: int = 100,
                          "median_s": [list(m) for m in hand.median],
                          "at_boundary_s": list(handoff_s)}
     coeffs["allreduce"] = {"floats": floats, "seconds": reduce, "q25_s": float(np.quantile(reduce, 0.25)),
-                           "median_s": float(np.median(reduce)), "per_block_s": sync_s}
+                           "median_s": float(np.median(reduce)), "per_block_s": sync_s,
+                           "overlapped": optim.overlap_grad_reduce}
     coeffs["measure_seconds"] = time.time() - t_start
     coeffs["clock"] = clock
     if pace is not None:
@@ -695,7 +700,7 @@ def rescore(path: Path, which: str, mbs: int = 1, seq_len: int = 128) -> list[fl
 
     prof = {n: (kind, p, est(co["profile"][n]["times_s"])) for n, (kind, p) in profile_plans(mbs).items()}
     fit, terms = calibrate_from(prof, mbs, seq_len, constant=False, handoff=co["handoff"]["at_boundary_s"],
-                                sync=co["allreduce"]["per_block_s"])
+                                sync=co["allreduce"]["per_block_s"], overlap=co["allreduce"].get("overlapped", False))
     return [(sim_seconds(valid[r["plan"]], fit, mbs, seq_len, terms) - est(r["times_s"])) / est(r["times_s"])
             for r in d["rows"]]
 

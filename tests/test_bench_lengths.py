@@ -226,13 +226,18 @@ def test_single_stage_simulation_equals_the_formula():
     setup, pipes, cost, ss = _sim_setup(1, [80], dp=2)
     lengths = [30000, 2000, 700, 5000, 12000, 32768, 100]
     plan = [[[0, 1], [2, 3]], [[4, 6], [5]]]
-    it, ends = bl.simulate_plan(plan, lengths, ss)
+    after = dataclasses.replace(ss, options=dataclasses.replace(ss.options, overlap_grad_reduce=False))
+    it, ends = bl.simulate_plan(plan, lengths, after)
     formula = bl.pipeline_times(plan, lengths, pipes, cost)
     assert ends == pytest.approx(formula, rel=1e-12)
     sync = ss.problem.comm.grad_sync_per_block * 80 / 8          # every block held by both pipelines, TP 8
     step = ss.options.optimizer_per_block * 80
     assert sync > 0 and step > 0
     assert it == pytest.approx(max(formula) + sync + step, rel=1e-12)
+    # behind the last backward (the default): at least the first block's reduction is left after it
+    behind, ends = bl.simulate_plan(plan, lengths, ss)
+    assert ends == pytest.approx(formula, rel=1e-12)
+    assert max(formula) + sync / 80 + step <= behind + 1e-9 and behind < it
     # A straggling single stage scales the same way.
     setup, pipes, cost, ss = _sim_setup(1, [80], rates=[2.5])
     it, ends = bl.simulate_plan([[[0, 1, 2], [3]]], lengths[:4], ss)

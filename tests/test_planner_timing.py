@@ -33,18 +33,47 @@ def test_one_pipeline_has_no_gradient_reduction():
     assert iteration_time(p, one) == pytest.approx(pipeline_time(4, (2.0, 2.0)))
 
 
-def test_a_late_stage_reduces_behind_the_drain():
-    # Two identical pipelines of 2 stages, 4 blocks each: the first stage finishes last, the second
-    # BACKWARD_SHARE · t earlier, so its reduction ends at w - BACKWARD_SHARE·t + 4g.
+def test_reductions_hide_behind_the_last_backward_and_the_drain():
+    # Two identical pipelines of 2 stages (t = 2, m = 4), TP 8. The last backward of a stage passes
+    # a block every BACKWARD_SHARE · t / blocks; each block reduces in g / 8 once passed.
     p = _problem(grad=1.0)
-    pipes = [PipelineTimes(4, (2.0, 2.0), (4, 4), (8, 8))] * 2
     w = pipeline_time(4, (2.0, 2.0))
-    sync = 4 * 1.0 / 8
-    assert iteration_time(p, pipes) == pytest.approx(w + sync)            # stage 0 is last: no overlap
-    late = [PipelineTimes(4, (2.0, 2.0), (1, 7), (8, 8))] * 2               # the longer reduction is stage 1's
-    expect = max(w + 1 / 8, w - BACKWARD_SHARE * 2.0 + 7 / 8)
-    assert iteration_time(p, late) == pytest.approx(expect)
-    assert iteration_time(p, late) < w + 7 / 8
+    beta = BACKWARD_SHARE * 2.0 / 4
+    # 4 blocks a stage, reductions (1/8) shorter than a block's backward (1/3): only stage 0's first
+    # block's is left after w
+    assert iteration_time(p, [PipelineTimes(4, (2.0, 2.0), (4, 4), (8, 8))] * 2) == pytest.approx(w + 1 / 8)
+    # Stage 1 holds 7 blocks and finishes BACKWARD_SHARE · t before w; its reductions keep pace with
+    # its backward and end one reduction later, hidden behind stage 0's drain (1 block, done at w + 1/8)
+    late = [PipelineTimes(4, (2.0, 2.0), (1, 7), (8, 8))] * 2
+    assert iteration_time(p, late) == pytest.approx(w + 1 / 8)
+    # Reductions slower than the backward (g = 8: one block in 1 > beta): they queue, and the stage's
+    # end is its last block passed plus all its reductions, or its first passed plus one
+    slow = _problem(grad=8.0)
+    first_passed = w - 3 * beta
+    assert iteration_time(slow, [PipelineTimes(4, (2.0, 2.0), (4, 4), (8, 8))] * 2) == pytest.approx(
+        max(first_passed + 4 * 1.0, w + 1.0))
+
+
+def test_the_closed_form_equals_the_simulator_where_its_stages_are_even():
+    """Pipelines of equal stages (the closed form's finish times are then exact), different TP
+    degrees and depths side by side, reductions faster and slower than the backward."""
+    from malleus_svc.plan import Pipeline, Plan, Stage
+    from malleus_svc.simulate import SimOptions
+
+    base = build_problem(paper_scenario("70b-64gpu", "severe"))
+    plan = Plan(num_devices=base.num_devices, num_layers=8, micro_batch_size=1, pipelines=(
+        Pipeline((Stage(tuple(range(0, 8)), (0, 4)), Stage(tuple(range(8, 16)), (4, 8))), micro_batches=6),
+        Pipeline((Stage(tuple(range(16, 20)), (0, 2)), Stage(tuple(range(20, 24)), (2, 4)),
+                  Stage(tuple(range(24, 28)), (4, 6)), Stage(tuple(range(28, 32)), (6, 8))), micro_batches=3),
+    ), excluded=tuple(range(32, base.num_devices)))
+    for grad in (0.5, 4.0, 40.0):
+        p = replace(base, num_layers=8, rates=(1.0,) * base.num_devices, comm=CommCosts(grad_sync_per_block=grad))
+        sim = simulate(plan, p, options=SimOptions(optimizer_per_block=0.0))
+        pipes = [PipelineTimes(pipe.micro_batches, tuple(p.alpha(s.tp) * s.num_layers for s in pipe.stages),
+                               tuple(s.num_layers for s in pipe.stages), tuple(s.tp for s in pipe.stages))
+                 for pipe in plan.pipelines]
+        assert iteration_time(p, pipes) == pytest.approx(sim.iteration_t0, rel=1e-9), grad
+        assert sim.iteration_t0 > max(pipeline_time(x.micro_batches, x.times) for x in pipes)
 
 
 def test_full_ranks_finalists_like_the_simulator():

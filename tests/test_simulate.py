@@ -280,11 +280,19 @@ def test_gradient_reduction_and_step():
     p = problem(num_devices=4, gpn=4, tp=2, layers=4, alpha=(1.0, 2.0), comm=CommCosts(grad_sync_per_block=0.5), dp=2,
                 pp=1)
     plan = Plan(4, 4, 1, (Pipeline((Stage((0, 1), (0, 4)),), 2), Pipeline((Stage((2,), (0, 4)),), 2)), (3,), (), 4)
-    sim = simulate(plan, p, options=SimOptions(optimizer_per_block=0.1))
+    sim = simulate(plan, p, options=SimOptions(optimizer_per_block=0.1, overlap_grad_reduce=False))
     s0, s1 = sim.pipelines[0].stages[0], sim.pipelines[1].stages[0]
     assert s0.last_backward_end == 8 and s1.last_backward_end == 16
     assert s0.sync_start == s1.sync_start == 16 and s0.sync_end == s1.sync_end == 18
     assert s0.step_end == pytest.approx(18.4) and sim.iteration_t0 == pytest.approx(18.8)
+    # Behind the last backward (the default, as the runtime does it): pipeline 1's last backward runs
+    # [16 - 16/3, 16] and passes a block every 4/3, the last block first (at 12): each reduction (0.5)
+    # starts as the slower holder passes its block, and only the first block's is left after 16.
+    sim = simulate(plan, p, options=SimOptions(optimizer_per_block=0.1))
+    s0, s1 = sim.pipelines[0].stages[0], sim.pipelines[1].stages[0]
+    assert s1.last_backward_end == pytest.approx(16)
+    assert s0.sync_start == s1.sync_start == pytest.approx(12) and s0.sync_end == s1.sync_end == pytest.approx(16.5)
+    assert sim.iteration_t0 == pytest.approx(16.5 + 0.8)
     # One pipeline: no reduction at all.
     solo = simulate(chain([((0,), 4)], 2, num_devices=4, gpn=4), replace(p, tp=1, tp_alpha=(1.0,)), options=NO_OPT)
     assert solo.iteration_t0 == 8

@@ -7,12 +7,15 @@ and m_i micro-batches:
 stages this is the (m_i + S_i - 1)·z_i of 'bubble', with uneven ones far less: a short stage adds
 only its own time, not the slowest stage's).
 
-Gradient reduction: stage (i, j) finishes when the last backward has passed it, the backward share
-of the stages before it earlier than w_i; its reduction starts when every stage holding one of its
-blocks (in any pipeline) has finished, and lasts Σ over its blocks of grad_sync_per_block / the
-smallest group holding the block (0 for a block that one pipeline holds). The iteration ends at the
-latest pipeline end or reduction end. This is the simulator's dependency rule with each stage's
-finish estimated, so later stages' reductions hide behind the drain as they do there.
+Gradient reduction, behind the last backward (as the runtime overlaps it): stage (i, j) finishes
+when the last backward has passed it, the backward share of the stages before it earlier than w_i,
+and that backward passes its blocks one by one, from its last to its first, each taking an equal part
+of the stage's backward share. A block's reduction may start once every stage holding it (in any
+pipeline) has passed it, and lasts grad_sync_per_block / the smallest group holding the block (0 for
+a block that one pipeline holds); a stage reduces its blocks one after another, in backward's order.
+The iteration ends at the latest pipeline end or reduction end. This is the simulator's dependency
+rule with each stage's finish estimated, so reductions hide behind the backward and the drain as
+they do there.
 """
 from __future__ import annotations
 
@@ -54,24 +57,33 @@ def iteration_time(problem: PlannerProblem, pipes: Sequence[PipelineTimes]) -> f
     # has the same holders, so the cost is per run, not per block (10,000 blocks stay cheap).
     bounds = sorted({0, problem.num_layers} | {a for p in pipes for a in itertools.accumulate(p.layers)})
     runs = list(zip(bounds, bounds[1:]))
-    smallest, holders, latest = [0] * len(runs), [0] * len(runs), [0.0] * len(runs)
+    smallest, holders = [0] * len(runs), [0] * len(runs)
+    # when every holder has passed the run's last block (the first one backward reaches), and its first
+    first_ready, last_ready = [0.0] * len(runs), [0.0] * len(runs)
     stages = []   # (first run, end run) of each stage holding blocks
     for p, w in zip(pipes, ends):
         k, start, finish = 0, 0, w
         for t, n, size in zip(p.times, p.layers, p.sizes):
-            first = k
+            first, per_block = k, BACKWARD_SHARE * t / n
             while k < len(runs) and runs[k][1] <= start + n:
+                a, b = runs[k]
                 smallest[k] = size if not smallest[k] else min(smallest[k], size)
                 holders[k] += 1
-                latest[k] = max(latest[k], finish)
+                first_ready[k] = max(first_ready[k], finish - (b - 1 - start) * per_block)
+                last_ready[k] = max(last_ready[k], finish - (a - start) * per_block)
                 k += 1
             stages.append((first, k))
             finish -= BACKWARD_SHARE * t
             start += n
-    cost = [g * (b - a) / smallest[k] if holders[k] > 1 else 0.0 for k, (a, b) in enumerate(runs)]
+    # A stage reduces its runs last first, each block of a run in g / smallest as soon as it is passed:
+    # with blocks passed at a steady pace the queue ends at one of the run's ends (the last block
+    # passed, then one reduction; or the first passed, then all of them), or behind the run before.
     last = max(ends)
     for first, end in stages:
-        sync = sum(cost[first:end])
-        if sync:
-            last = max(last, max(latest[first:end]) + sync)
+        done = 0.0
+        for k in range(end - 1, first - 1, -1):
+            if holders[k] > 1:
+                n, each = runs[k][1] - runs[k][0], g / smallest[k]
+                done = max(done + n * each, first_ready[k] + n * each, last_ready[k] + each)
+        last = max(last, done)
     return last

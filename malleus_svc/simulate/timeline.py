@@ -18,11 +18,14 @@ TP group; `problem.t0_seconds` converts):
     occupies the SENDER's stream right after the op that produced it (Megatron's 1F1B waits on
     its batched isend/irecv before the next compute op); with `p2p="overlapped"` it occupies a
     FIFO link per (boundary, direction) and compute goes on;
-  * gradient reduction of stage (i, j): starts when every stage (of any pipeline) that shares a
-    block with it has finished its last op, lasts grad_sync_per_block · Σ_{blocks b of the
-    stage} 1 / min_{holders h of b} |g_h| (each device all-reduces its 1/|g| shard over its own
-    link; a block held by a small group in some pipeline is as slow as that group's shard); 0
-    for blocks held by one pipeline only;
+  * gradient reduction, behind the last backward (`SimOptions.overlap_grad_reduce`, as the runtime
+    does it): the last micro-batch's backward of a stage runs block by block, from its last block
+    to its first, and block b's reduction may start once every stage holding b (in any pipeline)
+    has passed b there. It lasts grad_sync_per_block / min_{holders h of b} |g_h| (each device
+    all-reduces its 1/|g| shard over its own link; a block held by a small group in some pipeline
+    is as slow as that group's shard), 0 for a block one pipeline holds, and a stage's
+    reductions run one after another on its link, in backward's order. Without the overlap a
+    stage's reductions start when every stage sharing a block with it has finished its last op;
   * optimizer step of stage (i, j) after its reduction: `optimizer_per_block` · l_ij ·
     (tp/|g_ij|) · max rate (Adam is memory-bound on the device's state shard; default 0.05 t0 per
     full-TP block ≈ 1 ms for a 70B block at TP 8, where t0 ≈ 22 ms);
@@ -82,6 +85,7 @@ class SimOptions:
     handoff: tuple[float, float] = (0.0, 0.0)   # t0 per micro-batch per boundary: (activation, gradient) latency
     corun_slowdown: float = 0.0        # κ: compute takes 1 + κ·k times longer while k devices of other stages
                                        # on its node compute
+    overlap_grad_reduce: bool = True   # a block's reduction starts as its last backward passes it (the runtime's)
 
     def __post_init__(self) -> None:
         if self.backward_ratio <= 0:
@@ -316,11 +320,29 @@ def simulate(plan: Plan, problem: PlannerProblem, rates: Sequence[float] | Mappi
         a, b = p.stages[j].devices[0], p.stages[j + 1].devices[0]
         return comm.p2p_intra_node if plan.node_of(a) == plan.node_of(b) else comm.p2p_inter_node
 
-    compute_ids: dict[tuple, int] = {}     # ("F"/"B", i, j, k) -> op
+    holders: list[list[tuple[int, int]]] = [[] for _ in range(plan.num_layers)]
+    for i, pipe in enumerate(plan.pipelines):
+        for j, st in enumerate(pipe.stages):
+            for b in range(*st.layers):
+                holders[b].append((i, j))
+
+    def block_sync(b: int) -> float:
+        if len({h[0] for h in holders[b]}) < 2:
+            return 0.0
+        return comm.grad_sync_per_block / min(plan.pipelines[a].stages[c].tp for a, c in holders[b])
+
+    def overlapped(st) -> bool:
+        """The stage's reductions go behind its last backward: some block of it is reduced."""
+        return overlap and any(block_sync(b) > 0 for b in range(*st.layers))
+
+    compute_ids: dict[tuple, int] = {}     # ("F"/"B", i, j, k) -> op (its last part)
+    entry: dict[tuple, int] = {}           # ("F"/"B", i, j, k) -> its first part, which waits for its input
+    passed: dict[tuple[int, int, int], int] = {}   # (i, j, block) -> the part of the last backward that passes it
     arrive: dict[tuple, int] = {}          # ("F"/"B", i, j, k) -> op after which the output has arrived
     last_op: dict[tuple[int, int], int] = {}
     in_flight: dict[tuple[int, int], int] = {}
     blocking = options.p2p == "blocking"
+    overlap = options.overlap_grad_reduce
     for i, pipe in enumerate(plan.pipelines):
         S, m = len(pipe.stages), pipe.micro_batches
         for j in range(S):
@@ -329,9 +351,17 @@ def simulate(plan: Plan, problem: PlannerProblem, rates: Sequence[float] | Mappi
             up = boundary(i, j - 1) / 2 if j > 0 else 0.0     # backward gradient to j-1
             live = peak = 0
             share = host(pipe.stages[j])
+            first, end = pipe.stages[j].layers
+            split = overlapped(pipe.stages[j])
             for kind, k in one_f_one_b(S, j, m):
                 dur = c * work[i][k] * (fwd_share if kind == "F" else 1 - fwd_share)
-                op = eng.add((kind, i, j, k), ("gpu", i, j), dur, share=share)
+                # 1F1B's backwards run in micro-batch order: the last one finalises the gradients, block
+                # by block, where an overlapped reduction needs to see it
+                blocks = range(end - 1, first - 1, -1) if kind == "B" and k == m - 1 and split else (None,)
+                for b in blocks:
+                    op = eng.add((kind, i, j, k), ("gpu", i, j), dur / len(blocks), share=share)
+                    entry.setdefault((kind, i, j, k), op)
+                    passed[(i, j, b)] = op
                 compute_ids[(kind, i, j, k)] = arrive[(kind, i, j, k)] = last_op[(i, j)] = op
                 send = (down if kind == "F" else up) * volume[i][k]
                 if send > 0 and blocking:
@@ -362,34 +392,31 @@ def simulate(plan: Plan, problem: PlannerProblem, rates: Sequence[float] | Mappi
         for j in range(S):
             for k in range(m):
                 if j > 0:
-                    eng.depend(compute_ids[("F", i, j, k)], arrive[("F", i, j - 1, k)])
+                    eng.depend(entry[("F", i, j, k)], arrive[("F", i, j - 1, k)])
                 if j < S - 1:
-                    eng.depend(compute_ids[("B", i, j, k)], arrive[("B", i, j + 1, k)])
+                    eng.depend(entry[("B", i, j, k)], arrive[("B", i, j + 1, k)])
                 else:
-                    eng.depend(compute_ids[("B", i, j, k)], compute_ids[("F", i, j, k)])
+                    eng.depend(entry[("B", i, j, k)], compute_ids[("F", i, j, k)])
     # Gradient reduction and optimizer step.
-    holders: list[list[tuple[int, int]]] = [[] for _ in range(plan.num_layers)]
+
+    sync_ids, step_ids = {}, {}   # (i, j) -> (first, last) reduction op; the optimizer step
     for i, pipe in enumerate(plan.pipelines):
         for j, st in enumerate(pipe.stages):
-            for b in range(*st.layers):
-                holders[b].append((i, j))
-    sync_ids, step_ids = {}, {}
-    for i, pipe in enumerate(plan.pipelines):
-        for j, st in enumerate(pipe.stages):
-            dur = 0.0
-            partners = {(i, j)}
-            for b in range(*st.layers):
-                partners.update(holders[b])
-                if len({h[0] for h in holders[b]}) > 1:
-                    dur += comm.grad_sync_per_block / min(plan.pipelines[a].stages[c].tp for a, c in holders[b])
-            s_op = eng.add(("sync", i, j, -1), ("net", i, j), dur)
-            for p in sorted(partners):
-                eng.depend(s_op, last_op[p])
-            sync_ids[(i, j)] = s_op
+            if overlapped(st):    # one reduction per block, in backward's order, as each is passed everywhere
+                syncs = []
+                for b in range(st.layers[1] - 1, st.layers[0] - 1, -1):
+                    syncs.append(eng.add(("sync", i, j, -1), ("net", i, j), block_sync(b)))
+                    for a, c in holders[b]:
+                        eng.depend(syncs[-1], passed[(a, c, b)])
+            else:          # one reduction for the stage, once every stage sharing a block has finished
+                syncs = [eng.add(("sync", i, j, -1), ("net", i, j), sum(map(block_sync, range(*st.layers))))]
+                for p in sorted({(i, j)} | {h for b in range(*st.layers) for h in holders[b]}):
+                    eng.depend(syncs[0], last_op[p])
+            sync_ids[(i, j)] = (syncs[0], syncs[-1])
             opt = (options.optimizer_per_block * st.num_layers * (problem.tp / st.tp)
                    * max(x[d] for d in st.devices))
             t_op = eng.add(("step", i, j, -1), ("gpu", i, j), opt, share=host(st))
-            eng.depend(t_op, s_op)
+            eng.depend(t_op, syncs[-1])
             step_ids[(i, j)] = t_op
     eng.run()
     ops = eng.ops
@@ -402,13 +429,23 @@ def simulate(plan: Plan, problem: PlannerProblem, rates: Sequence[float] | Mappi
             rows.append(StageResult(
                 pipeline=i, stage=j, devices=st.devices, layers=st.layers, rate=info[i][j][0],
                 compute_per_mb=info[i][j][1], busy=busy,
-                last_backward_end=ops[last_op[(i, j)]].end, sync_start=ops[sync_ids[(i, j)]].start,
-                sync_end=ops[sync_ids[(i, j)]].end, step_end=ops[step_ids[(i, j)]].end,
+                last_backward_end=ops[last_op[(i, j)]].end, sync_start=ops[sync_ids[(i, j)][0]].start,
+                sync_end=ops[sync_ids[(i, j)][1]].end, step_end=ops[step_ids[(i, j)]].end,
                 max_in_flight=in_flight[(i, j)]))
         pipes.append(PipelineResult(pipe.micro_batches, tuple(rows)))
     end = max(p.end for p in pipes)
-    recorded = tuple((o.label, o.start, o.end) for o in ops) if options.record_ops else ()
+    recorded = _merged(ops) if options.record_ops else ()
     return SimResult(end, problem.t0_seconds, tuple(pipes), recorded)
+
+
+def _merged(ops: Sequence[_Op]) -> tuple[tuple[tuple, float, float], ...]:
+    """(label, start, end) per label: the parts of a block-by-block backward, and a stage's reductions,
+    as one op each."""
+    spans: dict[tuple, tuple[float, float]] = {}
+    for o in ops:
+        start, end = spans.get(o.label, (o.start, o.end))
+        spans[o.label] = (min(start, o.start), max(end, o.end))
+    return tuple((label, start, end) for label, (start, end) in spans.items())
 
 
 def _per_micro_batch(plan: Plan, factors, name: str) -> list[list[float]]:
