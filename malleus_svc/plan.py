@@ -50,10 +50,16 @@ def _finite(x: float | None) -> float | None:
     return x if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
+# Activation recomputation of a stage: "none" keeps what every block's forward saves for backward;
+# "full" keeps only each block's input and runs the block's forward again in backward.
+RECOMPUTE = ("none", "full")
+
+
 @dataclass(frozen=True)
 class Stage:
     devices: tuple[int, ...]
     layers: tuple[int, int]
+    recompute: str = "none"
 
     @property
     def tp(self) -> int:
@@ -190,6 +196,8 @@ class Plan:
                 where = f"pipeline {i} stage {j}"
                 if not st.devices:
                     raise PlanError(f"{where} has no devices")
+                if st.recompute not in RECOMPUTE:
+                    raise PlanError(f"{where}: recompute must be one of {', '.join(RECOMPUTE)}, got {shorten(st.recompute)}")
                 start, end = st.layers
                 if start != expected or end <= start:
                     raise PlanError(
@@ -217,7 +225,9 @@ class Plan:
             "gpus_per_node": self.gpus_per_node,
             "pipelines": [
                 {"micro_batches": p.micro_batches,
-                 "stages": [{"devices": list(s.devices), "layers": list(s.layers)} for s in p.stages]}
+                 "stages": [{"devices": list(s.devices), "layers": list(s.layers),
+                             # only where it is on: the plans (and ids) of stages without it stay as they were
+                             **({"recompute": s.recompute} if s.recompute != "none" else {})} for s in p.stages]}
                 for p in self.pipelines
             ],
             "suspended": sorted(self.suspended),
@@ -445,7 +455,8 @@ def _pipeline(p: Any, where: str) -> Pipeline:
         layers = _ints(_get(st, "layers", where=at + "."), at + ".layers")
         if len(layers) != 2:
             raise _wrong(at + ".layers", list(layers), "[start, end)")
-        stages.append(Stage(_ints(_get(st, "devices", where=at + "."), at + ".devices"), (layers[0], layers[1])))
+        stages.append(Stage(_ints(_get(st, "devices", where=at + "."), at + ".devices"), (layers[0], layers[1]),
+                            _text(_get(st, "recompute", "none"), at + ".recompute")))
     return Pipeline(stages=tuple(stages), micro_batches=_int(_get(p, "micro_batches", where=where + "."),
                                                             where + ".micro_batches"))
 

@@ -101,16 +101,24 @@ def _train_on_plan(rank: int, world: int, plan: Plan, batches: list[list[MicroBa
             "adam_elements": adam_elements, "param_elements": sum(p.numel() for p in engine.params.values())}
 
 
-@pytest.mark.parametrize("optim", [OPTIM, SHARDED], ids=["replicated", "sharded"])
-def test_heterogeneous_plan_matches_single_process_training(optim):
+# HETERO with its TP2 stage and a stage of the other pipeline recomputing their blocks in backward.
+RECOMPUTED = dataclasses.replace(HETERO, pipelines=(
+    Pipeline((Stage((0, 1), (0, 1), "full"), Stage((2,), (1, 3)), Stage((3,), (3, 4))), micro_batches=3),
+    Pipeline((Stage((4,), (0, 2)), Stage((5,), (2, 4), "full")), micro_batches=2),
+))
+
+
+@pytest.mark.parametrize("plan, optim", [(HETERO, OPTIM), (HETERO, SHARDED), (RECOMPUTED, OPTIM)],
+                         ids=["replicated", "sharded", "recomputed"])
+def test_heterogeneous_plan_matches_single_process_training(plan, optim):
     # fp64 on both sides: in fp32 a handful of elements whose gradient nearly cancels (|g| ~ 1e-8)
     # have a rounding-level gradient difference that Adam's g / sqrt(v) normalisation blows up to
     # ~1e-6 in the parameter; in fp64 every element must agree, so any weighting error shows.
     dtype = torch.float64
-    batches = global_batches(steps=4, micro_batches=HETERO.num_micro_batches, micro_batch_size=2)
+    batches = global_batches(steps=4, micro_batches=plan.num_micro_batches, micro_batch_size=2)
     batches, held_out = batches[:3], batches[3]
     # Gradients reduced in buckets of 512 bytes: several per group, and views alone in theirs in place.
-    results = run_on_gloo(_train_on_plan, HETERO.num_devices, HETERO, batches, dtype, 512, held_out, TINY, optim)
+    results = run_on_gloo(_train_on_plan, plan.num_devices, plan, batches, dtype, 512, held_out, TINY, optim)
     ref_losses, ref_params, ref_optim = reference_train(TINY, SEED, OPTIM, batches, dtype)
     # Sharded: both pipelines hold every piece, so the devices hold Adam's state for half the
     # elements they hold (a little less: the TP pair's rank 1 gets its norm weights ready-made).
@@ -331,16 +339,19 @@ def test_a_sharded_optimizer_on_working_weights_keeps_one_chunk_of_the_masters()
 
 
 # ---------------------------------------------------------------------------- compiled blocks
-@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
-def test_compiled_blocks_train_like_eager_ones(compute):
+@pytest.mark.parametrize("compute, recompute", [(torch.float32, "none"), (torch.bfloat16, "none"),
+                                               (torch.bfloat16, "full")])
+def test_compiled_blocks_train_like_eager_ones(compute, recompute):
     """Regional compile (the default on CUDA) changes kernels, not the computation: losses and every
     gradient as the eager engine's within the rounding of the compute dtype (fused kernels sum in
     another order: fp32 rtol 1e-5; bf16 activations rtol 2e-2 on the loss, gradients to 2e-2 of
-    their largest entry), and the parameters keep their checkpoint names."""
+    their largest entry), and the parameters keep their checkpoint names. Compiled blocks that are
+    recomputed in backward too (against eager ones that are not)."""
     batches = global_batches(steps=2, micro_batches=2, micro_batch_size=2, seed=7)
     runs = {}
     for compiled in (False, True):
-        engine = Engine(TINY, ONE, 0, seed=SEED, optim=dataclasses.replace(OPTIM, compile=compiled),
+        plan = Plan(1, 4, 2, (Pipeline((Stage((0,), (0, 4), recompute if compiled else "none"),), micro_batches=5),))
+        engine = Engine(TINY, plan, 0, seed=SEED, optim=dataclasses.replace(OPTIM, compile=compiled),
                         compute_dtype=compute)
         losses, grads = [], None
         for batch in batches:
@@ -414,6 +425,36 @@ def test_a_step_reads_the_device_once_at_its_end(apply):
 
 
 # ---------------------------------------------------------------------------- packed sequences
+def _recompute_or_not(rank: int, world: int, batches, mixed: bool):
+    out = {}
+    for recompute in ("none", "full"):
+        plan = Plan(1, 4, 2, (Pipeline((Stage((0,), (0, 4), recompute),), micro_batches=3),))
+        engine = Engine(TINY, plan, 0, seed=SEED, optim=OPTIM, dtype=torch.float32 if mixed else torch.float64,
+                        compute_dtype=torch.bfloat16 if mixed else None)
+        stats = [engine.train_step(b, sum(mb.num_loss_tokens for mb in b)) for b in batches]
+        out[recompute] = {"losses": [s.global_loss for s in stats], "flops": [s.flops for s in stats],
+                          "model_flops": [s.model_flops for s in stats], "state": engine.export_state(),
+                          "blocks_forward": [sum(engine.model.recompute_flops(mb.cu_seqlens) for mb in b)
+                                             for b in batches]}
+    return out
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp64", "bf16-working-weights"])
+def test_recomputed_blocks_train_bitwise_like_stored_ones_and_count_their_extra_forward(mixed):
+    """A stage that recomputes its blocks in backward: the same losses and state bit for bit (the
+    forward runs again on the same inputs and, in mixed precision, the same working weights), one
+    more forward of its blocks in the FLOPs it ran (the device clock paces them), none in the
+    model's FLOPs (MFU)."""
+    batches = global_batches(steps=2, micro_batches=3, micro_batch_size=2)
+    out = run_on_gloo(_recompute_or_not, 1, batches, mixed)[0]
+    plain, rc = out["none"], out["full"]
+    assert rc["losses"] == plain["losses"] and rc["model_flops"] == plain["model_flops"]
+    for name, st in plain["state"].items():
+        assert torch.equal(st.param, rc["state"][name].param) and torch.equal(st.exp_avg, rc["state"][name].exp_avg)
+    assert all(b > 0 for b in rc["blocks_forward"])
+    assert [r - p for r, p in zip(rc["flops"], plain["flops"])] == pytest.approx(rc["blocks_forward"], rel=1e-12)
+
+
 def test_packed_model_equals_each_sequence_alone():
     # fp64, so that summation-order rounding cannot hide (or fake) a leak between sequences
     model = full_model(TINY, seed=3, dtype=torch.float64)

@@ -17,6 +17,20 @@ def test_json_round_trip_keeps_structure_and_id():
     assert PLAN_1.plan_id != BASELINE.plan_id
 
 
+def test_recomputation_is_part_of_a_stage_and_absent_where_off():
+    """A stage's recomputation travels with the plan and is part of its identity; a plan without any
+    writes none (its id stays what it was), and moving between the two moves no state."""
+    d = PLAN_1.to_dict()
+    assert all("recompute" not in st for p in d["pipelines"] for st in p["stages"])
+    d["pipelines"][1]["stages"][0]["recompute"] = "full"
+    d.pop("plan_id")
+    rc = Plan.from_dict(d)
+    assert rc.pipelines[1].stages[0].recompute == "full" and rc.pipelines[0].stages[0].recompute == "none"
+    assert Plan.from_json(rc.to_json()) == rc and rc.plan_id != PLAN_1.plan_id
+    diff = Plan.diff(PLAN_1, rc, StateSizes(block=1.0, embedding=3.0, head=5.0))
+    assert diff.moved_bytes == 0 and not diff.moves
+
+
 def test_roles_and_holders():
     roles = PLAN_1.roles()
     assert roles[6].pipeline == 0 and roles[6].stage == 2 and roles[6].tp_rank == 1 and roles[6].tp_size == 2
@@ -35,6 +49,7 @@ def test_roles_and_holders():
     (lambda d: d.pop("num_layers"), "missing the field 'num_layers'"),
     (lambda d: d.update(global_batch=65), "disagrees"),
     (lambda d: d["pipelines"][0]["stages"][-1].update(layers=[16, 31]), "cover layers [0, 31)"),
+    (lambda d: d["pipelines"][0]["stages"][0].update(recompute="some"), "recompute must be one of none, full"),
 ])
 def test_invalid_plans_are_refused_with_the_reason(mutate, message):
     d = PLAN_1.to_dict()

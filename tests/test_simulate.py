@@ -438,3 +438,23 @@ def test_a_plan_file_is_checked_against_the_scenario_before_it_is_simulated(tmp_
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "does not fit the scenario" in err, err
     assert "pipeline 0 stage 0 has 16 devices on node(s) [0, 1]" in err and "4 or 2 or 1 devices on one node" in err, err
+
+
+def test_a_recomputing_stage_runs_one_more_forward_in_each_backward():
+    """Two stages of 3 blocks, 4 micro-batches, no communication; the second recomputes: its backward
+    takes 3 · (2/3 + 1/3) = 3 instead of 2, and the planner's evaluation agrees with the simulation."""
+    from malleus_svc.costmodel.profile import RECOMPUTE_TIME_FACTOR
+    from malleus_svc.planner import evaluate
+
+    p = replace(problem(layers=6, M=4), objective="full")
+    plain = chain([((0,), 3), ((1,), 3)], 4)
+    pipe = plain.pipelines[0]
+    rc = replace(plain, pipelines=(replace(pipe, stages=(pipe.stages[0], replace(pipe.stages[1], recompute="full"))),))
+    t = times(simulate(rc, p, options=NO_OPT))
+    assert t[("B", 1, 0)][1] - t[("B", 1, 0)][0] == pytest.approx(3.0)
+    assert t[("F", 1, 0)][1] - t[("F", 1, 0)][0] == pytest.approx(1.0)
+    sims = [simulate(x, p, options=NO_OPT).iteration_t0 for x in (plain, rc)]
+    assert sims[1] > sims[0]
+    # the slower stage bounds the steady state: 4 micro-batches of 3 · 4/3, plus the other's fill and drain
+    assert sims[1] == pytest.approx(4 * 3 * RECOMPUTE_TIME_FACTOR + 3)
+    assert evaluate(p, rc) == pytest.approx(sims[1])

@@ -93,7 +93,8 @@ def memory_profile(shape: ModelShape, tp: int, pp: int, micro_batch: int, gpu_me
     flight, the last the final norm's input and output of its one micro-batch and its loss's
     backward transients (`geometry.loss_backward_bytes`). With `shard_optimizer`, the fp32 masters and
     Adam moments of the split part of a block and of the embedding or head (the smaller: the saving
-    the model can promise either end) are what the plan's pipelines split among themselves."""
+    the model can promise either end) are what the plan's pipelines split among themselves. A stage
+    that recomputes keeps each block's input (whole in the group) in place of its activations."""
     tokens = micro_batch * shape.seq_len
     norms = 2 * shape.hidden
     state_split = (shape.block_params() - norms) * TRAIN_STATE_BYTES_PER_PARAM / tp / MB
@@ -113,7 +114,9 @@ def memory_profile(shape: ModelShape, tp: int, pp: int, micro_batch: int, gpu_me
                          safety_margin_mb=safety_margin_mb, gpu_memory_mb=gpu_memory_mb,
                          replicated_layer_mb=kept_mb, replicated_embedding_mb=ends,
                          sharded_layer_mb=(shape.block_params() - norms) / tp * sharded,
-                         sharded_embedding_mb=min(shape.embedding_params(), shape.head_params()) * sharded)
+                         sharded_embedding_mb=min(shape.embedding_params(), shape.head_params()) * sharded,
+                         activation_mb=act_split + act_kept, replicated_activation_mb=act_kept,
+                         recompute_input_mb=tokens * shape.hidden * device.act_bytes / MB)
 
 
 def comm_costs(shape: ModelShape, tp: int, dp: int, micro_batch: int, device: DeviceSpec) -> CommCosts:

@@ -5,6 +5,8 @@ import dataclasses
 from dataclasses import dataclass
 
 BACKWARD_RATIO = 2.0   # a block's backward time / its forward time (weights and inputs: twice the work)
+# A block's forward + backward time when its stage recomputes it: one more forward in the backward.
+RECOMPUTE_TIME_FACTOR = 1.0 + 1.0 / (1.0 + BACKWARD_RATIO)
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,12 @@ class MemoryProfile:
     `sharded_embedding_mb` (whole on each member) are the parts of the above that the `pipelines`
     holding each piece split among themselves: a plan of P pipelines keeps 1/P of them per device
     (`over(P)`).
+
+    A stage that recomputes its blocks (`Stage.recompute == "full"`) keeps per block and micro-batch
+    in flight its input, `recompute_input_mb` (whole on every member), instead of the
+    `activation_mb` a block saves (`replicated_activation_mb` of it not split by a smaller group),
+    and holds one block's activations once, while that block is recomputed. Left at 0 (a scenario's
+    own K gives no split of it), recomputation is priced as saving nothing.
     """
 
     layer_mb: tuple[float, ...]
@@ -35,6 +43,9 @@ class MemoryProfile:
     sharded_layer_mb: float = 0.0
     sharded_embedding_mb: float = 0.0
     pipelines: int = 1
+    activation_mb: float = 0.0
+    replicated_activation_mb: float = 0.0
+    recompute_input_mb: float = 0.0
 
     @property
     def sharded(self) -> bool:
@@ -52,10 +63,17 @@ class MemoryProfile:
         """K[d]; beyond the listed depths, extrapolate linearly (the authors' code raised IndexError)."""
         return _at_depth(self.layer_mb, in_flight)
 
-    def block_mb(self, h: float, in_flight: int) -> float:
+    def block_mb(self, h: float, in_flight: int, recompute: bool = False) -> float:
         """One block on a device of a group h = tp/|g| times smaller than full, `in_flight` deep."""
         kept = _at_depth(self.replicated_layer_mb, in_flight) if self.replicated_layer_mb else 0.0
-        return h * (self.per_layer_mb(in_flight) - kept - self.sharded_layer_mb * self._unsharded) + kept
+        base = h * (self.per_layer_mb(in_flight) - kept - self.sharded_layer_mb * self._unsharded) + kept
+        if recompute and self.activation_mb:
+            base -= in_flight * (self.activations_mb(h) - self.recompute_input_mb)
+        return base
+
+    def activations_mb(self, h: float) -> float:
+        """What one block saves for backward per micro-batch on such a device (0: not known)."""
+        return h * (self.activation_mb - self.replicated_activation_mb) + self.replicated_activation_mb
 
     def ends_mb(self, h: float) -> float:
         """The embedding's (or head's) share on a device of the first (or last) stage of such a group."""

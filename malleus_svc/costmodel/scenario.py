@@ -32,7 +32,8 @@ def scenario_costs(sc: Scenario) -> ScenarioCosts:
         if layer_mb is not None or emb is not None:   # measured numbers say nothing of what splits
             memory = dataclasses.replace(memory, layer_mb=tuple(layer_mb or memory.layer_mb),
                                          embedding_mb=memory.embedding_mb if emb is None else emb,
-                                         replicated_layer_mb=(), replicated_embedding_mb=0.0)
+                                         replicated_layer_mb=(), replicated_embedding_mb=0.0,
+                                         activation_mb=0.0, replicated_activation_mb=0.0, recompute_input_mb=0.0)
     else:
         memory = MemoryProfile(layer_mb=tuple(layer_mb), embedding_mb=emb, reserved_mb=prof.reserved_memory_mb,
                                safety_margin_mb=prof.safety_margin_mb, gpu_memory_mb=sc.gpu_memory_mb)

@@ -50,6 +50,7 @@ from .organize import (Score, Scorer, Template, TooManyTemplates, dfs_templates,
 from ..config.scenario import OBJECTIVES
 from .problem import PlannerProblem
 from .timing import PipelineTimes, fill_drain, iteration_time
+from ..costmodel.profile import RECOMPUTE_TIME_FACTOR
 
 NEAR_OPTIMAL = 0.005        # plans within 0.5% of the best compete on migration bytes
 DFS_BUDGET = 4000           # DFS visits per (combination, P) before switching to the greedy generator
@@ -213,7 +214,8 @@ def _stage_times(problem: PlannerProblem, plan: Plan, pipe: Pipeline) -> tuple[f
     """t0 per micro-batch of each stage: blocks × group rate, plus its p2p under 'full'."""
     nodes = [plan.node_of(s.devices[0]) for s in pipe.stages]
     ex = p2p_extras(problem, nodes) if problem.objective == "full" else (0.0,) * len(nodes)
-    return tuple(group_rate(problem, s.devices) * s.num_layers + e for s, e in zip(pipe.stages, ex))
+    return tuple(group_rate(problem, s.devices) * s.num_layers * (RECOMPUTE_TIME_FACTOR if s.recompute == "full" else 1.0)
+                 + e for s, e in zip(pipe.stages, ex))
 
 
 def memory_violations(problem: PlannerProblem, plan: Plan) -> list[str]:

@@ -161,10 +161,12 @@ class Engine:
         self.groups = Groups(plan, rank, tied=shape.tie_embeddings)
         self.groups.tp.clock = self.clock     # TP collectives are not the device's own compute
         self.role = self.groups.role
+        stage = plan.pipelines[self.role.pipeline].stages[self.role.stage]
         self.num_stages = len(plan.pipelines[self.role.pipeline].stages)
         self.model = build_stage_model(shape, self.role.layers, has_embedding=self.role.is_first,
                                        has_head=self.role.is_last, tp=self.groups.tp, device=self.device,
-                                       seed=seed if init else None).to(dtype=dtype)
+                                       seed=seed if init else None,
+                                       recompute=stage.recompute == "full").to(dtype=dtype)
         if optim.compiles_on(self.device):
             compile_blocks(self.model)
         self.params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
@@ -334,7 +336,7 @@ class Engine:
             out = self._stage_forward(mb, loss_tokens, x, positions)
         self._flops += flops
         self._block_ops += blocks
-        self._inflight[i] = (x, out, flops)
+        self._inflight[i] = (x, out, 2 * flops + self.model.recompute_flops(mb.cu_seqlens))
         return out
 
     def _evaluate(self, i: int, mb: MicroBatch, loss_tokens: int, received: torch.Tensor | None) -> torch.Tensor:
@@ -359,14 +361,14 @@ class Engine:
     def _backward(self, i: int, received: torch.Tensor | None) -> torch.Tensor | None:
         """Backward of micro-batch i from the received output gradient (the loss on the last stage);
         returns the input's gradient (None on the first stage)."""
-        x, out, forward_flops = self._inflight.pop(i)
+        x, out, flops = self._inflight.pop(i)
         grad = received.to(out.dtype) if received is not None else None
         blocks = len(self.model.blocks)
         if i == self._last_micro and self.optim.overlap_grad_reduce:
             self.grad_sync.arm()      # the gradients become final in this backward: reduce them behind it
-        with self.clock.op("compute", flops=2 * forward_flops, blocks=blocks):   # backward: twice the forward's FLOPs
+        with self.clock.op("compute", flops=flops, blocks=blocks):   # twice the forward's, and a recompute's
             torch.autograd.backward(out, grad)
-        self._flops += 2 * forward_flops
+        self._flops += flops
         self._block_ops += blocks
         return x.grad
 

@@ -11,7 +11,9 @@ min(stages - stage, micro_batches) at a stage):
   adam         exp_avg and exp_avg_sq, made by the engine's AdamW itself (its `step` counters
                live on the host and are left out)
   working      the bf16 working weights the forward and backward run on: one copy, whatever the depth
-  activations  what the forward saves for backward, per in-flight micro-batch, less the above
+  activations  what the forward saves for backward, per in-flight micro-batch, less the above; with
+               recomputation each block's input instead of what it saves, plus one block's saved
+               activations once (the block being recomputed in backward)
   boundary     the stage's pipeline tensors, in the compute dtype: per in-flight micro-batch the
                received activation (not the first stage) and the output kept for backward (not
                the last), plus one received and one sent gradient (the backward running now)
@@ -128,11 +130,12 @@ class StageFootprint:
     loss: int                     # the loss's backward transients (0 but on the last stage)
     has_embedding: bool
     has_head: bool
+    recomputed: int = 0           # with recomputation: one block's saved activations, live in its backward
 
     def at_depth(self, in_flight: int) -> StageMemory:
         sides = (not self.has_embedding) + (not self.has_head)   # receives activations / sends them
         return StageMemory(params=self.params, grads=self.grads, adam=self.adam, working=self.working,
-                           activations=in_flight * self.saved,
+                           activations=in_flight * self.saved + self.recomputed,
                            boundary=(in_flight + 1) * sides * self.boundary_tensor,
                            logits=self.loss)
 
@@ -154,12 +157,13 @@ def stage_inputs(shape: ModelShape, micro_batch: int, seq_len: int, first: bool,
 
 
 def build_stage(shape: ModelShape, num_layers: int, *, has_embedding: bool, has_head: bool, tp: int,
-                device: torch.device = META) -> StageModel:
+                device: torch.device = META, recompute: bool = False) -> StageModel:
     """A stage of `num_layers` blocks, as TP rank 0 of a group of `tp` builds it, with attention
     measured as flash-attn's (`flash_footprint`). Uninitialised on real devices."""
     group = SINGLE if tp == 1 else LocalShard(size=tp, rank=0)
     with device:
-        model = StageModel(shape, (0, num_layers), has_embedding=has_embedding, has_head=has_head, tp=group)
+        model = StageModel(shape, (0, num_layers), has_embedding=has_embedding, has_head=has_head, tp=group,
+                           recompute=recompute)
     for block in model.blocks.values():
         block.attn.attend = flash_footprint
     return model
@@ -182,14 +186,23 @@ def _adam_state_bytes(model: StageModel) -> tuple[int, int]:
 
 
 def stage_footprint(shape: ModelShape, num_layers: int, *, has_embedding: bool, has_head: bool, tp: int,
-                    micro_batch: int, seq_len: int | None = None) -> StageFootprint:
+                    micro_batch: int, seq_len: int | None = None, recompute: bool = False) -> StageFootprint:
     """Measure one stage (TP rank 0's share; every rank of a group holds the same bytes) on meta."""
     seq_len = seq_len or shape.seq_len
-    model = build_stage(shape, num_layers, has_embedding=has_embedding, has_head=has_head, tp=tp)
+    model = build_stage(shape, num_layers, has_embedding=has_embedding, has_head=has_head, tp=tp,
+                        recompute=recompute)
     params = sum(p.untyped_storage().nbytes() for p in model.parameters())
     grads, adam = _adam_state_bytes(model)
     x, positions, cu_seqlens, targets = stage_inputs(shape, micro_batch, seq_len, has_embedding, META)
     saved, working = saved_for_backward(model, x, positions, cu_seqlens, targets if has_head else None)
     boundary = micro_batch * seq_len * shape.hidden * GPU_COMPUTE_DTYPE.itemsize
     loss = loss_backward_bytes(shape.vocab, micro_batch * seq_len, GPU_COMPUTE_DTYPE.itemsize) if has_head else 0
-    return StageFootprint(params, grads, adam, working.nbytes, saved, boundary, loss, has_embedding, has_head)
+    recomputed = 0
+    if recompute:
+        # the forward saved each block's input (the checkpoint does, where the hooks see it); in
+        # backward one block at a time saves what it always does
+        one = build_stage(shape, 1, has_embedding=False, has_head=False, tp=tp)
+        x1, positions, cu_seqlens, _ = stage_inputs(shape, micro_batch, seq_len, False, META)
+        recomputed = saved_for_backward(one, x1, positions, cu_seqlens)[0]
+    return StageFootprint(params, grads, adam, working.nbytes, saved, boundary, loss, has_embedding, has_head,
+                          recomputed)

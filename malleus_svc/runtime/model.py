@@ -23,6 +23,8 @@ from typing import Iterator, Mapping
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
 
 from malleus_svc.config.presets import ModelShape
 from malleus_svc.geometry import (EMBEDDING, HEAD, TIED, Part, TensorSpec, loss_chunk_tokens, part_tensors, shard_rows,
@@ -285,15 +287,17 @@ class StageModel(nn.Module):
     """The parts one device holds: optionally the embedding, blocks [start, end), optionally the head.
 
     `named_parameters()` yields full-model names (``blocks.3.attn.wq``), holding this TP rank's shard.
+    With `recompute` a block keeps only its input for backward and runs its forward again there
+    (non-reentrant activation checkpointing; the blocks draw no random numbers).
     """
 
     def __init__(self, shape: ModelShape, layers: tuple[int, int], *, has_embedding: bool,
-                 has_head: bool, tp: TensorParallel = SINGLE):
+                 has_head: bool, tp: TensorParallel = SINGLE, recompute: bool = False):
         super().__init__()
         err = tp_divisibility_error(shape, tp.size)
         if err:
             raise ValueError(err)
-        self.shape, self.tp, self.layers = shape, tp, layers
+        self.shape, self.tp, self.layers, self.recompute = shape, tp, layers, recompute
         self.rotary = RotaryTables(shape.head_dim, shape.rope_theta, shape.rope_scaling)
         self.embedding = Embedding(_by_local_name(shape, EMBEDDING)["embedding.weight"]) if has_embedding else None
         self.blocks = nn.ModuleDict({str(i): Block(shape, tp) for i in range(*layers)})
@@ -332,11 +336,17 @@ class StageModel(nn.Module):
         (query, key) pair per attention channel, causal and within each packed sequence. With
         `model_share`, a matrix every rank of a TP group computes whole (the head) counts 1/t on
         each: the rank's share of the model's FLOPs, which the group's ranks sum to (for MFU)."""
+        weights, share, _, _ = self._flop_counts
+        return self._flops(cu_seqlens, share if model_share else weights)
+
+    def recompute_flops(self, cu_seqlens: torch.Tensor) -> float:
+        """FLOPs the backward adds by running the blocks' forward again (0 without `recompute`)."""
+        return self._flops(cu_seqlens, self._flop_counts[3]) if self.recompute else 0.0
+
+    def _flops(self, cu_seqlens: torch.Tensor, weights: float) -> float:
         bounds = cu_seqlens.tolist()
-        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
-        pairs = sum(n * (n + 1) // 2 for n in lengths)
-        weights, share, channels = self._flop_counts
-        return 2.0 * (share if model_share else weights) * bounds[-1] + 4.0 * channels * pairs
+        pairs = sum((b - a) * (b - a + 1) // 2 for a, b in zip(bounds, bounds[1:]))
+        return 2.0 * weights * bounds[-1] + 4.0 * self._flop_counts[2] * pairs
 
     @contextlib.contextmanager
     def first_block_only(self) -> Iterator[None]:
@@ -352,14 +362,16 @@ class StageModel(nn.Module):
             self.__dict__.pop("_flop_counts", None)
 
     @cached_property
-    def _flop_counts(self) -> tuple[int, float, int]:
+    def _flop_counts(self) -> tuple[int, float, int, int]:
         """(weights of the stage's matrix multiplies, this rank's share of them in the model's, its
-        attention channels): fixed for the stage, counted once (every micro-batch asks)."""
+        attention channels, the blocks' weights alone): fixed for the stage, counted once (every
+        micro-batch asks)."""
         matrices = [(name, p.numel()) for name, p in self.named_parameters()
                     if p.dim() == 2 and not name.startswith("embedding.")]
         share = sum(n / (self.tp.size if split_dim(name) is None else 1) for name, n in matrices)
         channels = sum(block.attn.wq.shape[0] for block in self.blocks.values())
-        return sum(n for _, n in matrices), share, channels
+        blocks = sum(n for name, n in matrices if name.startswith("blocks."))
+        return sum(n for _, n in matrices), share, channels, blocks
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
                 targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -372,7 +384,13 @@ class StageModel(nn.Module):
         packing = Packing(cu_seqlens, x.device)
         rope = self.rotary(positions, packing.max_len, x.device, torch.promote_types(x.dtype, torch.float32))
         for block in self.blocks.values():
-            x = block(x, rope, packing)
+            if self.recompute and torch.is_grad_enabled():
+                # recomputed on the weights it runs on now (a working copy is bound only for this call)
+                weights = dict(block.named_parameters())
+                x = checkpoint(functional_call, block, weights, (x, rope, packing),
+                               use_reentrant=False, preserve_rng_state=False)
+            else:
+                x = block(x, rope, packing)
         if self.head is not None:
             x = self.final_norm(x)
             x = self.head(x) if targets is None else self.head.loss(x, targets)
@@ -391,11 +409,12 @@ def compile_blocks(model: StageModel) -> StageModel:
 
 def build_stage_model(shape: ModelShape, layers: tuple[int, int], *, has_embedding: bool, has_head: bool,
                       tp: TensorParallel = SINGLE, device: torch.device | str = "cpu",
-                      seed: int | None = None) -> StageModel:
+                      seed: int | None = None, recompute: bool = False) -> StageModel:
     """A stage built on the meta device, then only its own shards allocated on `device`; filled from
     `seed`, or left uninitialised (seed None) when state is about to be loaded into it."""
     with torch.device("meta"):
-        model = StageModel(shape, layers, has_embedding=has_embedding, has_head=has_head, tp=tp)
+        model = StageModel(shape, layers, has_embedding=has_embedding, has_head=has_head, tp=tp,
+                           recompute=recompute)
     # as Module.to_empty, without its import of sympy at every worker's start (NOTES.md, Runtime)
     assert not list(model.buffers()), "a stage holds parameters only"
     for module in model.modules():

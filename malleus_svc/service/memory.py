@@ -45,6 +45,7 @@ class StageReport:
     analytic_mb: float
     capacity_mb: float
     unsharded: int           # the fp32 masters' and Adam moments' bytes were the optimizer not sharded
+    recompute: bool = False  # the stage recomputes its blocks in backward
 
     @property
     def total_mb(self) -> float:
@@ -60,7 +61,7 @@ class StageReport:
 
     def to_dict(self) -> dict:
         return {"pipeline": self.pipeline, "stage": self.stage, "devices": list(self.devices),
-                "layers": self.layers, "tp": self.tp, "in_flight": self.in_flight,
+                "layers": self.layers, "tp": self.tp, "in_flight": self.in_flight, "recompute": self.recompute,
                 **{f"{k}_mb": round(v / MB, 1) for k, v in self.measured.terms()},
                 "reserved_mb": self.reserved_mb, "total_mb": round(self.total_mb, 1),
                 "planner_mb": round(self.planner_mb, 1), "planner_gap": round(self.gap(self.planner_mb), 4),
@@ -93,19 +94,23 @@ def plan_memory(sc: Scenario, plan: Plan) -> list[StageReport]:
         for j, st in enumerate(pipe.stages):
             depth = min(len(pipe.stages) - j, pipe.micro_batches)
             ends = j in (0, last)
-            measured = _footprint(sc.shape, st.num_layers, j == 0, j == last, st.tp, sc.micro_batch).at_depth(depth)
+            recompute = st.recompute == "full"
+            measured = _footprint(sc.shape, st.num_layers, j == 0, j == last, st.tp, sc.micro_batch,
+                                  recompute).at_depth(depth)
             rows.append(StageReport(
                 i, j, tuple(st.devices), st.num_layers, st.tp, depth,
                 measured.sharded_over(pipelines) if sc.shard_optimizer else measured, problem.memory.reserved_mb,
-                device_peak_mb(problem, st.tp, st.num_layers, depth, ends, pipelines),
-                device_peak_mb(auto, st.tp, st.num_layers, depth, ends, pipelines), sc.gpu_memory_mb,
-                measured.params + measured.adam))
+                device_peak_mb(problem, st.tp, st.num_layers, depth, ends, pipelines, recompute),
+                device_peak_mb(auto, st.tp, st.num_layers, depth, ends, pipelines, recompute), sc.gpu_memory_mb,
+                measured.params + measured.adam, recompute))
     return rows
 
 
 @lru_cache(maxsize=64)
-def _footprint(shape: ModelShape, layers: int, first: bool, last: bool, tp: int, micro_batch: int) -> StageFootprint:
-    return stage_footprint(shape, layers, has_embedding=first, has_head=last, tp=tp, micro_batch=micro_batch)
+def _footprint(shape: ModelShape, layers: int, first: bool, last: bool, tp: int, micro_batch: int,
+               recompute: bool = False) -> StageFootprint:
+    return stage_footprint(shape, layers, has_embedding=first, has_head=last, tp=tp, micro_batch=micro_batch,
+                           recompute=recompute)
 
 
 _TERMS = ("params", "grads", "adam", "working", "activations", "boundary", "logits")
@@ -117,7 +122,8 @@ def memory_table(rows: list[StageReport]) -> str:
     table = [head]
     for r in rows:
         terms = dict(r.measured.terms())
-        table.append((str(r.pipeline) if r.stage == 0 else "", str(r.stage), ranges(r.devices), str(r.layers),
+        table.append((str(r.pipeline) if r.stage == 0 else "", str(r.stage), ranges(r.devices),
+                      f"{r.layers}{' r' if r.recompute else ''}",
                       str(r.tp), str(r.in_flight), *(f"{terms[t] / GB:.1f}" for t in _TERMS),
                       f"{r.reserved_mb * MB / GB:.1f}", f"{r.total_mb * MB / GB:.1f}",
                       f"{r.planner_mb * MB / GB:.1f}", f"{100 * r.gap(r.planner_mb):+.0f}%",
@@ -166,6 +172,9 @@ def print_memory(sc: Scenario, plan: Plan, as_json: bool = False) -> int:
     print(f"memory of plan {plan.plan_id} for {sc.name}: micro-batch {sc.micro_batch} x {sc.shape.seq_len} tokens; "
           f"GB per device (2^30 bytes); gap = planner / measured - 1")
     print(memory_table(rows))
+    if any(r.recompute for r in rows):
+        print("layers marked r: the stage recomputes its blocks in backward (it keeps each block's input, "
+              "and one block's activations while it is recomputed)")
     if sc.shard_optimizer:
         print(f"optimizer sharded among the plan's {len(plan.pipelines)} pipelines: fp32 masters and Adam moments "
               f"{_spread(r.unsharded for r in rows)} GB per device unsharded, "

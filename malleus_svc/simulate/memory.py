@@ -35,13 +35,15 @@ class StageMemory:
 
 
 def device_peak_mb(problem: PlannerProblem, tp_size: int, blocks: int, in_flight: int, holds_embedding: bool,
-                   pipelines: int = 1) -> float:
+                   pipelines: int = 1, recompute: bool = False) -> float:
     """Peak MB on one device of a group of `tp_size` holding `blocks` blocks with `in_flight` micro-batches
-    alive, in a plan of `pipelines` pipelines (they share a sharded optimizer's state)."""
+    alive, in a plan of `pipelines` pipelines (they share a sharded optimizer's state); with
+    `recompute`, the stage recomputes its blocks in backward."""
     mem = problem.memory.over(pipelines)
     h = problem.tp / tp_size
-    per_block = mem.block_mb(h, max(1, in_flight))   # every stage runs >= 1 micro-batch
-    return per_block * blocks + (mem.ends_mb(h) if holds_embedding else 0.0) + mem.reserved_mb
+    per_block = mem.block_mb(h, max(1, in_flight), recompute)   # every stage runs >= 1 micro-batch
+    once = mem.activations_mb(h) if recompute and mem.activation_mb else 0.0   # the block being recomputed
+    return per_block * blocks + once + (mem.ends_mb(h) if holds_embedding else 0.0) + mem.reserved_mb
 
 
 def stage_memory(plan: Plan, problem: PlannerProblem, sim: SimResult) -> list[StageMemory]:
@@ -49,7 +51,8 @@ def stage_memory(plan: Plan, problem: PlannerProblem, sim: SimResult) -> list[St
     for i, (pipe, pres) in enumerate(zip(plan.pipelines, sim.pipelines)):
         last = len(pipe.stages) - 1
         for j, (st, sres) in enumerate(zip(pipe.stages, pres.stages)):
-            peak = device_peak_mb(problem, st.tp, st.num_layers, sres.max_in_flight, j in (0, last), len(plan.pipelines))
+            peak = device_peak_mb(problem, st.tp, st.num_layers, sres.max_in_flight, j in (0, last), len(plan.pipelines),
+                                  st.recompute == "full")
             out.append(StageMemory(i, j, st.devices, st.num_layers, sres.max_in_flight, peak))
     return out
 

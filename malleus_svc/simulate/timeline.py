@@ -11,7 +11,8 @@ Time model (all in t0 units: forward+backward of one block, one micro-batch, hea
 TP group; `problem.t0_seconds` converts):
   * compute of stage (i, j) per micro-batch: c_ij = l_ij · α(|g_ij|) · max_{d ∈ g_ij} x_d, TP
     collectives included in α; no τ snap (true rates). Forward takes c/(1+r), backward c·r/(1+r),
-    with r = `SimOptions.backward_ratio` (2: backward ≈ 2× forward);
+    with r = `SimOptions.backward_ratio` (2: backward ≈ 2× forward), and c/(1+r) more on a stage
+    that recomputes its blocks (`Stage.recompute`);
   * p2p between stage j and j+1: `CommCosts.p2p_intra_node` or `p2p_inter_node` per micro-batch
     for forward + backward, split evenly between the activation (forward) and its gradient
     (backward), since both have the same size. With `p2p="blocking"` (default) the transfer
@@ -354,7 +355,9 @@ def simulate(plan: Plan, problem: PlannerProblem, rates: Sequence[float] | Mappi
             first, end = pipe.stages[j].layers
             split = overlapped(pipe.stages[j])
             for kind, k in one_f_one_b(S, j, m):
-                dur = c * work[i][k] * (fwd_share if kind == "F" else 1 - fwd_share)
+                # a recomputing stage runs the forward again in each backward
+                part = fwd_share if kind == "F" else 1 - fwd_share + fwd_share * (pipe.stages[j].recompute == "full")
+                dur = c * work[i][k] * part
                 # 1F1B's backwards run in micro-batch order: the last one finalises the gradients, block
                 # by block, where an overlapped reduction needs to see it
                 blocks = range(end - 1, first - 1, -1) if kind == "B" and k == m - 1 and split else (None,)
