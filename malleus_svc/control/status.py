@@ -9,10 +9,9 @@ from malleus_svc.runtime.device_clock import host_cores
 
 
 def plan_summary(plan: Plan) -> dict:
-    return {"pipelines": [{"micro_batches": p.micro_batches,
-                           "stages": [{"devices": list(s.devices), "layers": list(s.layers)} for s in p.stages]}
-                          for p in plan.pipelines],
-            "suspended": list(plan.suspended), "excluded": list(plan.excluded), "global_batch": plan.global_batch}
+    d = plan.to_dict()
+    return {"pipelines": d["pipelines"], "suspended": list(plan.suspended), "excluded": list(plan.excluded),
+            "global_batch": plan.global_batch}
 
 
 def describe_plan(plan: Plan | dict) -> str:
@@ -20,7 +19,8 @@ def describe_plan(plan: Plan | dict) -> str:
     d = plan.to_dict() if isinstance(plan, Plan) else plan
     pipes = []
     for p in d["pipelines"]:
-        st = " > ".join(f"{','.join(map(str, s['devices']))}[{s['layers'][0]}:{s['layers'][1]}]" for s in p["stages"])
+        st = " > ".join(f"{','.join(map(str, s['devices']))}[{s['layers'][0]}:{s['layers'][1]}]"
+                        f"{'r' if s.get('recompute', 'none') != 'none' else ''}" for s in p["stages"])
         pipes.append(f"({st})x{p['micro_batches']}")
     extra = f" susp {list(d.get('suspended') or [])}" if d.get("suspended") else ""
     extra += f" excl {list(d.get('excluded') or [])}" if d.get("excluded") else ""
