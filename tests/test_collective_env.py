@@ -38,3 +38,13 @@ def test_harmless_values_say_nothing(caplog):
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         prepare_collective_env("nccl", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "0"})
     assert not caplog.records
+
+
+def test_nccls_own_timeout_is_a_backstop_behind_the_watchdogs_and_gloos_is_the_detection():
+    import datetime
+
+    from malleus_svc.runtime.collective_env import NCCL_BACKSTOP, group_timeout
+
+    t = datetime.timedelta(seconds=20)
+    assert group_timeout("gloo", t) == t
+    assert group_timeout("nccl", t) == NCCL_BACKSTOP * t > t

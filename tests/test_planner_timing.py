@@ -66,6 +66,9 @@ def test_the_closed_form_equals_the_simulator_where_its_stages_are_even():
         Pipeline((Stage(tuple(range(16, 20)), (0, 2)), Stage(tuple(range(20, 24)), (2, 4)),
                   Stage(tuple(range(24, 28)), (4, 6)), Stage(tuple(range(28, 32)), (6, 8))), micro_batches=3),
     ), excluded=tuple(range(32, base.num_devices)))
+    recomputing = replace(plan, pipelines=tuple(replace(pipe, stages=tuple(replace(s, recompute="full")
+                                                                           for s in pipe.stages))
+                                                for pipe in plan.pipelines))
     for grad in (0.5, 4.0, 40.0):
         p = replace(base, num_layers=8, rates=(1.0,) * base.num_devices, comm=CommCosts(grad_sync_per_block=grad))
         sim = simulate(plan, p, options=SimOptions(optimizer_per_block=0.0))
@@ -74,6 +77,9 @@ def test_the_closed_form_equals_the_simulator_where_its_stages_are_even():
                  for pipe in plan.pipelines]
         assert iteration_time(p, pipes) == pytest.approx(sim.iteration_t0, rel=1e-9), grad
         assert sim.iteration_t0 > max(pipeline_time(x.micro_batches, x.times) for x in pipes)
+        # stages that recompute: longer, and their backward the larger share of them
+        sim = simulate(recomputing, p, options=SimOptions(optimizer_per_block=0.0))
+        assert evaluate(replace(p, objective="full"), recomputing) == pytest.approx(sim.iteration_t0, rel=1e-9), grad
 
 
 def test_full_ranks_finalists_like_the_simulator():

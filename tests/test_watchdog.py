@@ -80,6 +80,40 @@ def test_a_slow_step_that_keeps_finishing_ops_is_not_a_lost_peer():
         dog.close()
 
 
+def test_kicks_are_progress_and_a_broken_progress_or_abort_still_ends_the_work():
+    """A migration's rounds that the host saw end keep it alive; a progress read that raises counts
+    as none, an abort that raises still lets the work raise PeerLost, and an interrupt disarms."""
+    aborts = []
+    dog = Watchdog(0.3, lambda: aborts.append(1), poll_s=0.01)
+    try:
+        with dog.watch("a migration"):
+            for _ in range(20):
+                time.sleep(0.03)
+                dog.kick()
+        with pytest.raises(KeyboardInterrupt):
+            with dog.watch("a step"):
+                raise KeyboardInterrupt
+        time.sleep(0.5)
+        assert not aborts and dog.fired is None      # disarmed by the interrupt too
+    finally:
+        dog.close()
+
+    def broken_progress() -> int:
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    def broken_abort() -> None:
+        raise RuntimeError("ncclCommAbort failed")
+
+    released = threading.Event()
+    dog = Watchdog(0.2, lambda: (released.set(), broken_abort()), progress=broken_progress, poll_s=0.01)
+    try:
+        with pytest.raises(PeerLost):
+            with dog.watch("a train step"):
+                assert released.wait(30)
+    finally:
+        dog.close()
+
+
 def test_an_error_the_abort_caused_is_raised_as_peer_lost_from_it():
     hub = RulesHub(world=2, timeout=60)
     dog = Watchdog(0.2, lambda: hub.abort(0), poll_s=0.02)

@@ -178,7 +178,8 @@ def evaluate(problem: PlannerProblem, plan: Plan) -> float:
     times = [_stage_times(problem, plan, pipe) for pipe in plan.pipelines]
     if problem.objective == "full":
         return iteration_time(problem, [PipelineTimes(p.micro_batches, t, tuple(s.num_layers for s in p.stages),
-                                                      tuple(s.tp for s in p.stages))
+                                                      tuple(s.tp for s in p.stages),
+                                                      tuple(s.recompute == "full" for s in p.stages))
                                         for p, t in zip(plan.pipelines, times)])
     if problem.objective == "paper":
         return max(p.micro_batches * max(t) for p, t in zip(plan.pipelines, times))

@@ -27,6 +27,8 @@ from ..costmodel.profile import BACKWARD_RATIO
 from .problem import PlannerProblem
 
 BACKWARD_SHARE = BACKWARD_RATIO / (1 + BACKWARD_RATIO)   # of a stage's fwd+bwd time per micro-batch
+# ... of a stage that recomputes its blocks: its backward runs the forward again
+RECOMPUTE_BACKWARD_SHARE = (1 + BACKWARD_RATIO) / (2 + BACKWARD_RATIO)
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class PipelineTimes:
     times: tuple[float, ...]     # t_ij, t0 per micro-batch
     layers: tuple[int, ...]      # blocks per stage, in order
     sizes: tuple[int, ...]       # TP group size per stage
+    recompute: tuple[bool, ...] = ()   # per stage: it recomputes its blocks (none: no stage does)
 
 
 def fill_drain(times: Sequence[float]) -> float:
@@ -63,8 +66,9 @@ def iteration_time(problem: PlannerProblem, pipes: Sequence[PipelineTimes]) -> f
     stages = []   # (first run, end run) of each stage holding blocks
     for p, w in zip(pipes, ends):
         k, start, finish = 0, 0, w
-        for t, n, size in zip(p.times, p.layers, p.sizes):
-            first, per_block = k, BACKWARD_SHARE * t / n
+        for t, n, size, rc in zip(p.times, p.layers, p.sizes, p.recompute or (False,) * len(p.times)):
+            backward = (RECOMPUTE_BACKWARD_SHARE if rc else BACKWARD_SHARE) * t
+            first, per_block = k, backward / n
             while k < len(runs) and runs[k][1] <= start + n:
                 a, b = runs[k]
                 smallest[k] = size if not smallest[k] else min(smallest[k], size)
@@ -73,7 +77,7 @@ def iteration_time(problem: PlannerProblem, pipes: Sequence[PipelineTimes]) -> f
                 last_ready[k] = max(last_ready[k], finish - (a - start) * per_block)
                 k += 1
             stages.append((first, k))
-            finish -= BACKWARD_SHARE * t
+            finish -= backward
             start += n
     # A stage reduces its runs last first, each block of a run in g / smallest as soon as it is passed:
     # with blocks passed at a steady pace the queue ends at one of the run's ends (the last block

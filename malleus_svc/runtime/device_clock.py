@@ -352,8 +352,8 @@ class CudaClock:
 
     def finished(self) -> int:
         """Ops the GPU has finished so far, from any thread and without waiting (the watchdog's
-        progress). A snapshot of the owner's list: a read racing it may count some twice, which
-        only looks like progress."""
+        progress). A snapshot of the owner's list: a read racing it may count some twice or miss
+        some once, which only looks like progress (any change does)."""
         done = self._read_ops
         for op in list(self._ops):
             if not op.end.query():

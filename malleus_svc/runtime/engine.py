@@ -278,7 +278,8 @@ class Engine:
                          .requires_grad_(True))
                     with self.clock.op("rehearse-forward", flops=flops, blocks=blocks):
                         out = self.working(self.model, x, positions, cu_seqlens)
-                    with self.clock.op("rehearse-backward", flops=2 * flops, blocks=blocks):
+                    with self.clock.op("rehearse-backward", flops=2 * flops + self.model.recompute_flops(cu_seqlens),
+                                       blocks=blocks):
                         out.float().sum().backward()
                     if not one_block:
                         with self.clock.op("rehearse-update", nbytes=nbytes):

@@ -385,9 +385,9 @@ class StageModel(nn.Module):
         rope = self.rotary(positions, packing.max_len, x.device, torch.promote_types(x.dtype, torch.float32))
         for block in self.blocks.values():
             if self.recompute and torch.is_grad_enabled():
-                # recomputed on the weights it runs on now (a working copy is bound only for this call)
-                weights = dict(block.named_parameters())
-                x = checkpoint(functional_call, block, weights, (x, rope, packing),
+                # recomputed on the weights it runs on now (a working copy is bound only for this call);
+                # x a top-level argument, which the checkpoint saves for backward
+                x = checkpoint(_run_block, x, block, dict(block.named_parameters()), rope, packing,
                                use_reentrant=False, preserve_rng_state=False)
             else:
                 x = block(x, rope, packing)
@@ -395,6 +395,11 @@ class StageModel(nn.Module):
             x = self.final_norm(x)
             x = self.head(x) if targets is None else self.head.loss(x, targets)
         return x
+
+
+def _run_block(x: torch.Tensor, block: Block, weights: Mapping[str, torch.Tensor], rope, packing: Packing
+               ) -> torch.Tensor:
+    return functional_call(block, weights, (x, rope, packing))
 
 
 def compile_blocks(model: StageModel) -> StageModel:

@@ -26,9 +26,10 @@ def listen(host: str) -> socket.socket:
 
 
 def join(backend: str, addr: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta,
-         listener: socket.socket | None = None) -> None:
+         listener: socket.socket | None = None, group_timeout: datetime.timedelta | None = None) -> None:
     """`init_process_group` over a TCPStore at addr:port. Rank 0 passes the `listen(addr)` socket
-    and the store takes it over; the other ranks connect to it."""
+    and the store takes it over; the other ranks connect to it. The store waits `timeout`, the
+    group's collectives `group_timeout` (default: the same)."""
     import torch.distributed as dist
 
     if rank == 0:
@@ -38,4 +39,4 @@ def join(backend: str, addr: str, port: int, rank: int, world_size: int, timeout
                               master_listen_fd=listener.detach())
     else:
         store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=group_timeout or timeout)

@@ -106,7 +106,7 @@ class DeviceWorker:
         """Join the world of these devices (sorted ids); this device's rank is its place among them."""
         import torch.distributed as dist
 
-        from .collective_env import prepare_collective_env
+        from .collective_env import group_timeout, prepare_collective_env
         from .groups import abort_world, prepare_world, set_collective_timeout, set_world_devices
         from .rendezvous import join
         from .watchdog import Watchdog
@@ -117,9 +117,10 @@ class DeviceWorker:
         backend = "nccl" if self.use_gpu else "gloo"
         prepare_collective_env(backend, os.environ)
         rank, listener, self._listener = list(devices).index(self.device_id), self._listener, None
-        join(backend, addr, port, rank, len(devices), datetime.timedelta(seconds=float(timeout_s)), listener)
+        timeout = datetime.timedelta(seconds=float(timeout_s))
+        join(backend, addr, port, rank, len(devices), timeout, listener, group_timeout(backend, timeout))
         set_world_devices(devices)
-        set_collective_timeout(datetime.timedelta(seconds=float(timeout_s)))
+        set_collective_timeout(group_timeout(backend, timeout))
         prepare_world()
         self.watchdog = Watchdog(float(timeout_s), abort_world, progress=self.clock.finished)
         self.world_ready = True
@@ -215,6 +216,15 @@ class DeviceWorker:
         """Communication under the watchdog: a peer lost inside it raises PeerLost at the collective
         timeout, also where the host would otherwise wait on the device forever (NCCL)."""
         return self.watchdog.watch(what) if self.watchdog is not None else contextlib.nullcontext()
+
+    def _kicking(self, exchange):
+        """A migration's exchange that tells the watchdog of each round the host saw end (on gloo it
+        waits for it; on NCCL it only enqueues, and a lost peer stalls the next step instead)."""
+        def run(messages, tag: int) -> None:
+            exchange(messages, tag)
+            if self.watchdog is not None:
+                self.watchdog.kick()
+        return run
 
     @contextlib.contextmanager
     def _leaving_world_on_failure(self, what: str):
@@ -342,6 +352,7 @@ class DeviceWorker:
         from .engine import Engine
         from .groups import release_unused
         from .migrate import execute_migration, plan_migration
+        from .transport import exchange
 
         t0 = time.perf_counter()
         if not self.world_ready:
@@ -354,7 +365,8 @@ class DeviceWorker:
         old_states = None if fresh else self.engine.export_state(copy=False) if self.engine is not None else self._held
         export_s = time.perf_counter() - t0
         with self._watched("a migration"):
-            states, stats = execute_migration(schedule, self.device_id, old_states, comm_device=self.torch_device)
+            states, stats = execute_migration(schedule, self.device_id, old_states, comm_device=self.torch_device,
+                                              exchange=self._kicking(exchange))
         del old_states
         self._held = None    # only now: a migration that failed leaves the kept shards for another try
         t1 = time.perf_counter()
@@ -449,11 +461,11 @@ class DeviceWorker:
             sharded = self.engine.optim.shard_optimizer
             self._held = (self._held if sharded else self.engine.export_state(copy=False)) if keep_state else None
         self._drop_engine()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        if self.watchdog is not None:
+        if self.watchdog is not None:    # first: an abort under way ends before the world is torn down
             self.watchdog.close()
             self.watchdog = None
+        if dist.is_initialized():       # not after an NCCL abort, which forgot the world
+            dist.destroy_process_group()
         clear_group_cache()  # cached subgroups belonged to the world just destroyed
         self.world_ready = False
 
