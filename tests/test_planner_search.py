@@ -505,3 +505,62 @@ def test_under_full_group_sets_alike_up_to_renumbering_nodes_are_organised_once(
     assert _signature(full, a) == _signature(full, b) != _signature(full, c)
     paper = example_64()
     assert _signature(paper, a) == _signature(paper, c)      # 'paper' prices no p2p: nodes do not matter
+
+
+# ---------------------------------------------------------------------------- recomputation
+def _example_64gb(gpu_memory_gb: int) -> PlannerProblem:
+    from pathlib import Path
+
+    from malleus_svc.config.job import load_scenario_of
+    from malleus_svc.config.scenario import find_scenario
+    from malleus_svc.planner.build import build_problem
+
+    p = build_problem(load_scenario_of(find_scenario(str(Path(__file__).parent.parent / "examples/llama70b_64gb.yaml"))))
+    return replace(p, memory=replace(p.memory, gpu_memory_mb=gpu_memory_gb * 1024))
+
+
+def test_a_recomputing_memory_model_is_the_stored_one_less_what_recomputation_frees():
+    mem = _example_64gb(64).memory
+    rc = mem.recomputing(8.0)
+    for h in (1.0, 2.0, 8.0):
+        for d in (1, 3, 9):     # 9: beyond the listed depths, extrapolated alike
+            assert rc.block_mb(h, d) == pytest.approx(mem.block_mb(h, d, recompute=True), rel=1e-12)
+            assert rc.block_mb(h, d) < mem.block_mb(h, d)
+    assert rc.reserved_mb == pytest.approx(mem.reserved_mb + mem.activations_mb(8.0))
+    assert replace(mem, activation_mb=0.0).recomputing(8.0).layer_mb == mem.layer_mb   # unknown: priced as none
+
+
+@pytest.mark.parametrize("gb", [40, 44])
+def test_where_nothing_fits_the_planner_recomputes_only_the_stages_that_need_it(gb):
+    """70B on 64 devices of 40 or 44 GiB: no layout fits with stored activations; the planner finds
+    one where the stages that need it recompute, which fits the memory model, and its objective is
+    what the event simulator runs (a third more compute on those stages)."""
+    from malleus_svc.planner.search import _plan_once, memory_violations
+    from malleus_svc.simulate import simulate
+
+    p = _example_64gb(gb)
+    with pytest.raises(InfeasibleError):
+        _plan_once(p, None, None)
+    r = plan(p)
+    stages = [s for pipe in r.plan.pipelines for s in pipe.stages]
+    recomputing = [s for s in stages if s.recompute == "full"]
+    assert 0 < len(recomputing) < len(stages)
+    assert not memory_violations(p, r.plan)
+    assert any("recompute their blocks" in n for n in r.notes)
+    assert r.objective == pytest.approx(simulate(r.plan, p).iteration_t0, rel=0.01)
+    # the same layout with every stage storing its activations does not fit
+    stored = replace(r.plan, pipelines=tuple(replace(pipe, stages=tuple(replace(s, recompute="none")
+                                                                         for s in pipe.stages))
+                                             for pipe in r.plan.pipelines))
+    assert memory_violations(p, stored)
+
+
+def test_where_memory_does_not_bind_the_plan_is_the_same_and_recomputation_never_makes_it_slower():
+    from malleus_svc.planner.search import _plan_once
+
+    for gb in (80, 64, 48):
+        p = _example_64gb(gb)
+        alone, r = _plan_once(p, None, None), plan(p)
+        assert r.objective <= alone.objective * (1 + 1e-9)
+        if gb == 80:
+            assert r.plan == alone.plan and all(s.recompute == "none" for pp in r.plan.pipelines for s in pp.stages)

@@ -71,6 +71,22 @@ class MemoryProfile:
             base -= in_flight * (self.activations_mb(h) - self.recompute_input_mb)
         return base
 
+    def recomputing(self, largest_h: float) -> "MemoryProfile":
+        """This model for stages that all recompute their blocks: each block keeps its input in place
+        of its activations, and every device holds one block's activations once (as on the smallest
+        group, `largest_h`: the model has no per-stage term). Itself where the activations are not
+        known."""
+        if not self.activation_mb:
+            return self
+        depths = range(len(self.layer_mb), 0, -1)     # layer_mb lists depths len..1
+        saved = self.activation_mb - self.recompute_input_mb
+        kept = self.replicated_activation_mb - self.recompute_input_mb
+        return dataclasses.replace(
+            self, layer_mb=tuple(k - d * saved for k, d in zip(self.layer_mb, depths)),
+            replicated_layer_mb=tuple(k - d * kept for k, d in zip(self.replicated_layer_mb, depths)),
+            reserved_mb=self.reserved_mb + self.activations_mb(largest_h),
+            activation_mb=0.0, replicated_activation_mb=0.0, recompute_input_mb=0.0)
+
     def activations_mb(self, h: float) -> float:
         """What one block saves for backward per micro-batch on such a device (0: not known)."""
         return h * (self.activation_mb - self.replicated_activation_mb) + self.replicated_activation_mb

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+from ..costmodel.profile import RECOMPUTE_TIME_FACTOR
 from ..plan import Plan, PlanDiff
 from .problem import PlannerProblem
 
@@ -32,13 +33,17 @@ def plan_table(plan: Plan, problem: PlannerProblem) -> str:
     for i, pipe in enumerate(plan.pipelines):
         for j, st in enumerate(pipe.stages):
             y = stage_rate(problem, st.devices)
+            recompute = st.recompute == "full"
             rows.append((str(i) if j == 0 else "", str(j), ranges(st.devices), str(st.tp),
-                         f"[{st.layers[0]}, {st.layers[1]})", str(st.num_layers), f"{y:.2f}",
-                         f"{y * st.num_layers:.1f}", str(pipe.micro_batches) if j == 0 else ""))
+                         f"[{st.layers[0]}, {st.layers[1]})", f"{st.num_layers}{' r' if recompute else ''}", f"{y:.2f}",
+                         f"{y * st.num_layers * (RECOMPUTE_TIME_FACTOR if recompute else 1.0):.1f}",
+                         str(pipe.micro_batches) if j == 0 else ""))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append(f"suspended: {ranges(plan.suspended)}    excluded: {ranges(plan.excluded)}")
+    if any(st.recompute == "full" for pipe in plan.pipelines for st in pipe.stages):
+        lines.append("blocks marked r: the stage recomputes them in backward (a third more compute, far less memory)")
     return "\n".join(lines)
 
 

@@ -203,6 +203,14 @@ def bottleneck(rates: Sequence[float], caps: Sequence[int], num_layers: int, ext
     return _optimum(rates, extra or [0.0] * len(rates), lo, caps, num_layers)
 
 
+def lay_out(rates: Sequence[float], extra: Sequence[float], caps: Sequence[int], z: float, num_layers: int,
+            min_layers: int = 0) -> list[int]:
+    """ILP-1's layout at its optimum `z` (from `bottleneck` with the same caps and `min_layers`), by
+    the tie-break `solve_layers` uses."""
+    lo = [min_layers] * len(rates)
+    return _choose(rates, extra, lo, _caps_at(z, rates, extra, lo, caps), num_layers, None)
+
+
 def solve_micro_batches(z: Sequence[float], stages: Sequence[int], num_micro_batches: int, objective: str = "paper",
                         solver: str = "closed_form", prefer: Sequence[int] | None = None,
                         time_limit_s: float = 10.0, mip_gap: float = 0.0,

@@ -36,6 +36,7 @@ not inside the ILPs.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -44,7 +45,7 @@ from typing import Callable, Iterator, Sequence
 from ..plan import Pipeline, Plan, PlanError, Stage
 from .budget import NEVER, Deadline
 from .grouping import WIDE_DEVICES, Group, NodeOption, group_rate, make_group, node_options
-from .lower import layer_caps, solve_micro_batches
+from .lower import bottleneck, lay_out, layer_caps, solve_micro_batches
 from .organize import (Score, Scorer, Template, TooManyTemplates, dfs_templates, fill,
                        greedy_templates, improve, p2p_extras, reorder_stages, score_template, stage_plans)
 from ..config.scenario import OBJECTIVES
@@ -102,7 +103,99 @@ def plan(problem: PlannerProblem, previous: Plan | None = None,
 
     The search stops at `problem.time_budget_s` (budget.py) with the best plan found by then, and
     says so in the result's notes and the plan's inputs.
+
+    Where memory binds (no plan fits, or the plan fills a stage to its memory cap) and the memory
+    model knows what a block saves for backward, the search runs again as if every stage recomputed
+    its blocks (less memory, a third more compute); recomputation is then kept on the stages that
+    need it, and the faster of the two plans is returned.
     """
+    recomputing = _recomputing(problem)
+    try:
+        result = _plan_once(problem, previous, score)
+    except InfeasibleError:
+        if recomputing is None:
+            raise
+        return _recomputed(problem, _plan_once(recomputing, previous, score))
+    if recomputing is None or not _fills_a_stage(problem, result.plan):
+        return result
+    options = [result, _recomputed(problem, result)]
+    try:
+        options.append(_recomputed(problem, _plan_once(recomputing, previous, score)))
+    except InfeasibleError:
+        pass
+    return min(options, key=lambda r: r.objective)    # the first of equals: no recomputation
+
+
+def _recomputing(problem: PlannerProblem) -> PlannerProblem | None:
+    """`problem` with every stage recomputing its blocks, or None where memory cannot price it: its
+    blocks a third slower is its communication a third faster in a t0 a third longer."""
+    if not problem.memory.activation_mb:
+        return None
+    f, c = RECOMPUTE_TIME_FACTOR, problem.comm
+    return replace(problem, memory=problem.memory.recomputing(problem.tp), t0_seconds=problem.t0_seconds * f,
+                   comm=replace(c, p2p_intra_node=c.p2p_intra_node / f, p2p_inter_node=c.p2p_inter_node / f,
+                                grad_sync_per_block=c.grad_sync_per_block / f))
+
+
+def _caps(problem: PlannerProblem, plan: Plan, pipe: Pipeline, recompute: bool = False) -> tuple[int, ...]:
+    """Each stage's memory cap on blocks in `plan`, storing its activations or recomputing them."""
+    memory = problem.memory.over(len(plan.pipelines))
+    return layer_caps([problem.tp / s.tp for s in pipe.stages], problem.num_layers,
+                      memory.recomputing(problem.tp) if recompute else memory)
+
+
+def _fills_a_stage(problem: PlannerProblem, plan: Plan) -> bool:
+    """Memory binds: some stage holds as many blocks as its memory allows (caps stop at all of them)."""
+    return any(problem.num_layers > c <= s.num_layers
+               for pipe in plan.pipelines for s, c in zip(pipe.stages, _caps(problem, plan, pipe)))
+
+
+def _recomputed(problem: PlannerProblem, result: PlannerResult) -> PlannerResult:
+    """The result's plan with each stage's recomputation and blocks chosen again (`_relaid`)."""
+    chosen = result.plan
+    pipes = tuple(_relaid(problem, chosen, pipe) for pipe in chosen.pipelines)
+    recomputed = sum(s.recompute == "full" for pipe in pipes for s in pipe.stages)
+    ideal = ideal_objective(problem)
+    chosen = _finish(problem, replace(chosen, pipelines=pipes), ideal, result.solve_seconds,
+                     {**chosen.inputs, "recomputing_stages": recomputed})
+    note = f"memory binds: {recomputed} stage(s) recompute their blocks in backward"
+    return replace(result, plan=chosen, objective=chosen.objective_value, ideal_objective=ideal,
+                   notes=[*result.notes, note])
+
+
+def _relaid(problem: PlannerProblem, plan: Plan, pipe: Pipeline) -> Pipeline:
+    """The pipeline's blocks laid out again (ILP-1's min-max) with a recomputation choice per stage:
+    starting from none (or where its blocks need it), flip the stage whose flip lowers the bottleneck
+    most, while one does. A recomputing stage holds more blocks and takes a third longer on each."""
+    stages = pipe.stages
+    rates = [group_rate(problem, s.devices) for s in stages]
+    extra = list(p2p_extras(problem, [plan.node_of(s.devices[0]) for s in stages])
+                 if problem.objective == "full" else [0.0] * len(stages))
+    caps = (_caps(problem, plan, pipe), _caps(problem, plan, pipe, recompute=True))
+
+    def lay(flags: list[bool]) -> tuple[float, list[int]] | None:
+        a = [y * (RECOMPUTE_TIME_FACTOR if f else 1.0) for y, f in zip(rates, flags)]
+        hi = [caps[f][j] for j, f in enumerate(flags)]
+        z = bottleneck(a, hi, problem.num_layers, extra, min_layers=1)
+        return None if z is None else (z, lay_out(a, extra, hi, z, problem.num_layers, min_layers=1))
+
+    flags = [s.num_layers > c for s, c in zip(stages, caps[0])]
+    best = lay(flags)
+    while best is not None:
+        tries = [(lay(f), f) for f in ([*flags[:j], not flags[j], *flags[j + 1:]] for j in range(len(flags)))]
+        got, f = min(((t, f) for t, f in tries if t is not None), key=lambda tf: tf[0][0], default=(None, None))
+        if got is None or got[0] >= best[0] * (1 - 1e-9):
+            break
+        best, flags = got, f
+    if best is None:
+        return pipe
+    bounds = [0, *itertools.accumulate(best[1])]
+    return replace(pipe, stages=tuple(replace(s, layers=(a, b), recompute="full" if f else "none")
+                                      for s, a, b, f in zip(stages, bounds, bounds[1:], flags)))
+
+
+def _plan_once(problem: PlannerProblem, previous: Plan | None,
+               score: Callable[[Plan], float] | None) -> PlannerResult:
     if problem.search == "exhaustive":
         from .exhaustive import plan_exhaustive   # it builds on this module's helpers
         return plan_exhaustive(problem, previous, score)
@@ -223,9 +316,9 @@ def memory_violations(problem: PlannerProblem, plan: Plan) -> list[str]:
     """Stages whose blocks exceed the memory cap of the Malleus memory model (empty = the plan fits)."""
     out = []
     for i, pipe in enumerate(plan.pipelines):
-        caps = layer_caps([problem.tp / s.tp for s in pipe.stages], problem.num_layers,
-                          problem.memory.over(len(plan.pipelines)))
-        for j, (s, c) in enumerate(zip(pipe.stages, caps)):
+        stored, recomputing = _caps(problem, plan, pipe), _caps(problem, plan, pipe, recompute=True)
+        for j, s in enumerate(pipe.stages):
+            c = recomputing[j] if s.recompute == "full" else stored[j]
             if s.num_layers > c:
                 out.append(f"pipeline {i} stage {j}: {s.num_layers} blocks at TP {s.tp}, memory allows {c}")
     return out
