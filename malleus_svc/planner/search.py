@@ -106,8 +106,8 @@ def plan(problem: PlannerProblem, previous: Plan | None = None,
 
     Where memory binds (no plan fits, or the plan fills a stage to its memory cap) and the memory
     model knows what a block saves for backward, the search runs again as if every stage recomputed
-    its blocks (less memory, a third more compute); recomputation is then kept on the stages that
-    need it, and the faster of the two plans is returned.
+    its blocks (less memory, a third more compute). Recomputation is then chosen stage by stage on
+    that plan and on the one without it (`_relaid`), and the fastest of them is returned.
     """
     recomputing = _recomputing(problem)
     try:
