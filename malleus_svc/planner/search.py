@@ -28,8 +28,9 @@ Keeping it fast:
 
 Objectives ('paper', 'bubble', 'full') are those of `lower`; for 'full', z_ij includes the p2p
 time of the stage's boundaries (intra- or inter-node, `organize.p2p_extras`), a pipeline's fill and
-drain are its stages' own times, and the gradient reduction of each block starts when the last
-backward of every stage holding it has passed it (`timing.iteration_time`). That coupling term is evaluated exactly
+drain are its stages' own times, and the gradient reduction of each stage starts when the stages
+sharing its blocks have finished (`timing.iteration_time`; the runtime's reduction behind the last
+backward is priced there too, but not used yet: `PLANNER_OVERLAP`). That coupling term is evaluated exactly
 (in `evaluate` and when choosing among finalists) but optimised only through the candidate search,
 not inside the ILPs.
 """
