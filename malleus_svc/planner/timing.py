@@ -54,11 +54,10 @@ def pipeline_time(micro_batches: int, times: Sequence[float]) -> float:
 
 
 # The runtime hides each block's reduction behind the last backward (`overlap=True`, which the event
-# simulator runs). The planner's time model leaves out the head's compute and the optimizer step at a
-# device's rate; pricing the hidden reduction without them, it kept a 3x straggler in a
-# data-parallel plan (a data rebalance) where suspending it runs faster, and the demo fell from 1.64x
-# to 1.56x static. Until those terms are in the model, the planner prices the reduction after each
-# stage's last op.
+# simulator runs). The planner's time model leaves out the optimizer step at a device's rate;
+# pricing the hidden reduction without it, it kept a 3x straggler in a data-parallel plan (a data
+# rebalance) where suspending it runs faster, and the demo fell from 1.64x to 1.56x static. Until
+# that term is in the model, the planner prices the reduction after each stage's last op.
 PLANNER_OVERLAP = False
 
 
@@ -92,9 +91,6 @@ def iteration_time(problem: PlannerProblem, pipes: Sequence[PipelineTimes], over
             stages.append((first, k))
             finish -= backward
             start += n
-    # A stage reduces its runs last first, each block of a run in g / smallest as soon as it is passed:
-    # with blocks passed at a steady pace the queue ends at one of the run's ends (the last block
-    # passed, then one reduction; or the first passed, then all of them), or behind the run before.
     last = max(ends)
     if not overlap:
         cost = [g * (b - a) / smallest[k] if holders[k] > 1 else 0.0 for k, (a, b) in enumerate(runs)]
@@ -103,6 +99,9 @@ def iteration_time(problem: PlannerProblem, pipes: Sequence[PipelineTimes], over
             if sync:
                 last = max(last, max(latest[first:end]) + sync)
         return last
+    # A stage reduces its runs last first, each block of a run in g / smallest as soon as it is passed:
+    # with blocks passed at a steady pace the queue ends at one of the run's ends (the last block
+    # passed, then one reduction; or the first passed, then all of them), or behind the run before.
     for first, end in stages:
         done = 0.0
         for k in range(end - 1, first - 1, -1):

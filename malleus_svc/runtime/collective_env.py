@@ -8,7 +8,7 @@ the old world for a new one. So, before the process group exists (ProcessGroupNC
 it is built):
   TORCH_NCCL_ASYNC_ERROR_HANDLING=2  torch's watchdog only aborts a failed communicator.
 The step raises through the runtime's own watchdog (runtime/watchdog.py), which aborts the world's
-communicators when a step's work outlives the collective timeout. `wait()` stays non-blocking
+communicators when a step's device makes no progress for the collective timeout. `wait()` stays non-blocking
 (TORCH_NCCL_BLOCKING_WAIT unset): it orders streams, and the host runs ahead of the GPU.
 torch's own NCCL watchdog times each collective from when the host enqueued it, and the host now
 runs up to a step ahead: its timeout is a backstop, `NCCL_BACKSTOP` times the runtime's, so that a

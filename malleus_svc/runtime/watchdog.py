@@ -68,7 +68,6 @@ class Watchdog:
         try:
             yield
         except Exception as e:
-            self._disarm()
             self._raise_if_fired(e)
             raise
         finally:
