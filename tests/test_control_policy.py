@@ -3,10 +3,11 @@ import random
 
 import pytest
 
-from malleus_svc.control.measure import RateEstimator, WorkSample
+from malleus_svc.control.measure import Measurement, RateEstimator, WorkSample
 from malleus_svc.control.policy import MigrationCost, Observation, Option, Planner, ReplanPolicy, StaticPolicy, choose
 from malleus_svc.plan import Plan
 from malleus_svc.planner.build import build_problem
+from malleus_svc.runtime.device_clock import Pace
 
 
 def feed(est, true_rates, work, steps, jitter, rng, t0=0.01):
@@ -57,6 +58,21 @@ def test_a_slowed_device_is_detected_within_the_window():
     assert fired_after is not None and fired_after <= 3
     feed(est, true, work, 5, 0.1, rng)
     assert est.rates()[3] == pytest.approx(3.0, rel=0.15)
+
+
+def test_the_warm_up_keeps_its_ops_costs_after_its_cold_first_iteration_and_refits_before_any_is_measured():
+    """A CPU job's pace: its ops' costs kept from the warm-up's second iteration, refitted at the
+    boundary before the first measured one; counted from where training starts (a checkpoint's
+    step); nothing without a pace (GPUs keep their own time) or a warm-up of under two iterations."""
+    m = Measurement(skip=3)
+    assert [m.pace_refit(s) for s in range(6)] == [None] * 6
+    m.device_pace = Pace(1e9, 1e9, 1e-3)
+    m.begin_at(10)
+    assert [m.pace_refit(s) for s in range(9, 15)] == [None, None, "keep", None, "refit", None]
+    assert not m.measures(12) and m.measures(13)
+    short = Measurement(skip=1)
+    short.device_pace = m.device_pace
+    assert [short.pace_refit(s) for s in range(4)] == [None] * 4
 
 
 def test_outliers_are_rejected():
@@ -202,7 +218,7 @@ def test_the_control_section_parses_with_defaults_and_names_a_bad_field():
     from malleus_svc.config import ConfigError
     from malleus_svc.config.job import ControlConfig, JobConfig
     job = _job()
-    assert job.control == ControlConfig(window=5, band=0.3)        # the example shows the defaults
+    assert job.control == ControlConfig(window=3, band=0.3)        # the example shows the defaults
     d = {"name": "x", "cluster": {"nodes": 1, "gpus_per_node": 4}, "model": "tiny",
          "parallel": {"dp": 2, "tp": 1, "pp": 2}, "batch": {"global": 8, "micro": 2}}
     assert JobConfig.from_dict({**d, "control": {"band": 0.5}}).control.band == 0.5

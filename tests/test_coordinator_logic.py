@@ -88,7 +88,7 @@ def test_a_straggler_is_planned_around_and_a_heal_takes_it_back():
     run(c, 2)
     assert c.measurement.calibrated and after_pricing(c) == []
     c.emulate({3: 3.0})
-    run(c, 6)      # the window median turns after 3 of 5 slow iterations, then one to plan and apply
+    run(c, 6)      # the window median turns after 2 of 3 slow iterations, then one to plan and apply
     applied = [h for h in c.get_history() if h["outcome"] == "applied"]
     assert len(applied) == 1 and "device 3" in applied[0]["reason"], outcomes(c)
     assert applied[0]["decision"]["predicted_gain_seconds"] > 0

@@ -21,8 +21,8 @@ from _mp import run_on_gloo
 from malleus_svc.config.presets import preset
 from malleus_svc.plan import Pipeline, Plan, Stage
 from malleus_svc.control.workload import device_work, t0_flops
-from malleus_svc.runtime.device_clock import (CudaClock, HostCost, OpCost, Pace, PacedClock, allowed_cores, fit_pace,
-                                              host_cores, pace_for)
+from malleus_svc.runtime.device_clock import (REFIT_QUANTILE, CudaClock, HostCost, OpCost, Pace, PacedClock,
+                                              allowed_cores, fit_pace, host_cores, pace_for, refit_pace)
 from malleus_svc.runtime.engine import Engine, OptimConfig
 from test_engine import SEED, global_batches
 
@@ -284,6 +284,43 @@ def test_a_fitted_pace_holds_every_op_of_any_stage_the_planner_may_cut_and_stays
     assert (given.flops_per_second, given.block_seconds) == (1e12, 0.01)
     with pytest.raises(ValueError, match="memory-bound"):
         fit_pace([rehearsal(True)[:-3]], cores=2, workers=4)
+
+
+def test_a_refit_on_the_steps_own_ops_covers_what_a_cheap_rehearsal_missed_and_never_speeds_up():
+    """A rehearsal's pace with too little time per block, and steps whose ops cost the host a fixed
+    part per block, a part per FLOP and their micro-batches' spread of FLOPs, with a contention
+    that stretches the wall time of most ops 1.5x and of one in twenty 3x: the refit fits the CPU
+    costs exactly and gives each op its CPU times the contention at REFIT_QUANTILE over the
+    utilization, so that every op stretched 1.5x keeps pace; terms the job gave stay, a pace already
+    slow enough is kept, and ops of one kind leave the other kind's term alone."""
+    rehearsed = Pace(flops_per_second=1e10, bytes_per_second=1e9, block_seconds=1e-4)
+
+    def step_ops(stretch_every: int = 20) -> list[OpCost]:
+        ops = []
+        for i in range(40):
+            flops = 1e7 * (1 + i % 7)
+            cpu = 7e-4 * 4 + 4e-11 * flops
+            stretch = 3.0 if i % stretch_every == 0 else 1.5
+            ops.append(OpCost("compute", flops, 0.0, 4, cpu, cpu * stretch))
+            ops.append(OpCost("update", 0.0, 5e6, 0, 4e-3, 4e-3 * stretch))
+        return ops
+    utilization = 0.75
+    pace = refit_pace(rehearsed, [step_ops(), step_ops()], utilization)
+    contention = 1.5 / utilization            # REFIT_QUANTILE of the stretches, over the utilization
+    assert REFIT_QUANTILE < 1 - 1 / 20
+    assert pace.block_seconds == pytest.approx(contention * 7e-4)
+    assert pace.flops_per_second == pytest.approx(rehearsed.flops_per_second)   # 1 / (contention x 4e-11) is faster
+    assert pace.bytes_per_second == pytest.approx(5e6 / (contention * 4e-3))
+    for op in step_ops():
+        if op.wall_seconds <= 1.5 * op.cpu_seconds:
+            assert pace.nominal(op.flops, op.nbytes, op.blocks) >= op.wall_seconds
+    assert refit_pace(pace, [step_ops()], utilization) == pace                   # held: nothing changes
+    slow = Pace(1e9, 1e8, 1e-2)
+    assert refit_pace(slow, [step_ops()], utilization) == slow                   # never faster
+    kept = refit_pace(rehearsed, [step_ops()], utilization, keep=(True, True, True))
+    assert kept == rehearsed
+    compute_only = refit_pace(rehearsed, [[op for op in step_ops() if op.flops]], utilization)
+    assert compute_only.bytes_per_second == rehearsed.bytes_per_second
 
 
 def test_work_units_under_a_time_per_block_give_every_healthy_device_the_same_unit_time():

@@ -267,6 +267,20 @@ def test_a_straggler_is_a_rate_on_the_paced_device_clock(group):
 
     try:
         before = run(1.0, reps=1)[-1]  # warm-up
+        # the pace refitted on the steps' own ops: never faster; the workers keep costs only when asked
+        group.keep_op_costs()
+        run(1.0, reps=1)
+        kept_ops = ray.get(group.workers[0].keep_op_costs.remote(False), timeout=30)
+        assert {op["kind"] for op in kept_ops} == {"compute", "update"}
+        assert all(op["cpu_seconds"] > 0 and op["wall_seconds"] > 0 for op in kept_ops)
+        group.keep_op_costs()
+        run(1.0, reps=2)
+        refit = group.refit_pace()
+        assert refit is group.device_pace
+        assert refit.flops_per_second <= pace.flops_per_second and refit.bytes_per_second <= pace.bytes_per_second
+        assert refit.block_seconds >= pace.block_seconds
+        assert ray.get(group.workers[0].keep_op_costs.remote(False), timeout=30) is None   # keeping stopped
+        before = run(1.0, reps=1)[-1]
         healthy = run(1.0)
         slow = run(3.0)
         kept = kept_pace(healthy + slow, before)

@@ -32,7 +32,7 @@ Format (YAML or JSON); every scenario section (see scenario.py) plus:
              # writes its own files there: `dir` is a file system every node sees, or an object
              # store's URI (s3://bucket/prefix, gs://, abfs://; endpoint and credentials from the
              # driver's environment: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)
-    control: {window: 5, skip: 3, calibrate: 3, skip_after_migration: 2, band: 0.3, threshold: 1.2,
+    control: {window: 3, skip: 3, calibrate: 3, skip_after_migration: 2, band: 0.3, threshold: 1.2,
               confirm: 2, min_interval: 3, grace: 0.1, migration_overhead_s: 2.0,
               seconds_per_byte: 2.0e-8, bucket_mb: 64, collective_timeout_s: 120, replace_timeout_s: 60,
               rejoin_check_s: 5, length_window: 50}
@@ -201,7 +201,7 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class ControlConfig:
     """The coordinator's knobs; these defaults are the only ones."""
-    window: int = 5                      # iterations in a device's rate window (median of them)
+    window: int = 3                      # iterations in a device's rate window (median of them)
     skip: int = 3                        # first iterations not measured (allocator, caches warm up)
     calibrate: int = 3                   # measured iterations that calibrate the healthy unit time
     skip_after_migration: int = 2        # new engines warm up too: their first iterations are not measured

@@ -173,9 +173,7 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
                 self.state = JobState.READY
                 if pace is not None:
                     self.measurement.device_pace = pace
-                    self._event("pace", f"CPU workers emulate accelerators of {pace.flops_per_second / 1e9:.3g} "
-                                        f"GFLOP/s and {pace.bytes_per_second / 1e9:.3g} GB/s, "
-                                        f"{pace.block_seconds * 1e3:.3g} ms per block an op runs through")
+                    self._pace_event(pace, "")
                 self._event("links", links.describe())
                 self.metrics_export = serve_job_metrics(self.job, plan, self.history.plan_version)
                 if self.metrics_export is not None:
@@ -284,6 +282,7 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
         self._apply_decided()
         if self.measurement.links_stale:
             self._retime_links()
+        self._pace_warmup()
         step, plan, group = self.step, self.plan, self.group
         with self._lock:
             slowdowns = self.hooks.emulation.changes(step, self.job.num_devices)
@@ -320,6 +319,29 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
                 self._event("error", err)
         self._decide()
         self._grace_wait(rec.iteration_seconds)
+
+    def _pace_warmup(self) -> None:
+        """At a warm-up boundary: the CPU workers keep their ops' costs, or their pace is refitted
+        on them (WorkerGroup.refit_pace) and the probes' baselines taken again on it."""
+        action = self.measurement.pace_refit(self.step)
+        try:
+            if action == "keep":
+                self.group.keep_op_costs()
+            elif action == "refit":
+                old, pace = self.measurement.device_pace, self.group.refit_pace()
+                baselines = probe_baselines(self.group, self.group.live, rounds=5) if pace != old else {}
+                with self._lock:
+                    self.measurement.device_pace = pace
+                    self.measurement.set_probe_baselines(baselines)
+                    if pace != old:
+                        self._pace_event(pace, "refitted on the warm-up's ops: ")
+        except WorkerGroupError as e:   # the step fails on it too, and recovers; the pace stays
+            self._event("error", f"pace {action} failed: {str(e).splitlines()[0]}")
+
+    def _pace_event(self, pace, how: str) -> None:
+        self._event("pace", f"{how}CPU workers emulate accelerators of {pace.flops_per_second / 1e9:.3g} GFLOP/s "
+                            f"and {pace.bytes_per_second / 1e9:.3g} GB/s, {pace.block_seconds * 1e3:.3g} ms per "
+                            "block an op runs through")
 
     def _retime_links(self) -> None:
         """At an iteration boundary: the links among the devices the plan in force uses, timed again

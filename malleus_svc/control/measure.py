@@ -225,6 +225,14 @@ class Measurement:
         """Training starts at `step` (0, or a checkpoint's): warm-up counts from here."""
         self._start_step, self._measure_from = step, step + self.skip
 
+    def pace_refit(self, step: int) -> str | None:
+        """What the warm-up does with the CPU workers' pace before iteration `step`: "keep" its
+        ops' costs (from the second iteration: the first runs cold), "refit" the pace on them (the
+        last unmeasured iteration done), or None. Rates are measured on the refitted pace only."""
+        if self.device_pace is None or self.skip < 2:
+            return None
+        return {self._start_step + 1: "keep", self._start_step + self.skip: "refit"}.get(step)
+
     def restart_after(self, step: int, devices=()) -> None:
         """The plan or the workers changed at `step`: skip the warm-up, forget `devices`' history."""
         self._measure_from = max(self._measure_from, step + self.skip_after_migration)

@@ -36,8 +36,10 @@ class WorkerGroupLike(Protocol):
     def migrate(self, new_plan: Plan, *, bucket_bytes: int) -> Any: ...           # a MigrationReport
     def probe(self, devices: Sequence[int]) -> Callable[[], list[dict]]: ...
     def set_slowdowns(self, factors: dict[int, float]) -> None: ...
-    def pace(self, tokens: int, flops_per_second: float | None = None,
-             bytes_per_second: float | None = None) -> Any: ...                 # a device_clock.Pace, or None
+    def pace(self, tokens: int, flops_per_second: float | None = None, bytes_per_second: float | None = None,
+             block_seconds: float | None = None) -> Any: ...                    # a device_clock.Pace, or None
+    def keep_op_costs(self) -> None: ...
+    def refit_pace(self) -> Any: ...                                            # the Pace in force, or None
     def time_links(self, shape, boundary_tokens: int) -> Any: ...                 # a costmodel.profile.LinkTimes
     def length_sweep(self, shape, tps: Sequence[int], seq_len: int,
                      link_gbps: float) -> Any: ...                              # (LengthCost, reports), GPU jobs

@@ -174,6 +174,7 @@ class WorkerGroup:
         self._updates: dict = {}               # apply_update refs of the last finished step -> device
         self.last_recovery_error: str | None = None
         self.device_pace = None                # the emulated accelerator's speed (CPU workers), once paced
+        self._pace_given = (True, True, True)  # which of its terms the job gave (not refitted)
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "WorkerGroup":
@@ -733,29 +734,61 @@ class WorkerGroup:
 
         What is not given is sized from a rehearsal of every device's ops under the plan applied
         (`tokens`: one micro-batch), so that each host keeps pace with all its devices computing
-        at once (device_clock.fit_pace), the slowest host setting it. Replacement workers get the
-        same pace."""
-        from .device_clock import AUTO_UTILIZATION, OpCost, Pace, fit_pace
+        at once (device_clock.fit_pace), the slowest host setting it, and refitted on the job's own
+        ops once they ran (`keep_op_costs`, then `refit_pace`). Replacement workers get the same pace."""
+        from .device_clock import AUTO_UTILIZATION, Pace, fit_pace
 
         if self.use_gpu:
             return None
         given = (flops_per_second, bytes_per_second, block_seconds)
+        self._pace_given = tuple(g is not None for g in given)
         if None in given:
-            live = self.live
-            rehearsed = self._get([self.workers[d].rehearse.remote(tokens) for d in live], "rehearse", devices=live)
-            costs: dict[str, list[list[OpCost]]] = {}      # per host (Ray node), of the devices with work
-            for info, ops in zip(self.infos, rehearsed):
-                if ops is not None:
-                    costs.setdefault(info["node_id"], []).append([OpCost(**op) for op in ops])
-            workers = collections.Counter(i["node_id"] for i in self.infos)
+            costs = self._op_costs_per_host("rehearse", tokens)
             cores = {i["node_id"]: i["host_cores"] for i in self.infos}
-            paces = [fit_pace(c, cores[node], workers[node], AUTO_UTILIZATION, *given) for node, c in costs.items()]
-            self.device_pace = Pace(min(p.flops_per_second for p in paces), min(p.bytes_per_second for p in paces),
-                                    max(p.block_seconds for p in paces))
+            workers = collections.Counter(i["node_id"] for i in self.infos)
+            self._set_pace([fit_pace(c, cores[node], workers[node], AUTO_UTILIZATION, *given)
+                            for node, c in costs.items()])
         else:
-            self.device_pace = Pace(*given)
-        self._each("set_pace", *astuple(self.device_pace))
+            self._set_pace([Pace(*given)])
         return self.device_pace
+
+    def keep_op_costs(self) -> None:
+        """From now on, every CPU worker keeps what its ops cost the host on the pace (for `refit_pace`)."""
+        if self.device_pace is not None and not all(self._pace_given):
+            self._each("keep_op_costs", True)
+
+    def refit_pace(self):
+        """The pace slowed where a host's devices did not hold it on the ops they ran since
+        `keep_op_costs` (device_clock.refit_pace; what the job gave stays), given to every worker;
+        the pace in force (None on GPUs)."""
+        from .device_clock import AUTO_UTILIZATION, refit_pace
+
+        if self.device_pace is None or all(self._pace_given):
+            return self.device_pace
+        costs = self._op_costs_per_host("keep_op_costs", False)
+        if costs:
+            self._set_pace([refit_pace(self.device_pace, c, AUTO_UTILIZATION, self._pace_given)
+                            for c in costs.values()])
+        return self.device_pace
+
+    def _op_costs_per_host(self, method: str, *args) -> dict[str, list[list]]:
+        """Ray node -> per live device with ops, what `method` returned of their costs (OpCost)."""
+        from .device_clock import OpCost
+
+        live, node = self.live, {i["device"]: i["node_id"] for i in self.infos}
+        costs: dict[str, list[list[OpCost]]] = {}
+        for d, ops in zip(live, self._each(method, *args, devices=live)):
+            if ops:
+                costs.setdefault(node[d], []).append([OpCost(**op) for op in ops])
+        return costs
+
+    def _set_pace(self, paces: list) -> None:
+        """The slowest of the hosts' paces, given to every worker."""
+        from .device_clock import Pace
+
+        self.device_pace = Pace(min(p.flops_per_second for p in paces), min(p.bytes_per_second for p in paces),
+                                max(p.block_seconds for p in paces))
+        self._each("set_pace", *astuple(self.device_pace))
 
     def set_slowdown(self, device: int, factor: float) -> float:
         """Emulation only: the device's rate on its clock. Served by the worker's control thread, so it works mid-step."""

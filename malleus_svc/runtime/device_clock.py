@@ -80,7 +80,8 @@ class HostCost:
 
 @dataclass(frozen=True)
 class OpCost:
-    """One op of a rehearsal as the host ran it, unpaced: its work and what it cost."""
+    """One op as the host ran it (a rehearsal's, unpaced, or a step's on its pace): its work and
+    what it cost."""
 
     kind: str
     flops: float
@@ -190,6 +191,68 @@ def fit_pace(devices: list[list[OpCost]], cores: int, workers: int, utilization:
     return Pace(flops_per_second, bytes_per_second, block_seconds)
 
 
+# The share of a refit's ops whose wall time over their fitted CPU cost sets the host's contention;
+# the utilization's headroom covers the ops above it.
+REFIT_QUANTILE = 0.9
+
+
+def refit_pace(pace: Pace, devices: list[list[OpCost]], utilization: float = AUTO_UTILIZATION,
+               keep: tuple[bool, bool, bool] = (False, False, False)) -> Pace:
+    """`pace` slowed where a host's devices did not hold it on their own ops, as they ran on it
+    (the job's warm-up iterations: real micro-batches, the whole step's work, the pipeline's
+    contention), never made faster; `keep` marks the terms (FLOP/s, bytes/s, block time) to leave
+    as they are (given by the job). A rehearsal's ops are cheaper than the step's (no loss, no
+    gradient accumulation, one document per micro-batch) and all start at once, so a pace sized
+    from them alone may be held on anything from half to all of the ops.
+      * An op's CPU cost is fitted as `blocks × a + FLOPs × b` (compute-bound ops) by least squares
+        over the ops, whose micro-batches spread their FLOPs; a memory-bound op's as its bytes times
+        the median CPU seconds per byte. CPU time is what the host's load changes least.
+      * The host's contention is how much longer than its fitted CPU cost an op took on the wall,
+        at the REFIT_QUANTILE of the ops (other workers computing at once, Ray, the driver).
+      * Each op is then given its fitted CPU cost times that contention, over `utilization`."""
+    compute = [op for ops in devices for op in ops if op.flops > 0 and op.cpu_seconds > 0]
+    memory = [op for ops in devices for op in ops if op.flops == 0 and op.nbytes > 0 and op.cpu_seconds > 0]
+    flops_per_second, bytes_per_second, block_seconds = pace.flops_per_second, pace.bytes_per_second, pace.block_seconds
+    if len(compute) >= 2:
+        per_block, per_flop = _cpu_fit(compute)
+        contention = _quantile([op.wall_seconds / (op.blocks * per_block + op.flops * per_flop) for op in compute],
+                               REFIT_QUANTILE) / utilization
+        if per_flop > 0 and not keep[0]:
+            flops_per_second = min(flops_per_second, 1.0 / (contention * per_flop))
+        if not keep[2]:
+            block_seconds = max(block_seconds, contention * per_block)
+    if memory and not keep[1]:
+        per_byte = statistics.median(op.cpu_seconds / op.nbytes for op in memory)
+        contention = _quantile([op.wall_seconds / (op.nbytes * per_byte) for op in memory], REFIT_QUANTILE) / utilization
+        bytes_per_second = min(bytes_per_second, 1.0 / (contention * per_byte))
+    return Pace(flops_per_second, bytes_per_second, block_seconds)
+
+
+def _cpu_fit(ops: list[OpCost]) -> tuple[float, float]:
+    """(CPU seconds per block, per FLOP) fitting `ops` by least squares, neither below zero."""
+    bb = sum(op.blocks ** 2 for op in ops)
+    bf = sum(op.blocks * op.flops for op in ops)
+    ff = sum(op.flops ** 2 for op in ops)
+    bc = sum(op.blocks * op.cpu_seconds for op in ops)
+    fc = sum(op.flops * op.cpu_seconds for op in ops)
+    det = bb * ff - bf * bf
+    if det > 1e-9 * bb * ff:
+        per_block, per_flop = (bc * ff - fc * bf) / det, (fc * bb - bc * bf) / det
+        if per_block >= 0 and per_flop >= 0:
+            return per_block, per_flop
+    if bb > 0 and bc * bc / bb >= fc * fc / ff:   # one term alone: the one that explains more
+        return bc / bb, 0.0
+    return 0.0, fc / ff
+
+
+def _quantile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    pos = q * (len(values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
 class DeviceClock(Protocol):
     rate: float
     pace_count: PaceCount
@@ -219,7 +282,7 @@ class PacedClock:
     hold: bool = True
     pace_count: PaceCount = field(default_factory=PaceCount)
     host: HostCost = field(default_factory=HostCost)
-    rehearsal: list[OpCost] | None = None   # while a list, every op's cost is kept in it (unpaced)
+    op_costs: list[OpCost] | None = None   # while a list, every op's cost is kept in it
     _device: dict[str, float] = field(default_factory=dict)
     _collective_seconds: float = 0.0
     _finished: int = 0
@@ -234,8 +297,8 @@ class PacedClock:
         own = time.perf_counter() - start - collectives
         self.host.add(HostCost(flops=flops, flop_cpu_seconds=cpu, flop_wall_seconds=own) if flops else
                       HostCost(nbytes=nbytes, byte_cpu_seconds=cpu, byte_wall_seconds=own))
-        if self.rehearsal is not None:
-            self.rehearsal.append(OpCost(kind, flops, nbytes, blocks, cpu, own))
+        if self.op_costs is not None:
+            self.op_costs.append(OpCost(kind, flops, nbytes, blocks, cpu, own))
         if self.pace is None:
             seconds = own
         else:

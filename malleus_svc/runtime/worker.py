@@ -21,7 +21,7 @@ checkpoint files while training goes on in the default group.
 
 Time: every compute op runs on the worker's DeviceClock (device_clock.py): CUDA events on a GPU;
 on CPU a paced clock that makes the worker behave like an accelerator of its own once the group
-gives it a pace (`rehearse`, then `set_pace`). An emulated straggler is a rate on that clock.
+gives it a pace (`rehearse`, then `set_pace`; refitted on the warm-up's ops, `keep_op_costs`). An emulated straggler is a rate on that clock.
 """
 from __future__ import annotations
 
@@ -428,12 +428,21 @@ class DeviceWorker:
         Engine.rehearse); None without work."""
         if self.engine is None or self.use_gpu:
             return None
-        pace, self.clock.pace, self.clock.rehearsal = self.clock.pace, None, []
+        pace, self.clock.pace, self.clock.op_costs = self.clock.pace, None, []
         try:
             self.engine.rehearse(int(tokens))
-            return [asdict(op) for op in self.clock.rehearsal]
+            return [asdict(op) for op in self.clock.op_costs]
         finally:
-            self.clock.pace, self.clock.rehearsal = pace, None
+            self.clock.pace, self.clock.op_costs = pace, None
+
+    def keep_op_costs(self, keep: bool) -> list[dict] | None:
+        """From now on (`keep`), what each op of this device costs the host on its pace is kept;
+        without `keep`, keeping stops and what was kept is returned (`device_clock.OpCost`): the
+        warm-up's ops, to refit the pace. None on a GPU, or when nothing was being kept."""
+        if self.use_gpu:
+            return None
+        kept, self.clock.op_costs = self.clock.op_costs, ([] if keep else None)
+        return None if keep or kept is None else [asdict(op) for op in kept]
 
     def set_pace(self, flops_per_second: float, bytes_per_second: float, block_seconds: float = 0.0) -> None:
         """Emulate an accelerator of this speed (CPU workers; a GPU keeps its own)."""
