@@ -21,7 +21,8 @@ checkpoint files while training goes on in the default group.
 
 Time: every compute op runs on the worker's DeviceClock (device_clock.py): CUDA events on a GPU;
 on CPU a paced clock that makes the worker behave like an accelerator of its own once the group
-gives it a pace (`rehearse`, then `set_pace`; refitted on the warm-up's ops, `keep_op_costs`). An emulated straggler is a rate on that clock.
+gives it a pace (`rehearse`, then `set_pace`; refitted on the warm-up's ops, `keep_op_costs`). An
+emulated straggler is a rate on that clock.
 """
 from __future__ import annotations
 
