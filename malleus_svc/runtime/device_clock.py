@@ -223,7 +223,8 @@ def refit_pace(pace: Pace, devices: list[list[OpCost]], utilization: float = AUT
             block_seconds = max(block_seconds, contention * per_block)
     if memory and not keep[1]:
         per_byte = statistics.median(op.cpu_seconds / op.nbytes for op in memory)
-        contention = _quantile([op.wall_seconds / (op.nbytes * per_byte) for op in memory], REFIT_QUANTILE) / utilization
+        stretch = [op.wall_seconds / (op.nbytes * per_byte) for op in memory]
+        contention = _quantile(stretch, REFIT_QUANTILE) / utilization
         bytes_per_second = min(bytes_per_second, 1.0 / (contention * per_byte))
     return Pace(flops_per_second, bytes_per_second, block_seconds)
 
