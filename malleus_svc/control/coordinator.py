@@ -329,11 +329,11 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
                 self.group.keep_op_costs()
             elif action == "refit":
                 old, pace = self.measurement.device_pace, self.group.refit_pace()
-                baselines = probe_baselines(self.group, self.group.live, rounds=5) if pace != old else {}
-                with self._lock:
-                    self.measurement.device_pace = pace
-                    self.measurement.set_probe_baselines(baselines)
-                    if pace != old:
+                if pace != old:
+                    baselines = probe_baselines(self.group, self.group.live, rounds=5)
+                    with self._lock:
+                        self.measurement.device_pace = pace
+                        self.measurement.set_probe_baselines(baselines)
                         self._pace_event(pace, "refitted on the warm-up's ops: ")
         except WorkerGroupError as e:   # the step fails on it too, and recovers; the pace stays
             self._event("error", f"pace {action} failed: {str(e).splitlines()[0]}")

@@ -38,6 +38,8 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Mapping
 
+import numpy as np
+
 from malleus_svc.config.device import DeviceSpec
 from malleus_svc.config.job import ControlConfig
 
@@ -138,11 +140,7 @@ class RateEstimator:
         units = {s.device: s.busy_seconds / s.work for s in samples if s.work > 0 and s.busy_seconds > 0}
         m = 1.0
         if self.common_mode_quantile is not None and self._reference and len(units) >= 4:
-            ratios = sorted(u / self._reference for u in units.values())
-            pos = self.common_mode_quantile * (len(ratios) - 1)
-            lo = int(pos)
-            hi = min(lo + 1, len(ratios) - 1)
-            m = max(1.0, ratios[lo] + (ratios[hi] - ratios[lo]) * (pos - lo))
+            m = max(1.0, float(np.quantile([u / self._reference for u in units.values()], self.common_mode_quantile)))
         self.last_common_mode = m
         for d, u in units.items():
             self._unit[d].append(u / m)

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Protocol
 
+import numpy as np
+
 
 def check_rate(rate: float) -> float:
     rate = float(rate)
@@ -215,8 +217,8 @@ def refit_pace(pace: Pace, devices: list[list[OpCost]], utilization: float = AUT
     flops_per_second, bytes_per_second, block_seconds = pace.flops_per_second, pace.bytes_per_second, pace.block_seconds
     if len(compute) >= 2:
         per_block, per_flop = _cpu_fit(compute)
-        contention = _quantile([op.wall_seconds / (op.blocks * per_block + op.flops * per_flop) for op in compute],
-                               REFIT_QUANTILE) / utilization
+        stretch = [op.wall_seconds / (op.blocks * per_block + op.flops * per_flop) for op in compute]
+        contention = float(np.quantile(stretch, REFIT_QUANTILE)) / utilization
         if per_flop > 0 and not keep[0]:
             flops_per_second = min(flops_per_second, 1.0 / (contention * per_flop))
         if not keep[2]:
@@ -224,7 +226,7 @@ def refit_pace(pace: Pace, devices: list[list[OpCost]], utilization: float = AUT
     if memory and not keep[1]:
         per_byte = statistics.median(op.cpu_seconds / op.nbytes for op in memory)
         stretch = [op.wall_seconds / (op.nbytes * per_byte) for op in memory]
-        contention = _quantile(stretch, REFIT_QUANTILE) / utilization
+        contention = float(np.quantile(stretch, REFIT_QUANTILE)) / utilization
         bytes_per_second = min(bytes_per_second, 1.0 / (contention * per_byte))
     return Pace(flops_per_second, bytes_per_second, block_seconds)
 
@@ -244,14 +246,6 @@ def _cpu_fit(ops: list[OpCost]) -> tuple[float, float]:
     if bb > 0 and bc * bc / bb >= fc * fc / ff:   # one term alone: the one that explains more
         return bc / bb, 0.0
     return 0.0, fc / ff
-
-
-def _quantile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    pos = q * (len(values) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
 
 
 class DeviceClock(Protocol):
