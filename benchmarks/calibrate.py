@@ -254,10 +254,10 @@ def calibrated_problem(fit: ComputeFit, mbs: int, seq_len: int, terms: Terms = T
     # the host clock, two workers sharing two cores made a TP1 block faster than a TP2 one
     # (t1/t2 = 0.70-0.80 in runs 9 and 16), which a scenario may not say (tp_alpha >= 1 there: on
     # accelerators a halved group does the same work on half the devices).
-    problem = dataclasses.replace(build_problem(sc, comm=comm), tp_alpha=(1.0, fit.t1 / fit.t2))
-    return problem, SimOptions(optimizer_per_block=max(0.0, fit.opt_per_block) / t0,
-                                    handoff=(terms.handoff[0] / t0, terms.handoff[1] / t0),
-                                    corun_slowdown=terms.corun, overlap_grad_reduce=terms.overlap)
+    problem = dataclasses.replace(build_problem(sc, comm=comm), tp_alpha=(1.0, fit.t1 / fit.t2),
+                                  optimizer_per_block=max(0.0, fit.opt_per_block) / t0)
+    return problem, SimOptions(handoff=(terms.handoff[0] / t0, terms.handoff[1] / t0),
+                               corun_slowdown=terms.corun, overlap_grad_reduce=terms.overlap)
 
 
 def sim_seconds(plan: Plan, fit: ComputeFit, mbs: int, seq_len: int, terms: Terms = Terms()) -> float:

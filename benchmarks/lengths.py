@@ -301,9 +301,8 @@ def sim_setup(setup: Setup, pipes: Sequence[PipelineSpec], cost: LengthCost) -> 
         tp_alpha=(1.0,) * (int(math.log2(setup.tp)) + 1),           # every stage runs at the full TP degree
         memory=MemoryProfile((0.0,), 0.0, 0.0, 0.0, GPU_MEMORY_MB),  # timing only: memory is checked above
         comm=CommCosts(cc.p2p_intra_node * t_ctx, cc.p2p_inter_node * t_ctx, cc.grad_sync_per_block * t_ctx),
-        t0_seconds=1.0)
-    options = SimOptions(optimizer_per_block=0.05 * block_seconds(shape, setup.tp, 1, DEVICE))
-    return SimSetup(problem, tuple(stages), options, cost.at(setup.tp))
+        t0_seconds=1.0, optimizer_per_block=0.05 * block_seconds(shape, setup.tp, 1, DEVICE))
+    return SimSetup(problem, tuple(stages), SimOptions(), cost.at(setup.tp))
 
 
 def simulate_plan(plan: Plan, lengths: Sequence[int], ss: SimSetup) -> tuple[float, list[float]]:

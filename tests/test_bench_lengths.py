@@ -231,7 +231,7 @@ def test_single_stage_simulation_equals_the_formula():
     formula = bl.pipeline_times(plan, lengths, pipes, cost)
     assert ends == pytest.approx(formula, rel=1e-12)
     sync = ss.problem.comm.grad_sync_per_block * 80 / 8          # every block held by both pipelines, TP 8
-    step = ss.options.optimizer_per_block * 80
+    step = ss.problem.optimizer_per_block * 80
     assert sync > 0 and step > 0
     assert it == pytest.approx(max(formula) + sync + step, rel=1e-12)
     # behind the last backward (the default): at least the first block's reduction is left after it

@@ -137,7 +137,7 @@ def test_problem_carries_fitted_coefficients():
     assert problem.tp_alpha == pytest.approx((1.0, TRUE["t1"] / TRUE["t2"]))
     assert problem.comm.p2p_intra_node == 0.0
     assert problem.comm.grad_sync_per_block == pytest.approx(0.002 / TRUE["t2"])
-    assert opts.optimizer_per_block == pytest.approx(TRUE["opt_per_block"] / TRUE["t2"])
+    assert problem.optimizer_per_block == pytest.approx(TRUE["opt_per_block"] / TRUE["t2"])
     assert opts.handoff == pytest.approx((0.0004 / TRUE["t2"], 0.0002 / TRUE["t2"]))
     assert opts.corun_slowdown == 0.3
     # A single-stage TP1 run is exactly m·L·t1 + optimizer (2 x per block at TP1) in the simulator.

@@ -146,6 +146,32 @@ def test_calibration_measures_a_majority_of_stragglers():
     assert [round(est.rates()[d], 6) for d in range(8)] == [2.0] * 5 + [1.0] * 3
 
 
+def test_the_optimizer_step_is_priced_from_the_updates_the_devices_timed():
+    """The healthy seconds per update byte, frozen at calibration (a device 3x slow then is outvoted),
+    over a block's state against the healthy unit time: the planner's optimizer term, in t0 units."""
+    from malleus_svc.costmodel.analytic import UPDATE_BYTES_PER_PARAM
+    from malleus_svc.runtime.trainer import make_plan
+    from malleus_svc.control.workload import t0_flops
+
+    job = _job()
+    plan = make_plan(job)
+    unit, per_byte = 0.02, 2e-9            # seconds per t0 of work, per update byte, on a healthy device
+    rates = {d: 3.0 if d == min(plan.roles()) else 1.0 for d in plan.roles()}
+    flops = t0_flops(job.scenario, plan, job.data.seq_len)
+    m = Measurement()
+    m.begin_at(0)
+    for step in range(m.skip + m.calibrate):
+        assert m.optimizer_per_block(1000) is None
+        reports = {d: {"compute_seconds": unit * 10 * x, "flops": 10 * flops,
+                       "update_seconds": per_byte * 1e6 * x, "update_bytes": 1e6} for d, x in rates.items()}
+        if m.measures(step):
+            m.observe_step(plan, job, reports, [])
+        m.calibrate_if_due(step + 1, [{"iteration_seconds": 1.0, "tokens": 100}])
+    assert m.calibrated
+    params = job.scenario.shape.block_params()
+    assert m.optimizer_per_block(params) == pytest.approx(per_byte * UPDATE_BYTES_PER_PARAM * params / unit)
+
+
 # --------------------------------------------------------------------------- decide, without Ray
 
 

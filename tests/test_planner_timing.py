@@ -8,13 +8,13 @@ from malleus_svc.costmodel.profile import CommCosts
 from malleus_svc.planner import evaluate, plan
 from malleus_svc.planner.build import build_problem
 from malleus_svc.planner.timing import BACKWARD_SHARE, PipelineTimes, fill_drain, iteration_time, pipeline_time
-from malleus_svc.simulate import SimOptions, simulate
+from malleus_svc.simulate import simulate
 from malleus_svc.simulate.scenarios import paper_scenario
 
 
 def _problem(grad: float = 0.0, layers: int = 8):
     p = build_problem(paper_scenario("70b-64gpu", "severe"))
-    return replace(p, num_layers=layers, comm=CommCosts(grad_sync_per_block=grad))
+    return replace(p, num_layers=layers, comm=CommCosts(grad_sync_per_block=grad), optimizer_per_block=0.0)
 
 
 def test_equal_stages_give_the_bubble_formula():
@@ -41,24 +41,25 @@ def test_reductions_hide_behind_the_last_backward_and_the_drain():
     beta = BACKWARD_SHARE * 2.0 / 4
     # 4 blocks a stage, reductions (1/8) shorter than a block's backward (1/3): only stage 0's first
     # block's is left after w
-    assert iteration_time(p, [PipelineTimes(4, (2.0, 2.0), (4, 4), (8, 8))] * 2, overlap=True) == pytest.approx(w + 1 / 8)
+    assert iteration_time(p, [PipelineTimes(4, (2.0, 2.0), (4, 4), (8, 8))] * 2) == pytest.approx(w + 1 / 8)
     # Stage 1 holds 7 blocks and finishes BACKWARD_SHARE · t before w; its reductions keep pace with
     # its backward and end one reduction later, hidden behind stage 0's drain (1 block, done at w + 1/8)
     late = [PipelineTimes(4, (2.0, 2.0), (1, 7), (8, 8))] * 2
-    assert iteration_time(p, late, overlap=True) == pytest.approx(w + 1 / 8)
+    assert iteration_time(p, late) == pytest.approx(w + 1 / 8)
     # Reductions slower than the backward (g = 8: one block in 1 > beta): they queue, and the stage's
     # end is its last block passed plus all its reductions, or its first passed plus one
     slow = _problem(grad=8.0)
     first_passed = w - 3 * beta
-    assert iteration_time(slow, [PipelineTimes(4, (2.0, 2.0), (4, 4), (8, 8))] * 2, overlap=True) == pytest.approx(
+    assert iteration_time(slow, [PipelineTimes(4, (2.0, 2.0), (4, 4), (8, 8))] * 2) == pytest.approx(
         max(first_passed + 4 * 1.0, w + 1.0))
 
 
-def test_the_closed_form_equals_the_simulator_where_its_stages_are_even():
+@pytest.mark.parametrize("optimizer", [0.0, 0.3])
+def test_the_closed_form_equals_the_simulator_where_its_stages_are_even(optimizer):
     """Pipelines of equal stages (the closed form's finish times are then exact), different TP
-    degrees and depths side by side, reductions faster and slower than the backward."""
+    degrees and depths side by side, reductions faster and slower than the backward, and the
+    optimizer step after them at each stage's rate (one pipeline's devices 1.5x slow)."""
     from malleus_svc.plan import Pipeline, Plan, Stage
-    from malleus_svc.simulate import SimOptions
 
     base = build_problem(paper_scenario("70b-64gpu", "severe"))
     plan = Plan(num_devices=base.num_devices, num_layers=8, micro_batch_size=1, pipelines=(
@@ -69,18 +70,20 @@ def test_the_closed_form_equals_the_simulator_where_its_stages_are_even():
     recomputing = replace(plan, pipelines=tuple(replace(pipe, stages=tuple(replace(s, recompute="full")
                                                                            for s in pipe.stages))
                                                 for pipe in plan.pipelines))
+    rates = (1.0,) * 16 + (1.5,) * 16 + (1.0,) * (base.num_devices - 32)
     for grad in (0.5, 4.0, 40.0):
-        p = replace(base, num_layers=8, rates=(1.0,) * base.num_devices, comm=CommCosts(grad_sync_per_block=grad))
-        sim = simulate(plan, p, options=SimOptions(optimizer_per_block=0.0))
-        pipes = [PipelineTimes(pipe.micro_batches, tuple(p.alpha(s.tp) * s.num_layers for s in pipe.stages),
-                               tuple(s.num_layers for s in pipe.stages), tuple(s.tp for s in pipe.stages))
-                 for pipe in plan.pipelines]
-        assert iteration_time(p, pipes, overlap=True) == pytest.approx(sim.iteration_t0, rel=1e-9), grad
-        after = simulate(plan, p, options=SimOptions(optimizer_per_block=0.0, overlap_grad_reduce=False))
-        assert iteration_time(p, pipes) == pytest.approx(after.iteration_t0, rel=1e-9), grad   # the planner's rule
+        p = replace(base, num_layers=8, rates=rates, comm=CommCosts(grad_sync_per_block=grad),
+                    optimizer_per_block=optimizer)
+        sim = simulate(plan, p)
+        ys = [[p.alpha(s.tp) * max(rates[d] for d in s.devices) for s in pipe.stages] for pipe in plan.pipelines]
+        pipes = [PipelineTimes(pipe.micro_batches, tuple(y * s.num_layers for y, s in zip(row, pipe.stages)),
+                               tuple(s.num_layers for s in pipe.stages), tuple(s.tp for s in pipe.stages),
+                               rates=tuple(row))
+                 for pipe, row in zip(plan.pipelines, ys)]
+        assert iteration_time(p, pipes) == pytest.approx(sim.iteration_t0, rel=1e-9), grad
         assert sim.iteration_t0 > max(pipeline_time(x.micro_batches, x.times) for x in pipes)
         # stages that recompute: longer, and their backward the larger share of them
-        sim = simulate(recomputing, p, options=SimOptions(optimizer_per_block=0.0, overlap_grad_reduce=False))
+        sim = simulate(recomputing, p)
         assert evaluate(replace(p, objective="full"), recomputing) == pytest.approx(sim.iteration_t0, rel=1e-9), grad
 
 
@@ -91,8 +94,7 @@ def test_full_ranks_finalists_like_the_simulator():
     plans = {c.plan_id: c for o in ("paper", "full") for c in plan(replace(p, objective=o)).finalists}
     cands = list(plans.values())
     assert len(cands) >= 8
-    # the simulator with the reduction the planner prices (after each stage's last op: PLANNER_OVERLAP)
-    sim = [simulate(c, p, options=SimOptions(overlap_grad_reduce=False)).iteration_t0 for c in cands]
+    sim = [simulate(c, p).iteration_t0 for c in cands]
     full = [evaluate(p, c) for c in cands]
     paper = [evaluate(replace(p, objective="paper"), c) for c in cands]
     assert spearman(full, sim) >= 0.9

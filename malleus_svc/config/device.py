@@ -12,6 +12,7 @@ class DeviceSpec:
     efficiency: float = 0.45            # sustained fraction of peak for transformer blocks
     intra_node_gbps: float = 200.0      # NVLink, per direction, GB/s
     inter_node_gbps: float = 25.0       # 200 Gb/s InfiniBand per GPU, GB/s
+    memory_gbps: float = 1600.0         # HBM, sustained GB/s (about 80% of an A100-80GB's 2039)
     act_bytes: float = 2.0              # bf16 activations
 
     @property

@@ -14,8 +14,8 @@ Format (YAML or JSON; see README "Scenario format"):
               # shard_optimizer: fp32 masters and Adam moments split among the pipelines holding each piece (ZeRO-1)
     batch:    {global: 64, micro: 1}
     profile:  {tp_alpha: [1, 2, 4], layer_memory_mb: [1500, 1270, 1040, 810], embedding_memory_mb: 600,
-               reserved_memory_mb: 4500, safety_margin_mb: 4096, t0_seconds: 0.05}
-    device:   {peak_tflops: 312, efficiency: 0.45, intra_node_gbps: 200, inter_node_gbps: 25}
+               reserved_memory_mb: 4500, safety_margin_mb: 4096, t0_seconds: 0.05, optimizer_seconds: 0.002}
+    device:   {peak_tflops: 312, efficiency: 0.45, intra_node_gbps: 200, inter_node_gbps: 25, memory_gbps: 1600}
     rates:    {5: 8.0, 10: 2.0}          # device id -> straggling rate; missing means 1.0
     excluded: [3]                        # devices not part of the job (dead, drained)
     planner:  {objective: paper, straggler_threshold: 1.2, time_limit_s: 10, time_budget_s: 60, mip_gap: 0,
@@ -72,6 +72,7 @@ class Profile:
     reserved_memory_mb: float = 4500.0
     safety_margin_mb: float = 4096.0
     t0_seconds: float | None = None
+    optimizer_seconds: float | None = None   # one block's optimizer step on a healthy full-size group
     tp_weight: tuple[float, ...] | None = None
 
 
@@ -182,11 +183,14 @@ class Scenario:
                     raise ConfigError(f"profile.{key}", None, "required when the model gives only `layers`", source)
         t0 = (prof.float("t0_seconds", minimum=0, exclusive=True, maximum=MAX_SECONDS)
               if prof.has("t0_seconds") else None)
+        opt = (prof.float("optimizer_seconds", minimum=0, maximum=MAX_SECONDS)
+               if prof.has("optimizer_seconds") else None)
         tp_weight = prof.float_list("tp_weight", None, minimum=0, exclusive=True, maximum=MAX_RATE)
         prof.done()
         profile = Profile(tp_alpha=None if tp_alpha is None else tuple(tp_alpha[:n_alpha]),
                           layer_memory_mb=None if layer_mb is None else tuple(layer_mb), embedding_memory_mb=emb,
                           reserved_memory_mb=reserved, safety_margin_mb=safety, t0_seconds=t0,
+                          optimizer_seconds=opt,
                           tp_weight=None if tp_weight is None else tuple(tp_weight))
 
         n = nodes * gpn

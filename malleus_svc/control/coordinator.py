@@ -371,8 +371,10 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
         self.step = rec.step + 1
         m = self.measurement
         if m.calibrate_if_due(self.step, self.history.records):
+            opt = self._optimizer_per_block()
+            update = f", optimizer step {opt:.3g} t0 per block" if opt is not None else ""
             self._event("calibrated", f"healthy unit {m.estimator.healthy_unit_seconds:.3g} s/t0, "
-                                      f"{m.healthy_tokens_per_second or 0:,.0f} tok/s")
+                                      f"{m.healthy_tokens_per_second or 0:,.0f} tok/s{update}")
             links = m.links
             if links is not None and self._problem({}, self.plan.excluded).objective == "full":
                 # the plan in force was made before the links were priced (`_problem`)
@@ -422,14 +424,24 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
 
     def _problem(self, rates: Mapping[int, float], excluded) -> Any:
         """The planner's input under these rates. Communication is priced from the job's own links
-        in units of its measured t0; until both are known (the first plan, made before the workers
-        run, and the iterations before calibration), not at all."""
+        in units of its measured t0, and the optimizer step from its own updates; until both are
+        known (the first plan, made before the workers run, and the iterations before calibration),
+        not at all."""
         rates = self.policy.snap({d: r for d, r in rates.items() if d not in excluded})
+        sc = self.job.scenario
         with self._lock:
             profile = self.lengths.profile()
-            t0, links = self.measurement.t0_seconds(self.job.scenario.tp), self.measurement.links
+            t0, links = self.measurement.t0_seconds(sc.tp), self.measurement.links
+            optimizer = self._optimizer_per_block()
         comm = links.comm_costs(t0) if links is not None and t0 else CommCosts()
-        return build_problem(self.job.scenario, rates=rates, excluded=frozenset(excluded), lengths=profile, comm=comm)
+        return build_problem(sc, rates=rates, excluded=frozenset(excluded), lengths=profile, comm=comm,
+                             optimizer_per_block=optimizer or 0.0)
+
+    def _optimizer_per_block(self) -> float | None:
+        """(lock held) The optimizer step the workers timed, in t0 units per block; None until
+        calibrated or for a model given only by its layer count."""
+        shape = self.job.scenario.shape
+        return self.measurement.optimizer_per_block(shape.block_params()) if shape is not None else None
 
     def _event(self, kind: str, text: str) -> None:
         self.history.event(self.step, kind, text)

@@ -9,6 +9,11 @@ healthy (`calibrate()`, like the authors' T_ref measured in advance), so any num
 is measured right; before calibration it is the median over devices, which assumes that at least
 half of them are healthy.
 
+The optimizer step is timed too: each device's update seconds per byte it moved, whose median
+over the devices is frozen at calibration as well. Over a block's state against the healthy unit
+time it is the planner's `optimizer_per_block` (`Measurement.optimizer_per_block`); a straggler's
+update is slower by its rate, as its compute is.
+
 A device without work (suspended) runs a fixed probe; its rate is its probe time over its own
 probe baseline (measured while it was known healthy).
 
@@ -42,6 +47,7 @@ import numpy as np
 
 from malleus_svc.config.device import DeviceSpec
 from malleus_svc.config.job import ControlConfig
+from malleus_svc.costmodel.analytic import UPDATE_BYTES_PER_PARAM
 
 from .workload import busy_seconds, device_work
 
@@ -217,6 +223,8 @@ class Measurement:
         self.device_pace = None   # the emulated accelerator's speed (device_clock.Pace), when CPU workers are paced
         self.links = None         # the job's links as its workers timed them (costmodel.profile.LinkTimes)
         self.links_stale = False  # the devices that talk changed since: time them again
+        self._update_per_byte: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=window))
+        self.update_seconds_per_byte: float | None = None   # a healthy device's, frozen at calibration
         self._start_step, self._measure_from = 0, skip
 
     def begin_at(self, step: int) -> None:
@@ -256,6 +264,8 @@ class Measurement:
                      {r["device"]: busy_seconds(r) for r in probes})
         for d, s in devices.items():
             self.pace.observe(d, s)
+            if (s.get("update_bytes") or 0) > 0 and (s.get("update_seconds") or 0) > 0:
+                self._update_per_byte[d].append(s["update_seconds"] / s["update_bytes"])
         for r in probes:
             self.pace.observe(r["device"], r)
 
@@ -279,8 +289,11 @@ class Measurement:
         lines); True when it did."""
         if self.calibrated or next_step != self._start_step + self.skip + self.calibrate:
             return False
-        if self.estimator.calibrate(exclude=set(self.pace.unmeasured())) is None:
+        unmeasured = set(self.pace.unmeasured())
+        if self.estimator.calibrate(exclude=unmeasured) is None:
             self.estimator.calibrate()
+        per_byte = [statistics.median(v) for d, v in self._update_per_byte.items() if v and d not in unmeasured]
+        self.update_seconds_per_byte = statistics.median(per_byte) if per_byte else None
         self.calibrated = True
         recent = records[-self.calibrate:]
         secs = sum(r["iteration_seconds"] for r in recent)
@@ -294,6 +307,15 @@ class Measurement:
         not in it. None before anything was measured."""
         unit = self.estimator.healthy_unit_seconds
         return unit / tp if unit else None
+
+    def optimizer_per_block(self, block_params: int) -> float | None:
+        """One block's optimizer step on a healthy full-size group, in t0 units: a block's update
+        bytes at the healthy device's seconds per byte, over the healthy unit time (both whole
+        blocks on one device: a TP group splits them alike). None until calibrated."""
+        unit = self.estimator.healthy_unit_seconds
+        if self.update_seconds_per_byte is None or not unit or not self.calibrated:
+            return None
+        return self.update_seconds_per_byte * UPDATE_BYTES_PER_PARAM * block_params / unit
 
     def set_probe_baselines(self, baselines: dict[int, float]) -> None:
         for d, s in baselines.items():

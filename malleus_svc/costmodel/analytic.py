@@ -23,6 +23,10 @@ MIGRATED_BYTES_PER_PARAM = 12.0
 # What a sharded optimizer (ZeRO-1) splits among the pipelines holding a piece: the fp32 master and
 # Adam's m and v (the bf16 working copy and the fp32 gradients stay whole).
 SHARDED_BYTES_PER_PARAM = 12.0
+# Passes an AdamW update makes over its fp32 state: it reads parameter, gradient and both moments,
+# and writes all but the gradient back (memory-bound: its time is these bytes over the bandwidth).
+UPDATE_PASSES = 7
+UPDATE_BYTES_PER_PARAM = UPDATE_PASSES * 4.0
 
 
 def _allreduce_seconds(nbytes: float, ranks: int, gbps: float) -> float:
@@ -45,6 +49,11 @@ def block_seconds(shape: ModelShape, tp: int, micro_batch: int, device: DeviceSp
     tokens = micro_batch * s
     compute = shape.block_flops(tokens, s) / (tp * device.flops_per_second)
     return compute + tokens * tp_comm_seconds_per_token(shape.hidden, tp, device.act_bytes, device.intra_node_gbps)
+
+
+def optimizer_seconds(shape: ModelShape, tp: int, device: DeviceSpec) -> float:
+    """One block's AdamW update on each device of a TP group of `tp`."""
+    return UPDATE_BYTES_PER_PARAM * shape.block_params() / tp / (device.memory_gbps * 1e9)
 
 
 def tp_alpha(shape: ModelShape, tp: int, micro_batch: int, device: DeviceSpec) -> tuple[float, ...]:

@@ -17,6 +17,7 @@ class ScenarioCosts:
     t0_seconds: float
     comm: CommCosts
     state_sizes: StateSizes
+    optimizer_per_block: float   # t0 units
 
 
 def scenario_costs(sc: Scenario) -> ScenarioCosts:
@@ -43,4 +44,10 @@ def scenario_costs(sc: Scenario) -> ScenarioCosts:
         t0 = analytic.block_seconds(shape, sc.tp, sc.micro_batch, sc.device) if shape is not None else 1.0
     comm = analytic.comm_costs(shape, sc.tp, sc.dp, sc.micro_batch, sc.device) if shape is not None else CommCosts()
     sizes = analytic.state_sizes(shape) if shape is not None else StateSizes()
-    return ScenarioCosts(memory=memory, tp_alpha=tuple(tp_alpha), t0_seconds=t0, comm=comm, state_sizes=sizes)
+    if prof.optimizer_seconds is not None:
+        optimizer = prof.optimizer_seconds / t0
+    else:   # in the analytic t0's units, as the communication terms
+        optimizer = (analytic.optimizer_seconds(shape, sc.tp, sc.device)
+                     / analytic.block_seconds(shape, sc.tp, sc.micro_batch, sc.device)) if shape is not None else 0.0
+    return ScenarioCosts(memory=memory, tp_alpha=tuple(tp_alpha), t0_seconds=t0, comm=comm, state_sizes=sizes,
+                         optimizer_per_block=optimizer)

@@ -27,7 +27,8 @@ def build_problem(sc: Scenario, rates: Mapping[int, float] | None = None, exclud
         micro_batch_size=sc.micro_batch, rates=sc.rate_vector(rates),
         excluded=frozenset(sc.excluded if excluded is None else excluded), tp_weight=sc.profile.tp_weight,
         **{"tp_alpha": costs.tp_alpha, "memory": costs.memory, "comm": costs.comm,
-           "t0_seconds": costs.t0_seconds, "state_sizes": costs.state_sizes, **kw})
+           "t0_seconds": costs.t0_seconds, "state_sizes": costs.state_sizes,
+           "optimizer_per_block": costs.optimizer_per_block, **kw})
     return problem if lengths is None else lengths.apply(problem)
 
 

@@ -269,7 +269,8 @@ class _Partitions:
             return
         value = data.w
         if self.full:    # the gradient reductions too, as `search.evaluate` values a plan
-            value = iteration_time(p, [PipelineTimes(m, t, x.layers.get(), tuple(self.members[i][0].size for i in x.order))
+            value = iteration_time(p, [PipelineTimes(m, t, x.layers.get(), tuple(self.members[i][0].size for i in x.order),
+                                                     rates=tuple(self.types[i][0] for i in x.order))
                                        for m, t, x in zip(data.micro_batches, times, pipes)])
         if value < self.best_value - 1e-9 * max(1.0, value):
             self.best_value = value

@@ -227,8 +227,9 @@ class Scorer:
         obj = data.w
         if full and sizes is not None:
             obj = iteration_time(p, [PipelineTimes(m, t, tuple(l for l in ls if l > 0),
-                                                   tuple(g for g, l in zip(ss, ls) if l > 0))
-                                     for m, t, ls, ss in zip(data.micro_batches, times, layers, sizes)])
+                                                   tuple(g for g, l in zip(ss, ls) if l > 0),
+                                                   rates=tuple(y for (y, _), l in zip(pipe, ls) if l > 0))
+                                     for m, t, ls, ss, pipe in zip(data.micro_batches, times, layers, sizes, pipelines)])
         return Score(obj, tuple(s.z for s in sols), layers, data.micro_batches)
 
 

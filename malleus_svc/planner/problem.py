@@ -30,6 +30,7 @@ class PlannerProblem:
     excluded: frozenset[int] = frozenset()   # dead or user-excluded devices: never planned
     objective: Objective = DEFAULT_OBJECTIVE   # type: ignore[assignment]  # the default lives in config
     comm: CommCosts = CommCosts()
+    optimizer_per_block: float = 0.0       # one block's optimizer step on a healthy full-size group ('full')
     t0_seconds: float = 1.0
     straggler_threshold: float = 1.2        # τ: rates below it count as healthy
     tp_weight: tuple[float, ...] | None = None  # authors' grouping-score weights w_r (baseline mode only)

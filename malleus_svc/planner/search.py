@@ -28,11 +28,11 @@ Keeping it fast:
 
 Objectives ('paper', 'bubble', 'full') are those of `lower`; for 'full', z_ij includes the p2p
 time of the stage's boundaries (intra- or inter-node, `organize.p2p_extras`), a pipeline's fill and
-drain are its stages' own times, and the gradient reduction of each stage starts when the stages
-sharing its blocks have finished (`timing.iteration_time`; the runtime's reduction behind the last
-backward is priced there too, but not used yet: `PLANNER_OVERLAP`). That coupling term is evaluated exactly
-(in `evaluate` and when choosing among finalists) but optimised only through the candidate search,
-not inside the ILPs.
+drain are its stages' own times, each block's gradient reduction starts once every stage holding it
+has passed it in the last backward, and each stage then takes its optimizer step at its slowest
+device's rate (`timing.iteration_time`). Those coupling terms are evaluated exactly (in `evaluate`
+and when choosing among finalists) but optimised only through the candidate search, not inside the
+ILPs.
 """
 from __future__ import annotations
 
@@ -273,7 +273,8 @@ def evaluate(problem: PlannerProblem, plan: Plan) -> float:
     if problem.objective == "full":
         return iteration_time(problem, [PipelineTimes(p.micro_batches, t, tuple(s.num_layers for s in p.stages),
                                                       tuple(s.tp for s in p.stages),
-                                                      tuple(s.recompute == "full" for s in p.stages))
+                                                      tuple(s.recompute == "full" for s in p.stages),
+                                                      tuple(group_rate(problem, s.devices) for s in p.stages))
                                         for p, t in zip(plan.pipelines, times)])
     if problem.objective == "paper":
         return max(p.micro_batches * max(t) for p, t in zip(plan.pipelines, times))

@@ -13,12 +13,10 @@ and that backward passes its blocks one by one, from its last to its first, each
 of the stage's backward share. A block's reduction may start once every stage holding it (in any
 pipeline) has passed it, and lasts grad_sync_per_block / the smallest group holding the block (0 for
 a block that one pipeline holds); a stage reduces its blocks one after another, in backward's order.
-The iteration ends at the latest pipeline end or reduction end. This is the simulator's dependency
-rule with each stage's finish estimated, so reductions hide behind the backward and the drain as
-they do there.
-
-The planner does not price it so yet (`PLANNER_OVERLAP`): with `overlap=False` a stage's reductions
-start when every stage holding one of its blocks has finished, and last Σ of their times.
+Then each stage takes its optimizer step (`update_time`: `optimizer_per_block` per block, tp/|g| of
+it on a smaller group, at the stage's slowest device's rate), and the iteration ends when every
+stage has stepped. This is the simulator's dependency rule with each stage's finish estimated, so
+reductions hide behind the backward and the drain as they do there.
 """
 from __future__ import annotations
 
@@ -42,6 +40,7 @@ class PipelineTimes:
     layers: tuple[int, ...]      # blocks per stage, in order
     sizes: tuple[int, ...]       # TP group size per stage
     recompute: tuple[bool, ...] = ()   # per stage: it recomputes its blocks (none: no stage does)
+    rates: tuple[float, ...] = ()      # per stage: its group rate y (none: healthy groups)
 
 
 def fill_drain(times: Sequence[float]) -> float:
@@ -53,60 +52,53 @@ def pipeline_time(micro_batches: int, times: Sequence[float]) -> float:
     return micro_batches * max(times) + fill_drain(times)
 
 
-# The runtime hides each block's reduction behind the last backward (`overlap=True`, which the event
-# simulator runs). The planner's time model leaves out the optimizer step at a device's rate;
-# pricing the hidden reduction without it, it kept a 3x straggler in a data-parallel plan (a data
-# rebalance) where suspending it runs faster, and the demo fell from 1.64x to 1.56x static. Until
-# that term is in the model, the planner prices the reduction after each stage's last op.
-PLANNER_OVERLAP = False
+def update_time(problem: PlannerProblem, rate: float, size: int, blocks: int) -> float:
+    """A stage's optimizer step: its blocks' state, tp/|g| times a full-size group member's, at its
+    slowest device's speed (the group rate over α(|g|); at least healthy, as the rate was snapped)."""
+    return problem.optimizer_per_block * blocks * (problem.tp / size) * max(1.0, rate / problem.alpha(size))
 
 
-def iteration_time(problem: PlannerProblem, pipes: Sequence[PipelineTimes], overlap: bool = PLANNER_OVERLAP) -> float:
+def iteration_time(problem: PlannerProblem, pipes: Sequence[PipelineTimes]) -> float:
     """The 'full' objective of an organisation (module docstring)."""
     ends = [pipeline_time(p.micro_batches, p.times) for p in pipes]
     g = problem.comm.grad_sync_per_block
-    if not g:
+    if not g and not problem.optimizer_per_block:
         return max(ends)
     # Blocks in runs between consecutive stage boundaries of any pipeline: within a run every block
     # has the same holders, so the cost is per run, not per block (10,000 blocks stay cheap).
     bounds = sorted({0, problem.num_layers} | {a for p in pipes for a in itertools.accumulate(p.layers)})
     runs = list(zip(bounds, bounds[1:]))
-    smallest, holders, latest = [0] * len(runs), [0] * len(runs), [0.0] * len(runs)
+    smallest, holders = [0] * len(runs), [0] * len(runs)
     # when every holder has passed the run's last block (the first one backward reaches), and its first
     first_ready, last_ready = [0.0] * len(runs), [0.0] * len(runs)
-    stages = []   # (first run, end run) of each stage holding blocks
+    stages = []   # (first run, end run, its last backward's end, its optimizer step) of each stage
     for p, w in zip(pipes, ends):
         k, start, finish = 0, 0, w
-        for t, n, size, rc in zip(p.times, p.layers, p.sizes, p.recompute or (False,) * len(p.times)):
+        n_st = len(p.times)
+        for t, n, size, rc, y in zip(p.times, p.layers, p.sizes, p.recompute or (False,) * n_st,
+                                     p.rates or (1.0,) * n_st):
             backward = (RECOMPUTE_BACKWARD_SHARE if rc else BACKWARD_SHARE) * t
             first, per_block = k, backward / n
             while k < len(runs) and runs[k][1] <= start + n:
                 a, b = runs[k]
                 smallest[k] = size if not smallest[k] else min(smallest[k], size)
                 holders[k] += 1
-                latest[k] = max(latest[k], finish)
                 first_ready[k] = max(first_ready[k], finish - (b - 1 - start) * per_block)
                 last_ready[k] = max(last_ready[k], finish - (a - start) * per_block)
                 k += 1
-            stages.append((first, k))
+            stages.append((first, k, finish, update_time(problem, y, size, n)))
             finish -= backward
             start += n
     last = max(ends)
-    if not overlap:
-        cost = [g * (b - a) / smallest[k] if holders[k] > 1 else 0.0 for k, (a, b) in enumerate(runs)]
-        for first, end in stages:
-            sync = sum(cost[first:end])
-            if sync:
-                last = max(last, max(latest[first:end]) + sync)
-        return last
-    # A stage reduces its runs last first, each block of a run in g / smallest as soon as it is passed:
-    # with blocks passed at a steady pace the queue ends at one of the run's ends (the last block
-    # passed, then one reduction; or the first passed, then all of them), or behind the run before.
-    for first, end in stages:
-        done = 0.0
+    for first, end, finish, update in stages:
+        # A stage reduces its runs last first, each block of a run in g / smallest as soon as it is
+        # passed: with blocks passed at a steady pace the queue ends at one of the run's ends (the last
+        # block passed, then one reduction; or the first passed, then all of them), or behind the run
+        # before. Then it steps.
+        queue = 0.0
         for k in range(end - 1, first - 1, -1):
-            if holders[k] > 1:
+            if g and holders[k] > 1:
                 n, each = runs[k][1] - runs[k][0], g / smallest[k]
-                done = max(done + n * each, first_ready[k] + n * each, last_ready[k] + each)
-        last = max(last, done)
+                queue = max(queue + n * each, first_ready[k] + n * each, last_ready[k] + each)
+        last = max(last, max(finish, queue) + update)
     return last

@@ -140,8 +140,7 @@ class ShardedGradientSync(GradientSync):
         return [p.grad for p in self.local.values()] + [b.grad for b in self.chunked]
 
     def update_bytes(self) -> float:
-        return update_bytes(self.local.values()) + 7.0 * sum(b.grad.numel() * b.grad.element_size()
-                                                             for b in self.chunked if b.grad is not None)
+        return update_bytes([*self.local.values(), *(b.grad for b in self.chunked if b.grad is not None)])
 
     @torch.no_grad()
     def step(self, lr: float | None) -> None:

@@ -82,6 +82,8 @@ class StepStats:
     loss_tokens: int         # loss tokens in this pipeline's micro-batches
     grad_norm: float         # global gradient norm before clipping
     compute_seconds: float   # device time of this device's forward/backward ops (its DeviceClock)
+    update_seconds: float    # device time of the optimizer update since the last step (this one's with `apply`)
+    update_bytes: float      # what that update moved
     flops: float             # of those ops: the work the device time was spent on
     block_ops: int           # of those ops: the blocks each ran through, summed (an accelerator's fixed costs)
     model_flops: float       # this device's share of the model's FLOPs (the devices' shares sum to the step's)
@@ -176,6 +178,7 @@ class Engine:
                           if optim.shard_optimizer else GradientSync(self.groups, self.params, shape, self.optimizer))
         self.transport = transport(self.groups.peers, self.device, self.working.dtype)
         self._update_pending = False
+        self._update_bytes = 0.0          # of the updates the clock has timed since its last read
 
     # ------------------------------------------------------------------ one step
     def train_step(self, micro_batches: list[MicroBatch], loss_tokens: int, *, apply: bool = True,
@@ -223,12 +226,15 @@ class Engine:
             self.apply_update(lr)
         # the step's one read of the device, once all of it is enqueued
         square_norm, global_loss, loss = torch.stack([totals[0], totals[1], self._loss]).cpu().tolist()
+        device, update_bytes, self._update_bytes = self.clock.read(), self._update_bytes, 0.0
 
         return StepStats(
             loss=loss if self.role.is_last else 0.0,
             loss_tokens=sum(mb.num_loss_tokens for mb in micro_batches),
             grad_norm=math.sqrt(square_norm),
-            compute_seconds=self.clock.read().get("compute", 0.0),
+            compute_seconds=device.get("compute", 0.0),
+            update_seconds=device.get("update", 0.0),
+            update_bytes=update_bytes,
             flops=self._flops,
             block_ops=self._block_ops,
             model_flops=3.0 * sum(self.model.forward_flops(mb.cu_seqlens, model_share=True)
@@ -244,7 +250,9 @@ class Engine:
         if not self._update_pending:
             raise RuntimeError(f"rank {self.rank}: no finished train_step whose update is pending")
         t0 = time.perf_counter()
-        with self.clock.op("update", nbytes=self.grad_sync.update_bytes()):
+        nbytes = self.grad_sync.update_bytes()
+        self._update_bytes += nbytes
+        with self.clock.op("update", nbytes=nbytes):
             self.grad_sync.step(lr)
         self.grad_sync.publish()
         self.working.refresh()

@@ -13,6 +13,8 @@ from typing import Iterable
 import torch
 from torch.optim.adamw import adamw
 
+from malleus_svc.costmodel.analytic import UPDATE_PASSES
+
 
 class AdamW:
     def __init__(self, params: Iterable[torch.nn.Parameter], *, lr: float, betas: tuple[float, float], eps: float,
@@ -64,6 +66,5 @@ class AdamW:
 
 
 def update_bytes(params: Iterable[torch.Tensor]) -> float:
-    """Bytes an AdamW update moves: it reads parameter, gradient and both moments, and writes all
-    but the gradient back."""
-    return 7.0 * sum(p.numel() * p.element_size() for p in params)
+    """Bytes an AdamW update moves (`UPDATE_PASSES` over the parameters' size)."""
+    return UPDATE_PASSES * sum(p.numel() * p.element_size() for p in params)

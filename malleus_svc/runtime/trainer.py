@@ -37,8 +37,9 @@ def check_plan_for_job(plan: Plan, job: JobConfig, where: str = "plan") -> Plan:
 
 def make_plan(job: JobConfig) -> Plan:
     """The planner's plan for the scenario (its rates and exclusions), made before the job's links
-    are measured: it prices no communication (the coordinator prices it once measured)."""
+    and updates are measured: it prices neither communication nor the optimizer step (the
+    coordinator prices them once measured)."""
     from malleus_svc.planner import plan as solve
 
-    problem = build_problem(job.scenario, comm=CommCosts())
+    problem = build_problem(job.scenario, comm=CommCosts(), optimizer_per_block=0.0)
     return check_plan_for_job(solve(problem).plan, job, "the planner's plan")

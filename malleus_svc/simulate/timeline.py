@@ -28,8 +28,8 @@ TP group; `problem.t0_seconds` converts):
     reductions run one after another on its link, in backward's order. Without the overlap a
     stage's reductions start when every stage sharing a block with it has finished its last op;
   * optimizer step of stage (i, j) after its reduction: `optimizer_per_block` · l_ij ·
-    (tp/|g_ij|) · max rate (Adam is memory-bound on the device's state shard; default 0.05 t0 per
-    full-TP block ≈ 1 ms for a 70B block at TP 8, where t0 ≈ 22 ms);
+    (tp/|g_ij|) · max rate (Adam is memory-bound on the device's state shard; by default the
+    problem's `optimizer_per_block`, as the planner prices it);
   * pipeline hand-off (`SimOptions.handoff`, default 0): a latency per micro-batch per boundary,
     one value for the forward activation and one for the backward gradient, from the end of the
     op that produced the tensor (or of its blocking send) to the moment the next stage may use it.
@@ -81,7 +81,7 @@ class SimulationError(RuntimeError):
 class SimOptions:
     backward_ratio: float = BACKWARD_RATIO   # backward time / forward time
     p2p: P2PMode = "blocking"
-    optimizer_per_block: float = 0.05  # t0 per block at full TP on a healthy device
+    optimizer_per_block: float | None = None   # t0 per block at full TP on a healthy device (None: the problem's)
     record_ops: bool = False           # keep every op's (start, end) in the result (for plots and tests)
     handoff: tuple[float, float] = (0.0, 0.0)   # t0 per micro-batch per boundary: (activation, gradient) latency
     corun_slowdown: float = 0.0        # κ: compute takes 1 + κ·k times longer while k devices of other stages
@@ -93,7 +93,7 @@ class SimOptions:
             raise ValueError(f"backward_ratio must be > 0, got {self.backward_ratio}")
         if self.p2p not in ("blocking", "overlapped"):
             raise ValueError(f"p2p must be 'blocking' or 'overlapped', got {self.p2p!r}")
-        if self.optimizer_per_block < 0:
+        if self.optimizer_per_block is not None and self.optimizer_per_block < 0:
             raise ValueError(f"optimizer_per_block must be >= 0, got {self.optimizer_per_block}")
         if len(self.handoff) != 2 or min(self.handoff) < 0:
             raise ValueError(f"handoff must be (forward, backward) latencies >= 0, got {self.handoff}")
@@ -344,6 +344,8 @@ def simulate(plan: Plan, problem: PlannerProblem, rates: Sequence[float] | Mappi
     in_flight: dict[tuple[int, int], int] = {}
     blocking = options.p2p == "blocking"
     overlap = options.overlap_grad_reduce
+    optimizer_per_block = (problem.optimizer_per_block if options.optimizer_per_block is None
+                           else options.optimizer_per_block)
     for i, pipe in enumerate(plan.pipelines):
         S, m = len(pipe.stages), pipe.micro_batches
         for j in range(S):
@@ -416,7 +418,7 @@ def simulate(plan: Plan, problem: PlannerProblem, rates: Sequence[float] | Mappi
                 for p in sorted({(i, j)} | {h for b in range(*st.layers) for h in holders[b]}):
                     eng.depend(syncs[0], last_op[p])
             sync_ids[(i, j)] = (syncs[0], syncs[-1])
-            opt = (options.optimizer_per_block * st.num_layers * (problem.tp / st.tp)
+            opt = (optimizer_per_block * st.num_layers * (problem.tp / st.tp)
                    * max(x[d] for d in st.devices))
             t_op = eng.add(("step", i, j, -1), ("gpu", i, j), opt, share=host(st))
             eng.depend(t_op, syncs[-1])
