@@ -59,3 +59,13 @@ def test_every_module_imports_on_its_own():
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert int(out.stdout.split()[0]) > 50
+
+
+def test_the_command_line_loads_neither_ray_nor_torch_until_a_command_needs_them():
+    """`malleus plan` and the other planning commands start without Ray or torch (process start is
+    part of a plan's time); the commands that talk to a job import them themselves."""
+    code = ("import sys, malleus_svc.cli as c; c.build_parser(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'torch')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.stdout.strip() == "[]"

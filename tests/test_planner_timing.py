@@ -54,11 +54,12 @@ def test_reductions_hide_behind_the_last_backward_and_the_drain():
         max(first_passed + 4 * 1.0, w + 1.0))
 
 
-@pytest.mark.parametrize("optimizer", [0.0, 0.3])
-def test_the_closed_form_equals_the_simulator_where_its_stages_are_even(optimizer):
+@pytest.mark.parametrize("optimizer, sharded", [(0.0, False), (0.3, False), (0.3, True)])
+def test_the_closed_form_equals_the_simulator_where_its_stages_are_even(optimizer, sharded):
     """Pipelines of equal stages (the closed form's finish times are then exact), different TP
     degrees and depths side by side, reductions faster and slower than the backward, and the
-    optimizer step after them at each stage's rate (one pipeline's devices 1.5x slow)."""
+    optimizer step after them at each stage's rate (one pipeline's devices 1.5x slow), over the
+    pipelines' shards of the optimizer state or the whole."""
     from malleus_svc.plan import Pipeline, Plan, Stage
 
     base = build_problem(paper_scenario("70b-64gpu", "severe"))
@@ -73,7 +74,7 @@ def test_the_closed_form_equals_the_simulator_where_its_stages_are_even(optimize
     rates = (1.0,) * 16 + (1.5,) * 16 + (1.0,) * (base.num_devices - 32)
     for grad in (0.5, 4.0, 40.0):
         p = replace(base, num_layers=8, rates=rates, comm=CommCosts(grad_sync_per_block=grad),
-                    optimizer_per_block=optimizer)
+                    optimizer_per_block=optimizer, memory=replace(base.memory, sharded_layer_mb=100.0 * sharded))
         sim = simulate(plan, p)
         ys = [[p.alpha(s.tp) * max(rates[d] for d in s.devices) for s in pipe.stages] for pipe in plan.pipelines]
         pipes = [PipelineTimes(pipe.micro_batches, tuple(y * s.num_layers for y, s in zip(row, pipe.stages)),
@@ -82,6 +83,9 @@ def test_the_closed_form_equals_the_simulator_where_its_stages_are_even(optimize
                  for pipe, row in zip(plan.pipelines, ys)]
         assert iteration_time(p, pipes) == pytest.approx(sim.iteration_t0, rel=1e-9), grad
         assert sim.iteration_t0 > max(pipeline_time(x.micro_batches, x.times) for x in pipes)
+        if optimizer:   # the step is on the critical path: sharding it shortens the iteration
+            whole = replace(p, memory=replace(p.memory, sharded_layer_mb=0.0))
+            assert (iteration_time(p, pipes) < iteration_time(whole, pipes)) == sharded
         # stages that recompute: longer, and their backward the larger share of them
         sim = simulate(recomputing, p)
         assert evaluate(replace(p, objective="full"), recomputing) == pytest.approx(sim.iteration_t0, rel=1e-9), grad

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from ..config.scenario import DEFAULT_OBJECTIVE, Objective, Search, Solver, tp_sizes
 from ..costmodel.profile import CommCosts, MemoryProfile
@@ -57,8 +58,11 @@ class PlannerProblem:
         return tp_sizes(self.tp)
 
     def alpha(self, group_size: int) -> float:
-        r = int(round(math.log2(self.tp // group_size)))
-        return self.tp_alpha[r]
+        return self._alpha_of[group_size]
+
+    @cached_property
+    def _alpha_of(self) -> dict[int, float]:   # the search asks this thousands of times
+        return {size: self.tp_alpha[int(round(math.log2(self.tp // size)))] for size in self.tp_sizes}
 
     def node_of(self, device: int) -> int:
         return device // self.gpus_per_node

@@ -14,12 +14,13 @@ of the stage's backward share. A block's reduction may start once every stage ho
 pipeline) has passed it, and lasts grad_sync_per_block / the smallest group holding the block (0 for
 a block that one pipeline holds); a stage reduces its blocks one after another, in backward's order.
 Then each stage takes its optimizer step (`update_time`: `optimizer_per_block` per block, tp/|g| of
-it on a smaller group, at the stage's slowest device's rate), and the iteration ends when every
-stage has stepped. This is the simulator's dependency rule with each stage's finish estimated, so
-reductions hide behind the backward and the drain as they do there.
+it on a smaller group, 1/P with the optimizer sharded, at the stage's slowest device's rate), and the
+iteration ends when every stage has stepped. This is the simulator's dependency rule with each
+stage's finish estimated, so reductions hide behind the backward and the drain as they do there.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 from dataclasses import dataclass
 from typing import Sequence
@@ -52,15 +53,20 @@ def pipeline_time(micro_batches: int, times: Sequence[float]) -> float:
     return micro_batches * max(times) + fill_drain(times)
 
 
-def update_time(problem: PlannerProblem, rate: float, size: int, blocks: int) -> float:
-    """A stage's optimizer step: its blocks' state, tp/|g| times a full-size group member's, at its
-    slowest device's speed (the group rate over α(|g|); at least healthy, as the rate was snapped)."""
-    return problem.optimizer_per_block * blocks * (problem.tp / size) * max(1.0, rate / problem.alpha(size))
+def update_time(problem: PlannerProblem, rate: float, size: int, blocks: int, pipelines: int) -> float:
+    """A stage's optimizer step: its blocks' state, tp/|g| times a full-size group member's (1/P of
+    it with the optimizer sharded over the P pipelines, which all hold every block), at its slowest
+    device's speed (the group rate over α(|g|); at least healthy, as the rate was snapped)."""
+    shared = pipelines if problem.memory.sharded else 1
+    return (problem.optimizer_per_block * blocks * (problem.tp / size) * max(1.0, rate / problem.alpha(size))
+            / shared)
 
 
 def iteration_time(problem: PlannerProblem, pipes: Sequence[PipelineTimes]) -> float:
     """The 'full' objective of an organisation (module docstring)."""
-    ends = [pipeline_time(p.micro_batches, p.times) for p in pipes]
+    # Equal pipelines (data-parallel replicas) end, reduce and step alike: each is walked once.
+    copies = collections.Counter(pipes)
+    ends = [pipeline_time(p.micro_batches, p.times) for p in copies]
     g = problem.comm.grad_sync_per_block
     if not g and not problem.optimizer_per_block:
         return max(ends)
@@ -72,7 +78,7 @@ def iteration_time(problem: PlannerProblem, pipes: Sequence[PipelineTimes]) -> f
     # when every holder has passed the run's last block (the first one backward reaches), and its first
     first_ready, last_ready = [0.0] * len(runs), [0.0] * len(runs)
     stages = []   # (first run, end run, its last backward's end, its optimizer step) of each stage
-    for p, w in zip(pipes, ends):
+    for (p, count), w in zip(copies.items(), ends):
         k, start, finish = 0, 0, w
         n_st = len(p.times)
         for t, n, size, rc, y in zip(p.times, p.layers, p.sizes, p.recompute or (False,) * n_st,
@@ -82,11 +88,11 @@ def iteration_time(problem: PlannerProblem, pipes: Sequence[PipelineTimes]) -> f
             while k < len(runs) and runs[k][1] <= start + n:
                 a, b = runs[k]
                 smallest[k] = size if not smallest[k] else min(smallest[k], size)
-                holders[k] += 1
+                holders[k] += count
                 first_ready[k] = max(first_ready[k], finish - (b - 1 - start) * per_block)
                 last_ready[k] = max(last_ready[k], finish - (a - start) * per_block)
                 k += 1
-            stages.append((first, k, finish, update_time(problem, y, size, n)))
+            stages.append((first, k, finish, update_time(problem, y, size, n, len(pipes))))
             finish -= backward
             start += n
     last = max(ends)

@@ -13,12 +13,12 @@ import json
 
 from malleus_svc.config.errors import shorten
 from malleus_svc.config.scenario import parse_device_id, parse_rate_assignments
-from malleus_svc.control.client import MalleusError, connect
-from malleus_svc.control.coordinator import describe_plan
-from malleus_svc.control.outcome import recorded
 
 from . import outcome
 from .ray_auth import AuthRefused, connecting
+
+# The coordinator's modules (and Ray) are imported where a command talks to a job: every other
+# `malleus` command (plan, memory, ...) builds these parsers and should not pay for them.
 
 
 def add_parsers(sub) -> None:
@@ -50,6 +50,8 @@ def add_parsers(sub) -> None:
 
 
 def _client(args: argparse.Namespace):
+    from malleus_svc.control.client import MalleusError, connect
+
     try:
         with connecting():
             return connect(args.job, address=args.address)
@@ -66,6 +68,9 @@ def _print(args: argparse.Namespace, answer, text: str) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from malleus_svc.control.client import MalleusError
+    from malleus_svc.control.outcome import recorded
+
     try:
         client = _client(args)
     except MalleusError:            # no coordinator by that name or id: a job that has ended, or none
@@ -112,6 +117,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------- parsing and formatting
 def format_status(st: dict) -> str:
+    from malleus_svc.control.coordinator import describe_plan
+
     def num(v, fmt="{:,.0f}"):
         return "-" if v is None else fmt.format(v)
 

@@ -28,8 +28,9 @@ TP group; `problem.t0_seconds` converts):
     reductions run one after another on its link, in backward's order. Without the overlap a
     stage's reductions start when every stage sharing a block with it has finished its last op;
   * optimizer step of stage (i, j) after its reduction: `optimizer_per_block` · l_ij ·
-    (tp/|g_ij|) · max rate (Adam is memory-bound on the device's state shard; by default the
-    problem's `optimizer_per_block`, as the planner prices it);
+    (tp/|g_ij|) · max rate, over P with the optimizer sharded among the P pipelines (Adam is
+    memory-bound on the device's state shard; by default the problem's `optimizer_per_block`, as
+    the planner prices it);
   * pipeline hand-off (`SimOptions.handoff`, default 0): a latency per micro-batch per boundary,
     one value for the forward activation and one for the backward gradient, from the end of the
     op that produced the tensor (or of its blocking send) to the moment the next stage may use it.
@@ -346,6 +347,7 @@ def simulate(plan: Plan, problem: PlannerProblem, rates: Sequence[float] | Mappi
     overlap = options.overlap_grad_reduce
     optimizer_per_block = (problem.optimizer_per_block if options.optimizer_per_block is None
                            else options.optimizer_per_block)
+    shared = len(plan.pipelines) if problem.memory.sharded else 1   # ZeRO-1: each pipeline updates 1/P
     for i, pipe in enumerate(plan.pipelines):
         S, m = len(pipe.stages), pipe.micro_batches
         for j in range(S):
@@ -418,7 +420,7 @@ def simulate(plan: Plan, problem: PlannerProblem, rates: Sequence[float] | Mappi
                 for p in sorted({(i, j)} | {h for b in range(*st.layers) for h in holders[b]}):
                     eng.depend(syncs[0], last_op[p])
             sync_ids[(i, j)] = (syncs[0], syncs[-1])
-            opt = (optimizer_per_block * st.num_layers * (problem.tp / st.tp)
+            opt = (optimizer_per_block * st.num_layers * (problem.tp / st.tp) / shared
                    * max(x[d] for d in st.devices))
             t_op = eng.add(("step", i, j, -1), ("gpu", i, j), opt, share=host(st))
             eng.depend(t_op, syncs[-1])
