@@ -72,7 +72,7 @@ def iteration_time(problem: PlannerProblem, pipes: Sequence[PipelineTimes]) -> f
         return max(ends)
     # Blocks in runs between consecutive stage boundaries of any pipeline: within a run every block
     # has the same holders, so the cost is per run, not per block (10,000 blocks stay cheap).
-    bounds = sorted({0, problem.num_layers} | {a for p in pipes for a in itertools.accumulate(p.layers)})
+    bounds = sorted({0, problem.num_layers} | {a for p in copies for a in itertools.accumulate(p.layers)})
     runs = list(zip(bounds, bounds[1:]))
     smallest, holders = [0] * len(runs), [0] * len(runs)
     # when every holder has passed the run's last block (the first one backward reaches), and its first
