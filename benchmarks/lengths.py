@@ -276,8 +276,8 @@ class SimSetup:
 def sim_setup(setup: Setup, pipes: Sequence[PipelineSpec], cost: LengthCost) -> SimSetup:
     """The simulator's view of `pipes`: p2p and the gradient reduction from the same analytic model
     the scenarios use (`costmodel.analytic.comm_costs` for a CONTEXT-token micro-batch, converted to
-    seconds), the optimizer step at the simulator's default 0.05 t0 per full-TP block (t0 of the
-    preset's sequence length, as in `malleus simulate`)."""
+    seconds), the optimizer step at 0.05 t0 per full-TP block (t0 of the preset's sequence length;
+    the simulator's default when this bench was written, kept so its figures stay comparable)."""
     from malleus_svc.plan import Stage
     from malleus_svc.planner.problem import CommCosts, MemoryProfile, PlannerProblem
     from malleus_svc.simulate import SimOptions

@@ -16,6 +16,7 @@ from malleus_svc.runtime.cluster import MigrationReport, StepRecord
 UNIT = 0.01       # seconds per t0 unit on a healthy device
 PROBE = 0.05      # a healthy device's probe seconds
 OPS = 20          # paced ops a device times per step
+UPDATE_BYTES, SECONDS_PER_UPDATE_BYTE = 1e6, 2e-9   # each device's update, on a healthy device
 LINKS = LinkTimes(p2p_intra_node_s=0.0002, p2p_inter_node_s=0.001, grad_sync_per_block_s=0.0005, reducers=2)
 
 
@@ -62,7 +63,9 @@ class FakeWorkers:
     def step(self, sample_ids, assignment=None, lr=None) -> StepRecord:
         unit = t0_flops(self.job.scenario, self.plan)
         devices = {d: {"compute_seconds": UNIT * w * self.slowdown.get(d, 1.0) * self.overrun.get(d, (0, 1.0))[1],
-                       "flops": w * unit, **self._paced(d)}
+                       "flops": w * unit, "update_bytes": UPDATE_BYTES,
+                       "update_seconds": UPDATE_BYTES * SECONDS_PER_UPDATE_BYTE * self.slowdown.get(d, 1.0),
+                       **self._paced(d)}
                    for d, w in plan_work(self.plan).items()}
         return StepRecord(step=0, plan_id=self.plan.plan_id, loss=1.0, loss_tokens=len(sample_ids),
                           tokens=len(sample_ids) * self.job.data.seq_len, samples=len(sample_ids),

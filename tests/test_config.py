@@ -49,6 +49,20 @@ def test_defaults_come_from_the_model_shape():
     assert p.state_sizes.block == PRESETS["llama-32b"].block_params() * 12
 
 
+def test_the_optimizer_step_comes_from_the_memory_bandwidth_or_the_profile():
+    """A block's AdamW traffic (28 bytes a parameter over the group) over `device.memory_gbps`, in
+    t0 units; a measured `profile.optimizer_seconds` over the profile's t0 instead."""
+    shape, spec = PRESETS["llama-32b"], analytic.DeviceSpec()
+    want = 28 * shape.block_params() / 4 / (spec.memory_gbps * 1e9) / analytic.block_seconds(shape, 4, 1, spec)
+    assert build_problem(Scenario.from_dict(GOOD)).optimizer_per_block == pytest.approx(want)
+    faster = copy.deepcopy(GOOD) | {"device": {"memory_gbps": 2 * spec.memory_gbps}}
+    assert build_problem(Scenario.from_dict(faster)).optimizer_per_block == pytest.approx(want / 2)
+    measured = copy.deepcopy(GOOD) | {"profile": {"t0_seconds": 0.05, "optimizer_seconds": 0.004}}
+    assert build_problem(Scenario.from_dict(measured)).optimizer_per_block == pytest.approx(0.08)
+    with pytest.raises(ConfigError, match="optimizer_seconds"):
+        Scenario.from_dict(copy.deepcopy(GOOD) | {"profile": {"optimizer_seconds": -1}})
+
+
 def test_the_default_objective_is_the_one_fact_and_full_is_available():
     from malleus_svc.planner import PlannerProblem
     from malleus_svc.config.scenario import DEFAULT_OBJECTIVE

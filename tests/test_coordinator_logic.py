@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from _fake_workers import LINKS, UNIT, FakeWorkers, plan_work
+from _fake_workers import LINKS, SECONDS_PER_UPDATE_BYTE, UNIT, FakeWorkers, plan_work
 from malleus_svc.config.job import JobConfig
 from malleus_svc.control.coordinator import JobCoordinator, MalleusError
 from malleus_svc.control.hooks import Delays
@@ -63,15 +63,21 @@ def after_pricing(c):
     return history[2:]
 
 
-def test_the_links_are_priced_from_calibration_on_in_units_of_the_measured_t0():
+def test_the_links_and_the_optimizer_step_are_priced_from_calibration_on_in_units_of_the_measured_t0():
+    from malleus_svc.costmodel.analytic import UPDATE_BYTES_PER_PARAM
+
     c = coordinator(priced=False)
-    assert c.measurement.links == LINKS and c._problem({}, ()).comm == CommCosts()    # nothing measured yet: not priced
+    before = c._problem({}, ())
+    assert c.measurement.links == LINKS and before.comm == CommCosts() and before.optimizer_per_block == 0.0
     run(c, CALIBRATED)
     settle(c)
     assert c.measurement.calibrated
-    tp = c.job.scenario.tp
-    assert c._problem({}, ()).comm == LINKS.comm_costs(UNIT / tp)       # the fake's device time per t0
-    assert after_pricing(c) == [] and "gradient all-reduce 0.5 ms per block" in c.get_history()[1]["reason"]
+    tp, params = c.job.scenario.tp, c.job.scenario.shape.block_params()
+    after = c._problem({}, ())
+    assert after.comm == LINKS.comm_costs(UNIT / tp)       # the fake's device time per t0
+    assert after.optimizer_per_block == pytest.approx(SECONDS_PER_UPDATE_BYTE * UPDATE_BYTES_PER_PARAM * params / UNIT)
+    reason = c.get_history()[1]["reason"]
+    assert after_pricing(c) == [] and "gradient all-reduce 0.5 ms per block" in reason and "optimizer step" in reason
 
 
 def test_a_job_planned_under_paper_asks_no_links_round():

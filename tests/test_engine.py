@@ -264,6 +264,29 @@ def _two_phase(rank: int, world: int, batches: list[list[MicroBatch]]):
     return before, pending, engine.export_state(), twice
 
 
+def _update_reports(rank: int, world: int, batches: list[list[MicroBatch]]):
+    engine = Engine(TINY, ONE, rank, seed=SEED, optim=OPTIM, dtype=torch.float64)
+    nbytes = 7 * sum(p.numel() * p.element_size() for p in engine.params.values())
+    stats = []
+    for apply in (False, False, True):   # the worker group's two phases, then an update inside the step
+        stats.append(engine.train_step(batches[0], sum(mb.num_loss_tokens for mb in batches[0]), apply=apply))
+        if not apply:
+            engine.apply_update()
+    return nbytes, [(s.update_seconds, s.update_bytes) for s in stats]
+
+
+def test_a_step_reports_the_update_before_it_with_the_bytes_it_moved():
+    """Each step reports the device time of the update(s) its clock timed since its last read (the
+    one applied after the previous step, or its own) with that update's bytes: the coordinator's
+    seconds per update byte."""
+    batches = global_batches(steps=1, micro_batches=2, micro_batch_size=2, seed=5)
+    nbytes, reports = run_on_gloo(_update_reports, 1, batches)[0]
+    assert reports[0] == (0.0, 0.0)                      # nothing applied before the first step
+    (one, moved_one), (two, moved_two) = reports[1:]
+    assert one > 0 and moved_one == nbytes               # the update applied after the step before
+    assert two > 0 and moved_two == 2 * nbytes           # that one, and the step's own
+
+
 def test_an_update_waits_for_apply_and_a_new_step_drops_an_unapplied_one():
     # The worker group's two-phase step: train_step(apply=False) runs every collective but changes
     # no state; a step that is not applied (the group saw a device fail) is dropped by the next.

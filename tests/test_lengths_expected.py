@@ -98,14 +98,16 @@ def test_apply_rescales_time_communication_and_memory():
     base = PlannerProblem(num_nodes=1, gpus_per_node=8, num_layers=8, dp=2, tp=2, pp=2, num_micro_batches=8,
                           micro_batch_size=2, rates=(1.0,) * 8, tp_alpha=(1.0, 2.0),
                           memory=MemoryProfile((400.0, 300.0, 200.0), 50.0, 100.0, 10.0, 1000.0),
-                          comm=CommCosts(0.1, 0.4, 2.0), t0_seconds=0.02)
+                          comm=CommCosts(0.1, 0.4, 2.0), t0_seconds=0.02, optimizer_per_block=0.06)
     prof = LengthProfile(time_ratio=0.8, count_ratio=0.5, token_ratio=0.3, memory_tokens=4, token_budget=8,
                          samples=16)
     p = prof.apply(base)
     assert p.t0_seconds == pytest.approx(0.02 * 0.4)
-    # p2p bytes follow the tokens (0.3), in the new unit (÷ 0.4); the reduction is per iteration (÷ 0.4).
+    # p2p bytes follow the tokens (0.3), in the new unit (÷ 0.4); the reduction and the optimizer step
+    # are per iteration (÷ 0.4).
     assert (p.comm.p2p_intra_node, p.comm.p2p_inter_node, p.comm.grad_sync_per_block) == pytest.approx(
         (0.1 * 0.75, 0.4 * 0.75, 2.0 / 0.4))
+    assert p.optimizer_per_block == pytest.approx(0.06 / 0.4)
     # K[d] = 100 + 100·d (d = 3, 2, 1): activations halve, states stay: 250, 200, 150. Embedding untouched.
     assert p.memory.layer_mb == pytest.approx((250.0, 200.0, 150.0)) and p.memory.embedding_mb == 50.0
     assert p.memory.per_layer_mb(4) == pytest.approx(300.0)           # extrapolated with the halved step

@@ -376,9 +376,11 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
             self._event("calibrated", f"healthy unit {m.estimator.healthy_unit_seconds:.3g} s/t0, "
                                       f"{m.healthy_tokens_per_second or 0:,.0f} tok/s{update}")
             links = m.links
-            if links is not None and self._problem({}, self.plan.excluded).objective == "full":
-                # the plan in force was made before the links were priced (`_problem`)
-                self._submit(RequestKind.LINKS, f"communication priced from the links measured: {links.describe()}")
+            if (links is not None or opt is not None) and self._problem({}, self.plan.excluded).objective == "full":
+                # the plan in force was made before the links and the updates were priced (`_problem`)
+                priced = [f"communication priced from the links measured: {links.describe()}"] if links else []
+                priced += ["the optimizer step from the updates timed"] if opt is not None else []
+                self._submit(RequestKind.LINKS, "; ".join(priced))
 
     def _measure(self, plan: Plan, rec, probe_res: list[dict], batch_lengths) -> None:
         with self._lock:
@@ -438,10 +440,14 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
                              optimizer_per_block=optimizer or 0.0)
 
     def _optimizer_per_block(self) -> float | None:
-        """(lock held) The optimizer step the workers timed, in t0 units per block; None until
-        calibrated or for a model given only by its layer count."""
-        shape = self.job.scenario.shape
-        return self.measurement.optimizer_per_block(shape.block_params()) if shape is not None else None
+        """(lock held) The optimizer step the workers timed, in t0 units per block (for a model given
+        only by its layer count, the scenario's `profile.optimizer_seconds` in the measured t0); None
+        until calibrated."""
+        sc, m = self.job.scenario, self.measurement
+        if sc.shape is not None:
+            return m.optimizer_per_block(sc.shape.block_params())
+        t0, given = m.t0_seconds(sc.tp), sc.profile.optimizer_seconds
+        return given / t0 if m.calibrated and t0 and given is not None else None
 
     def _event(self, kind: str, text: str) -> None:
         self.history.event(self.step, kind, text)

@@ -246,6 +246,7 @@ class Measurement:
         for d in devices:
             self.estimator.forget(d)
             self.pace.forget(d)
+            self._update_per_byte.pop(d, None)
 
     def measures(self, step: int) -> bool:
         return step >= self._measure_from

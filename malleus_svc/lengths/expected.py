@@ -73,8 +73,9 @@ class LengthProfile:
 
         * t0_seconds × work_ratio: predicted seconds follow the expected work;
         * p2p per micro-batch (t0 units) × token_ratio / work_ratio: its bytes follow the tokens, and
-          the unit t0 changed; the gradient reduction (per iteration, not per micro-batch) / work_ratio.
-          So when short samples make compute cheaper, communication weighs more in the objective;
+          the unit t0 changed; the gradient reduction and the optimizer step (per iteration, not per
+          micro-batch) / work_ratio. So when short samples make compute cheaper, communication and
+          the update weigh more in the objective;
         * the activation part of each per-layer memory K[d] × memory_ratio, with K[d] = state + d · act
           fitted through the profile's end points (exact for the analytic profile), and likewise its
           replicated part; K stays as it is when it lists one depth only. The embedding/head term
@@ -89,7 +90,8 @@ class LengthProfile:
         if len(mem.layer_mb) >= 2 and self.memory_ratio != 1.0:
             mem = dataclasses.replace(mem, layer_mb=self._scale_activations(mem.layer_mb),
                                       replicated_layer_mb=self._scale_activations(mem.replicated_layer_mb))
-        return dataclasses.replace(problem, t0_seconds=problem.t0_seconds * w, comm=comm, memory=mem)
+        return dataclasses.replace(problem, t0_seconds=problem.t0_seconds * w, comm=comm, memory=mem,
+                                   optimizer_per_block=problem.optimizer_per_block / w)
 
     def _scale_activations(self, k: tuple[float, ...]) -> tuple[float, ...]:
         """Rows listed for d = len(k) .. 1 micro-batches in flight, their per-depth part × memory_ratio."""

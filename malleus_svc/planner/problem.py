@@ -7,7 +7,6 @@ time of one block for one micro-batch on a healthy, full-size TP group (the Mall
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -62,7 +61,7 @@ class PlannerProblem:
 
     @cached_property
     def _alpha_of(self) -> dict[int, float]:   # the search asks this thousands of times
-        return {size: self.tp_alpha[int(round(math.log2(self.tp // size)))] for size in self.tp_sizes}
+        return {size: a for size, a in zip(self.tp_sizes, self.tp_alpha)}
 
     def node_of(self, device: int) -> int:
         return device // self.gpus_per_node
