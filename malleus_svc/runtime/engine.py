@@ -82,8 +82,8 @@ class StepStats:
     loss_tokens: int         # loss tokens in this pipeline's micro-batches
     grad_norm: float         # global gradient norm before clipping
     compute_seconds: float   # device time of this device's forward/backward ops (its DeviceClock)
-    update_seconds: float    # device time of the optimizer update since the last step (this one's with `apply`)
-    update_bytes: float      # what that update moved
+    update_seconds: float    # device time of the updates since the last step's end (this one's too, with `apply`)
+    update_bytes: float      # what those updates moved
     flops: float             # of those ops: the work the device time was spent on
     block_ops: int           # of those ops: the blocks each ran through, summed (an accelerator's fixed costs)
     model_flops: float       # this device's share of the model's FLOPs (the devices' shares sum to the step's)
