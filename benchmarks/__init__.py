@@ -6,8 +6,8 @@ import argparse
 import importlib
 import textwrap
 
-BENCHES = ("planner", "planner-scale", "objectives", "runtime", "simulate", "malleable", "rates", "calibrate", "lengths",
-           "lengths-runtime", "prepare-data", "init", "host-memory", "step", "detect", "overlap")
+BENCHES = ("planner", "planner-scale", "planner-reference", "objectives", "runtime", "simulate", "malleable",
+           "rates", "calibrate", "lengths", "lengths-runtime", "prepare-data", "init", "host-memory", "step", "detect", "overlap")
 
 
 class _WholeNames(argparse.HelpFormatter):

@@ -103,10 +103,15 @@ def test_example_64_ours_667_and_authors_684():
     assert authors_plan(pr).objective == pytest.approx(684)
 
 
-def test_example_64_fixed_p_reproduces_667():
-    res = plan(example_64(allow_reshape=False))
-    assert res.objective == pytest.approx(667)
+def test_example_64_fixed_p_at_most_667():
+    """The authors' fixed P: their 684, our family's 667, and the annealing may group the straggler
+    nodes otherwise (deeper pipelines of mixed TP); still 2 pipelines, no node dropped."""
+    pr = example_64(allow_reshape=False)
+    res = plan(pr)
+    check(pr, res.plan)
+    assert res.objective <= 667 + 1e-9
     assert len(res.plan.pipelines) == 2
+    assert {d // 8 for d in res.plan.active_devices} == set(range(8))
 
 
 # ----------------------------------------------------------------------------- Theorem 1

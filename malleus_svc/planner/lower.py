@@ -124,6 +124,12 @@ def memory_caps(mem_factors: Sequence[float], num_layers: int, memory: MemoryPro
     return None if min(caps) < 0 else tuple(caps)
 
 
+def position_caps(mem_factor: float, stages: int, num_layers: int, memory: MemoryProfile) -> list[int]:
+    """Each position's cap in a pipeline of `stages` stages whose groups all have this factor; -1
+    where the memory row fails even with 0 blocks (for `stage_order`, which mixes factors)."""
+    return _stage_caps([mem_factor] * stages, num_layers, memory)
+
+
 def _stage_caps(mem_factors: Sequence[float], num_layers: int, memory: MemoryProfile) -> list[int]:
     """As `layer_caps`, but -1 for a stage whose memory row fails even with 0 blocks."""
     h = _floats("mem_factors", mem_factors, positive=True)

@@ -33,13 +33,13 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 from .budget import NEVER, Deadline
 from .grouping import Group
-from .lower import LayerSolution, bottleneck, memory_caps, solve_layers, solve_micro_batches
+from .lower import LayerSolution, bottleneck, memory_caps, position_caps, solve_layers, solve_micro_batches
 from .problem import PlannerProblem
+from .stage_order import best_order
 from .timing import PipelineTimes, fill_drain, iteration_time
 
 NORMAL = -1   # a placeholder for a normal group in a template
 NORMAL_CLASS = (1.0, 1)   # what the lower level sees of a normal group: (rate, memory factor)
-MAX_STAGE_ORDERS = 2000   # memory-factor sequences `Scorer.stage_order` tries per pipeline
 Template = tuple[tuple[int, ...], ...]   # per pipeline, stage by stage: special-group indices and NORMAL slots
 
 
@@ -76,6 +76,7 @@ class Scorer:
         self._orders: dict[tuple, tuple] = {}         # best order of each multiset of classes
         self._reordered: dict[tuple, tuple] = {}      # what `stage_order` answers for each order
         self._cap_memo: dict[tuple, tuple[int, ...] | None] = {}
+        self._position_memo: dict[tuple[int, int], list[int]] = {}
         self._p2p: dict[tuple, tuple[float, ...]] = {}   # a pipeline's stage nodes -> its p2p extras
         self._by_count: dict[int, Scorer] = {}
         self._root = self
@@ -131,10 +132,9 @@ class Scorer:
         return sol
 
     def stage_order(self, classes: tuple[tuple[float, int], ...]) -> tuple[tuple[float, int], ...]:
-        """These stage classes (rate, memory factor) in the order of least ILP-1 bottleneck: for each
-        sequence of memory factors, each factor's groups fastest first on its positions of largest
-        memory cap (exact for that sequence: an exchange argument). `classes` itself when memory
-        does not bind it or no order does better; at most MAX_STAGE_ORDERS sequences are tried."""
+        """These stage classes (rate, memory factor) in the order of least ILP-1 bottleneck under the
+        memory caps (`stage_order.best_order`, exact); `classes` itself when memory does not bind it
+        or no order does better."""
         if classes not in self._reordered:
             self._reordered[classes] = self._reorder(classes)
         return self._reordered[classes]
@@ -147,34 +147,25 @@ class Scorer:
             return classes
         key = tuple(sorted(classes))
         if key not in self._orders:
-            self._orders[key] = self._best_order(key, free)
+            upper = math.inf if given is None else given
+            self._orders[key] = best_order(key, self.position_caps, L, free, upper) or key
         best = self._orders[key]
         z = self._bottleneck(best)
         return best if z is not None and (given is None or z < given * (1 - 1e-12)) else classes
 
-    def _best_order(self, classes: tuple[tuple[float, int], ...], free: float) -> tuple[tuple[float, int], ...]:
-        best, best_z = classes, math.inf
-        for hs in itertools.islice(distinct_permutations([h for _, h in classes]), MAX_STAGE_ORDERS):
-            caps = self._caps(hs)
-            if caps is None:
-                continue
-            order: list[tuple[float, int]] = list(classes)
-            for h in set(hs):
-                slots = sorted((j for j, x in enumerate(hs) if x == h), key=lambda j: (-caps[j], j))
-                for j, c in zip(slots, (c for c in classes if c[1] == h)):   # `classes` is sorted: fastest first
-                    order[j] = c
-            z = bottleneck([c[0] for c in order], caps, self.problem.num_layers)
-            if z is not None and z < best_z * (1 - 1e-12):
-                best, best_z = tuple(order), z
-                if z <= free * (1 + 1e-12):
-                    break
-        return best
+    def position_caps(self, h: int, stages: int) -> list[int]:
+        """`lower.position_caps` of factor h in a pipeline of `stages` stages, memoised."""
+        if (h, stages) not in self._position_memo:
+            self._position_memo[h, stages] = position_caps(float(h), stages, self.problem.num_layers,
+                                                           self.problem.memory)
+        return self._position_memo[h, stages]
 
     def _bottleneck(self, classes: Sequence[tuple[float, int]]) -> float | None:
-        caps = self._caps(tuple(h for _, h in classes))
+        caps = self.caps(tuple(h for _, h in classes))
         return None if caps is None else bottleneck([y for y, _ in classes], caps, self.problem.num_layers)
 
-    def _caps(self, hs: tuple[int, ...]) -> tuple[int, ...] | None:
+    def caps(self, hs: tuple[int, ...]) -> tuple[int, ...] | None:
+        """`lower.memory_caps` of a pipeline with these memory factors, memoised."""
         if hs not in self._cap_memo:
             self._cap_memo[hs] = memory_caps([float(h) for h in hs], self.problem.num_layers, self.problem.memory)
         return self._cap_memo[hs]

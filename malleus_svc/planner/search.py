@@ -14,6 +14,11 @@ pipeline's stages in their best order under the memory caps (`organize.reorder_s
 exhaustive search, bounded by the best plan found, checks the whole plan space for a better one
 within a fixed number of nodes (`exhaustive.widen`, under the objectives it is exact for).
 
+Where a node holds a straggler (up to ANNEAL_DEVICES devices), the best organisation found is then
+annealed over concrete groups (`anneal`): other groupings of those nodes, groups moved between
+pipelines, pipelines merged and split, each pipeline's stages in their best order under the memory
+caps. It reaches the deep mixed-TP plans the family does not build above WIDE_DEVICES devices.
+
 Keeping it fast:
   * dominated node options are removed (same group sizes, elementwise no faster);
   * a set of groups whose classes (rate, memory factor; and node under 'full') were organised
@@ -47,10 +52,11 @@ from ..plan import Pipeline, Plan, PlanError, Stage
 from .budget import NEVER, Deadline
 from .grouping import WIDE_DEVICES, Group, NodeOption, group_rate, make_group, node_options
 from .lower import bottleneck, lay_out, layer_caps, solve_micro_batches
-from .organize import (Score, Scorer, Template, TooManyTemplates, dfs_templates, fill,
+from .organize import (NORMAL, Score, Scorer, Template, TooManyTemplates, dfs_templates, fill,
                        greedy_templates, improve, p2p_extras, reorder_stages, score_template, stage_plans)
 from ..config.scenario import OBJECTIVES
 from .problem import PlannerProblem
+from .anneal import Anneal, irregular_nodes
 from .timing import PipelineTimes, fill_drain, iteration_time
 from ..costmodel.profile import RECOMPUTE_TIME_FACTOR
 
@@ -61,6 +67,9 @@ THOROUGH_SMALL = 8          # the same on small clusters, where the greedy pass 
                             # often (`malleus bench planner --small 300` before the exhaustive check: 2 -> 8
                             # took the scenarios more than 1% above exhaustive from 8 to 5 of 600)
 FINALISTS = 6               # organisations kept for concretisation
+ANNEAL_STEPS = 1000         # moves the annealing over concrete groups makes from the best finalist (`anneal`)
+ANNEAL_DEVICES = 256        # on clusters of at most this many devices: beyond, a move scores dozens of pipelines
+                            # (7 ms a move at 1,024 devices) for plans the family already finds
 WIDE_GROUPS = 16            # combinations of at most this many groups try every pipeline count
 
 
@@ -248,6 +257,7 @@ def _plan_once(problem: PlannerProblem, previous: Plan | None,
         finalists = _fallback(problem, scorer, per_node, templates, deadline)
     if not finalists:
         raise InfeasibleError(_why_none(deadline, problem, [g for o in per_node for g in o[0].groups]))
+    finalists += _annealed(problem, scorer, min(finalists), ctx, deadline)
     plans = [_concretise(problem, scorer, f, ctx) for f in finalists]
     plans = [p for p in plans if p is not None]
     notes = _budget_notes(deadline, combos)
@@ -259,7 +269,9 @@ def _plan_once(problem: PlannerProblem, previous: Plan | None,
     if prev is not None:
         plans += [p for p in (_reuse(problem, prev), _safe_rebalance(problem, prev)) if p is not None]
     chosen, moved = _choose(problem, plans, prev, score)
-    ideal = ideal_objective(problem, deadline)
+    # the chosen plan on healthy devices bounds the ideal too (past the deadline the ideal is the
+    # greedy organisation's, and the annealing reaches plans outside the family)
+    ideal = min(ideal_objective(problem, deadline), evaluate(_healthy(problem), chosen))
     elapsed = time.perf_counter() - t_start
     chosen = _finish(problem, chosen, ideal, elapsed, {"pipelines": len(chosen.pipelines), "candidates": combos,
                                                        **_budget_note(deadline)})
@@ -412,11 +424,15 @@ def plan_without_split(problem: PlannerProblem, previous: Plan | None = None) ->
 def ideal_objective(problem: PlannerProblem, deadline: Deadline = NEVER) -> float:
     """The best objective of the same cluster with every device healthy and none excluded (past the
     search's deadline: of its greedy organisation, an upper bound)."""
-    healthy = replace(problem, rates=(1.0,) * problem.num_devices, excluded=frozenset())
+    healthy = _healthy(problem)
     scorer = Scorer(healthy)
     groups = [g for n in range(healthy.num_nodes) for o in node_options(healthy, n)[:1] for g in o.groups]
     fs = _organise(healthy, scorer, groups, _pipeline_counts(healthy, len(groups)), [0], deadline=deadline)
     return min((f.objective for f in fs), default=math.inf)
+
+
+def _healthy(problem: PlannerProblem) -> PlannerProblem:
+    return replace(problem, rates=(1.0,) * problem.num_devices, excluded=frozenset())
 
 
 def lower_bound(problem: PlannerProblem, capacity: float, pipelines: int | None = None) -> float:
@@ -566,7 +582,8 @@ def _organise(problem: PlannerProblem, scorer: Scorer, groups: Sequence[Group], 
     key = (lambda g: -g.rate) if authors else (lambda g: (-g.rate, g.h, g.node, g.devices))
     specials = tuple(sorted((g for g in groups if not g.is_normal), key=key))
     normals = tuple(g for g in groups if g.is_normal)
-    # small clusters: each pipeline's stages in their best order under the memory caps
+    # small clusters: each pipeline's stages in their best order under the memory caps, where that
+    # scores better (on large ones the annealing orders the stages of what it is given)
     arrange = (lambda t: reorder_stages(scorer, t, specials)) if _is_small(problem) else None
     out: list[_Finalist] = []
     capacity = sum(1.0 / g.rate for g in groups)
@@ -587,14 +604,14 @@ def _organise(problem: PlannerProblem, scorer: Scorer, groups: Sequence[Group], 
                             break
                         raise TooManyTemplates()
                     templates[0] += 1
-                    t = arrange(t) if arrange else t
-                    s = score_template(scorer, t, specials, problem.tp)
+                    t, s = _arranged(scorer, t, specials, problem.tp, arrange)
                     if s is not None:
                         found.append(_Finalist(s.objective, len(found), t, specials, normals, s))
         except TooManyTemplates:
             for t0 in greedy_templates(specials, len(normals), P):
-                t, s = improve(arrange(t0) if arrange else t0, specials, scorer, problem.tp,
-                               max_evals=_local_search_evals(problem, thorough), deadline=deadline, arrange=arrange)
+                t0, _ = _arranged(scorer, t0, specials, problem.tp, arrange)
+                t, s = improve(t0, specials, scorer, problem.tp, max_evals=_local_search_evals(problem, thorough),
+                               deadline=deadline, arrange=arrange)
                 templates[0] += 1
                 if s is not None:
                     found.append(_Finalist(s.objective, len(found), t, specials, normals, s))
@@ -602,10 +619,45 @@ def _organise(problem: PlannerProblem, scorer: Scorer, groups: Sequence[Group], 
     return out
 
 
+def _annealed(problem: PlannerProblem, scorer: Scorer, f: _Finalist, ctx: _PrevInfo,
+              deadline: Deadline) -> list[_Finalist]:
+    """The best finalist improved by simulated annealing over concrete groups (`anneal`), if it
+    improves: deeper, more mixed pipelines than the family builds on large clusters."""
+    irregular = irregular_nodes(problem)
+    if deadline.passed() or not irregular or problem.num_devices > ANNEAL_DEVICES:
+        return []
+    rows = fill(f.template, f.specials, f.normals, f.score.layers, ctx.ranges)
+    used = {g.devices for r in rows for g in r}
+    idle = [g for g in (*f.specials, *f.normals) if g.devices not in used]
+    org = Anneal(problem, scorer, 0, max_pipelines(problem), irregular).run(rows, idle, ANNEAL_STEPS, deadline)
+    if org is None or org.score.objective >= f.objective * (1 - 1e-9):
+        return []
+    groups = [g for r in (*org.rows, org.idle) for g in r]
+    specials = tuple(sorted((g for g in groups if not g.is_normal), key=lambda g: (-g.rate, g.h, g.node, g.devices)))
+    index = {g.devices: i for i, g in enumerate(specials)}
+    template = tuple(tuple(NORMAL if g.is_normal else index[g.devices] for g in r) for r in org.rows)
+    normals = tuple(g for g in groups if g.is_normal)
+    return [_Finalist(org.score.objective, -1, template, specials, normals, org.score)]
+
+
+def _arranged(scorer: Scorer, t: Template, specials: Sequence[Group], tp: int,
+              arrange: Callable[[Template], Template] | None) -> tuple[Template, Score | None]:
+    """The template or its stages reordered (`reorder_stages`), whichever scores better: the order
+    of least bottleneck is not always the best one where fill, drain and p2p are priced ('full')."""
+    s = score_template(scorer, t, specials, tp)
+    a = t if arrange is None else arrange(t)
+    if a == t:
+        return t, s
+    sa = score_template(scorer, a, specials, tp)
+    return (a, sa) if sa is not None and (s is None or sa.objective < s.objective) else (t, s)
+
+
 def _local_search_evals(problem: PlannerProblem, thorough: bool) -> int:
     """Moves the local search may score per greedy template. The screening pass on small clusters
     scores none: it screens many more groupings there, and the DFS of the thorough pass walks
-    every stage plan."""
+    every stage plan. (Half of these on large clusters, the annealing after it moving the same
+    groups, cut the slowest 64-device plan under 'full' from 1.6 to 1.1 s, but left 3 of 10 plans of
+    `malleus bench planner --objective full` at 64 and 256 devices 0.1-0.3% slower.)"""
     if thorough:
         return 200
     return 0 if _is_small(problem) else 40

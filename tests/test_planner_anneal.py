@@ -1,0 +1,122 @@
+"""Simulated annealing over concrete groups (`planner.anneal`), the default search's last step, and
+the reference search built on it (`malleus bench planner-reference`), on paper-shaped clusters above
+16 devices."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from benchmarks.planner_reference import capacity_bound, main as reference_main, paper_shaped, reference
+from malleus_svc.plan import Plan
+from malleus_svc.planner import evaluate, memory_violations, plan
+from malleus_svc.planner import search
+from malleus_svc.planner.grouping import group_rate
+
+# Two nodes with two stragglers each (rates 5.7-6.9) beside two healthy nodes: the family's best
+# idles the four stragglers and splits their nodes into a four and a pair; pairs hold more.
+TWO_BAD_NODES = (32, 3)
+
+
+def valid(problem, p: Plan) -> None:
+    assert memory_violations(problem, Plan.from_json(p.to_json())) == []
+    assert p.objective_value == pytest.approx(evaluate(problem, p))
+    assert p.num_micro_batches == problem.num_micro_batches
+
+
+def test_annealing_finds_deeper_mixed_plans_the_family_misses(monkeypatch):
+    problem, _ = paper_shaped(*TWO_BAD_NODES, "paper")
+    found = plan(problem)
+    monkeypatch.setattr(search, "ANNEAL_STEPS", 0)
+    family = plan(problem)
+    valid(problem, found.plan)
+    assert found.objective < family.objective * 0.98
+    assert max(len(p.stages) for p in found.plan.pipelines) > max(len(p.stages) for p in family.plan.pipelines)
+    assert {s.tp for pipe in found.plan.pipelines for s in pipe.stages} > {8}     # split groups beside full ones
+    assert found.objective >= capacity_bound(problem) * (1 - 1e-9)
+    assert plan(problem).plan.pipelines == family.plan.pipelines   # a fixed seed: equal inputs, equal plans
+    monkeypatch.undo()
+    assert plan(problem).plan.pipelines == found.plan.pipelines
+
+
+@pytest.mark.parametrize("objective", ["bubble", "full"])
+def test_annealing_never_loses_to_the_family(monkeypatch, objective):
+    problem, _ = paper_shaped(*TWO_BAD_NODES, objective)
+    found = plan(problem)
+    monkeypatch.setattr(search, "ANNEAL_STEPS", 0)
+    valid(problem, found.plan)
+    assert found.objective <= plan(problem).objective * (1 + 1e-9)
+
+
+def test_without_reshaping_annealing_keeps_the_pipelines_and_every_node():
+    problem = replace(paper_shaped(*TWO_BAD_NODES, "paper")[0], allow_reshape=False)
+    p = plan(problem).plan
+    valid(problem, p)
+    assert len(p.pipelines) == problem.dp
+    assert {d // 8 for d in p.active_devices} == set(range(problem.num_nodes))
+
+
+def test_the_reference_starts_from_the_default_plan_and_never_ends_worse():
+    problem, _ = paper_shaped(32, 0, "paper")
+    default = plan(problem)
+    value, best = reference(problem, default.plan, steps=150, restarts=1)
+    assert value <= default.objective * (1 + 1e-9)
+    assert value == pytest.approx(evaluate(problem, best))
+    assert memory_violations(problem, best) == []
+    assert value >= capacity_bound(problem) * (1 - 1e-9)
+    assert all(len({d // 8 for d in s.devices}) == 1 and group_rate(problem, s.devices) >= 1.0
+               for pipe in best.pipelines for s in pipe.stages)
+
+
+def test_bench_planner_reference_prints_the_gap_per_size(capsys, tmp_path):
+    out = tmp_path / "B.md"
+    assert reference_main(["--sizes", "32", "--seeds", "1", "--objectives", "paper", "--steps", "40",
+                           "--restarts", "1", "--write", str(out)]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 32 | paper |")]
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert cells[2] == "1" and cells[3] in ("0", "1") and float(cells[4].rstrip("%")) >= 0
+    assert "<!-- bench:planner-reference -->" in out.read_text()
+
+
+def test_a_node_of_many_straggler_rates_is_regrouped_within_the_family():
+    """Listing every grouping of a node with 8 distinct straggler rates takes ~0.5 s: such a node
+    takes the family's groupings instead; one with a straggler takes every grouping."""
+    from malleus_svc.planner.anneal import regroup_options
+    from malleus_svc.planner.grouping import every_grouping, node_options
+    problem, _ = paper_shaped(32, 0, "paper")
+    rates = list(problem.rates)
+    rates[:8] = [1.3, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0]
+    rates[8:16] = [1.0] * 7 + [3.0]
+    problem = replace(problem, rates=tuple(rates))
+    assert [o.key for o in regroup_options(problem, 0)] == [o.key for o in node_options(problem, 0)]
+    assert [o.key for o in regroup_options(problem, 1)] == [o.key for o in every_grouping(problem, 1)]
+    assert len(regroup_options(problem, 1)) > len(node_options(problem, 1))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_stage_order_is_the_best_of_every_order(seed):
+    """`stage_order.best_order` against every distinct order of up to 6 stages of mixed memory factors,
+    under memory from loose to tight: the same least ILP-1 bottleneck (or both find no order)."""
+    import random
+    from malleus_svc.planner import MemoryProfile
+    from malleus_svc.planner.lower import bottleneck, memory_caps, position_caps
+    from malleus_svc.planner.organize import distinct_permutations
+    from malleus_svc.planner.stage_order import best_order
+    rng = random.Random(seed)
+    layers = rng.choice((8, 16, 24, 40))
+    memory = MemoryProfile(tuple(100.0 * (1 + 0.15 * d) for d in (5, 4, 3, 2, 1, 0)), rng.choice((0.0, 60.0, 200.0)),
+                           0.0, 0.0, rng.uniform(300.0, 3000.0))
+    def rate() -> float:
+        return round(rng.choice((1.0, 1.9, 3.66, 7.22)) * rng.choice((1.0, 1.0, 2.5)), 2)
+    classes = sorted((rate(), rng.choice((1, 2, 4, 8))) for _ in range(rng.randint(1, 6)))
+
+    def z(order):
+        caps = memory_caps([float(h) for _, h in order], layers, memory)
+        return None if caps is None else bottleneck([y for y, _ in order], caps, layers)
+    every = [v for v in (z(o) for o in distinct_permutations(classes)) if v is not None]
+    found = best_order(classes, lambda h, s: position_caps(float(h), s, layers, memory), layers)
+    if not every:
+        assert found is None or z(found) is None
+    else:
+        assert found is not None and sorted(found) == classes
+        assert z(found) == pytest.approx(min(every))
