@@ -82,14 +82,14 @@ def reference(problem: PlannerProblem, default_plan: Plan, steps: int, restarts:
         return [[make_group(problem, s.devices) for s in pipe.stages] for pipe in p.pipelines]
 
     def idle_of(rows: list[list[Group]]) -> list[Group]:
+        """The unused devices of the nodes the annealing regroups, as idle single-device groups."""
         used = {d for row in rows for g in row for d in g.devices}
-        return [make_group(problem, (d,)) for d in range(problem.num_devices)
-                if d not in used and d not in problem.excluded]
+        return [make_group(problem, (d,)) for n in irregular for d in available_devices(problem, n) if d not in used]
 
     scorer = Scorer(problem)
+    irregular = irregular_nodes(problem)
     best_value, best_plan = evaluate(problem, default_plan), default_plan
     starts = [rows_of(default_plan)] * restarts + [rows_of(baseline_plan(problem))]
-    irregular = irregular_nodes(problem)
     for seed, rows in enumerate(starts, start=1):      # seed 0 is the default search's own run
         org = Anneal(problem, scorer, seed, max_pipelines(problem), irregular).run(rows, idle_of(rows), steps)
         if org is None:

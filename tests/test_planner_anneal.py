@@ -34,9 +34,8 @@ def test_annealing_finds_deeper_mixed_plans_the_family_misses(monkeypatch):
     assert max(len(p.stages) for p in found.plan.pipelines) > max(len(p.stages) for p in family.plan.pipelines)
     assert {s.tp for pipe in found.plan.pipelines for s in pipe.stages} > {8}     # split groups beside full ones
     assert found.objective >= capacity_bound(problem) * (1 - 1e-9)
-    assert plan(problem).plan.pipelines == family.plan.pipelines   # a fixed seed: equal inputs, equal plans
     monkeypatch.undo()
-    assert plan(problem).plan.pipelines == found.plan.pipelines
+    assert plan(problem).plan.pipelines == found.plan.pipelines    # a fixed seed: equal inputs, equal plans
 
 
 @pytest.mark.parametrize("objective", ["bubble", "full"])

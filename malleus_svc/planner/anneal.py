@@ -16,19 +16,20 @@ each scored by the lower level with every pipeline's stages in their best order 
 caps (`Scorer.stage_order`). A worse candidate is accepted with probability exp(-worse / heat), the
 heat falling from 1% to 0.01% of the objective over the run: whole blocks make the objective flat
 across single moves, and the way to a better plan often passes an equal or slightly worse one.
-Without reshaping, the pipeline count stays and no node is dropped whole; at most `max_pipelines`.
+Without reshaping, the pipeline count stays and no node the start used is dropped whole; at most
+`max_pipelines` pipelines.
 Healthy nodes keep their full groups: under 'paper' splitting them too can beat even the
 straggler-free plan, a reshaping of a whole healthy cluster that no straggler asks for.
 
 The default search makes `search.ANNEAL_STEPS` moves from a fixed seed, so equal inputs give equal
-plans; `malleus bench planner-reference` makes many more as the reference it is measured against.
+plans (unless the search's time budget stops it first); `malleus bench planner-reference` makes many more as the reference it is measured against.
 """
 from __future__ import annotations
 
 import math
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from .budget import NEVER, Deadline
 from .grouping import Group, NodeOption, available_devices, every_grouping, is_straggler, node_options
@@ -76,22 +77,23 @@ def irregular_nodes(problem: PlannerProblem) -> list[int]:
             if len(available_devices(problem, n)) < k or any(is_straggler(problem, d) for d in range(n * k, n * k + k))]
 
 
-def regroup_options(problem: PlannerProblem, node: int) -> list[NodeOption]:
+def regroup_options(problem: PlannerProblem, node: int,
+                    roles: Mapping[int, tuple[int, int]] | None = None) -> list[NodeOption]:
     """The groupings a regrouped node may take: every one (`every_grouping`) where listing them is
     cheap, else the family's (`node_options`). Their number grows fast with the node's distinct
     straggler rates: on 8 devices 0.04 s at 4 rates, 0.5 s at 8; on 16 devices 0.04 s at 1, 6.6 s at 4."""
     rates = {problem.rates[d] for d in available_devices(problem, node) if is_straggler(problem, d)}
     if len(rates) <= (4 if problem.gpus_per_node <= 8 else 1):
-        return every_grouping(problem, node)
-    return node_options(problem, node)
+        return every_grouping(problem, node, roles)
+    return node_options(problem, node, previous_roles=roles)
 
 
 class Anneal:
     """`regroup`: the nodes whose grouping may change (`irregular_nodes`; default: every node)."""
 
     def __init__(self, problem: PlannerProblem, scorer: Scorer, seed: int, max_pipelines: int,
-                 regroup: Sequence[int] | None = None):
-        self.problem, self.scorer, self.rng = problem, scorer, random.Random(seed)
+                 regroup: Sequence[int] | None = None, roles: Mapping[int, tuple[int, int]] | None = None):
+        self.problem, self.scorer, self.rng, self.roles = problem, scorer, random.Random(seed), roles
         self.most = max_pipelines
         self._options: dict[int, list[NodeOption]] = {}
         self.nodes = [n for n in range(problem.num_nodes) if available_devices(problem, n)]
@@ -102,7 +104,8 @@ class Anneal:
         """The best organisation met in `steps` moves (or until the deadline) from `rows` and `idle`."""
         cur = score_rows(self.scorer, rows, idle)
         best = cur
-        self.pipelines = len(cur.rows) if cur is not None else 0
+        self.pipelines = sum(1 for r in rows if r)
+        self.used = {g.node for r in rows for g in r}
         for step in range(steps if cur is not None else 0):
             if deadline.passed():
                 break
@@ -123,7 +126,7 @@ class Anneal:
 
     def options(self, node: int) -> list[NodeOption]:
         if node not in self._options:
-            self._options[node] = regroup_options(self.problem, node)
+            self._options[node] = regroup_options(self.problem, node, self.roles)
         return self._options[node]
 
     def _kick(self, org: Organisation) -> tuple[list[list[Group]], list[Group]] | None:
@@ -150,7 +153,7 @@ class Anneal:
         best = max(self.options(n), key=held)
         rows = [[g for g in r if g.node != n] for r in org.rows]
         rows[slowest] += best.groups
-        return rows, [g for g in org.idle if g.node != n]
+        return self._valid(rows, [g for g in org.idle if g.node != n])
 
     def _neighbour(self, rows: list[list[Group]], idle: list[Group]) -> tuple[list[list[Group]], list[Group]] | None:
         rng, r = self.rng, self.rng.random()
@@ -203,10 +206,15 @@ class Anneal:
             k = rng.randrange(1, len(rows[a]))
             rows.append(rows[a][k:])
             rows[a] = rows[a][:k]
+        return self._valid(rows, idle)
+
+    def _valid(self, rows: list[list[Group]], idle: list[Group]) -> tuple[list[list[Group]], list[Group]] | None:
+        """The candidate without its empty pipelines, or None where it breaks a rule: at most
+        `max_pipelines`; without reshaping, the starting pipeline count and every node it used."""
         rows = [row for row in rows if row]
         if not rows or len(rows) > self.most:
             return None
         if not self.problem.allow_reshape and (len(rows) != self.pipelines
-                                               or {g.node for row in rows for g in row} != set(self.nodes)):
+                                               or not self.used <= {g.node for row in rows for g in row}):
             return None
         return rows, idle

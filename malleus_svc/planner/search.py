@@ -14,7 +14,8 @@ pipeline's stages in their best order under the memory caps (`organize.reorder_s
 exhaustive search, bounded by the best plan found, checks the whole plan space for a better one
 within a fixed number of nodes (`exhaustive.widen`, under the objectives it is exact for).
 
-Where a node holds a straggler (up to ANNEAL_DEVICES devices), the best organisation found is then
+Where a node holds a straggler or an excluded device (up to ANNEAL_DEVICES devices), the best
+organisation found is then
 annealed over concrete groups (`anneal`): other groupings of those nodes, groups moved between
 pipelines, pipelines merged and split, each pipeline's stages in their best order under the memory
 caps. It reaches the deep mixed-TP plans the family does not build above WIDE_DEVICES devices.
@@ -165,8 +166,9 @@ def _recomputed(problem: PlannerProblem, result: PlannerResult) -> PlannerResult
     chosen = result.plan
     pipes = tuple(_relaid(problem, chosen, pipe) for pipe in chosen.pipelines)
     recomputed = sum(s.recompute == "full" for pipe in pipes for s in pipe.stages)
-    ideal = ideal_objective(problem)
-    chosen = _finish(problem, replace(chosen, pipelines=pipes), ideal, result.solve_seconds,
+    chosen = replace(chosen, pipelines=pipes)
+    ideal = min(ideal_objective(problem), evaluate(_healthy(problem), chosen))
+    chosen = _finish(problem, chosen, ideal, result.solve_seconds,
                      {**chosen.inputs, "recomputing_stages": recomputed})
     note = f"memory binds: {recomputed} stage(s) recompute their blocks in backward"
     return replace(result, plan=chosen, objective=chosen.objective_value, ideal_objective=ideal,
@@ -583,7 +585,7 @@ def _organise(problem: PlannerProblem, scorer: Scorer, groups: Sequence[Group], 
     specials = tuple(sorted((g for g in groups if not g.is_normal), key=key))
     normals = tuple(g for g in groups if g.is_normal)
     # small clusters: each pipeline's stages in their best order under the memory caps, where that
-    # scores better (on large ones the annealing orders the stages of what it is given)
+    # scores better (on large ones only the annealing's pipelines are ordered so)
     arrange = (lambda t: reorder_stages(scorer, t, specials)) if _is_small(problem) else None
     out: list[_Finalist] = []
     capacity = sum(1.0 / g.rate for g in groups)
@@ -629,7 +631,8 @@ def _annealed(problem: PlannerProblem, scorer: Scorer, f: _Finalist, ctx: _PrevI
     rows = fill(f.template, f.specials, f.normals, f.score.layers, ctx.ranges)
     used = {g.devices for r in rows for g in r}
     idle = [g for g in (*f.specials, *f.normals) if g.devices not in used]
-    org = Anneal(problem, scorer, 0, max_pipelines(problem), irregular).run(rows, idle, ANNEAL_STEPS, deadline)
+    org = Anneal(problem, scorer, 0, max_pipelines(problem), irregular, ctx.roles).run(rows, idle, ANNEAL_STEPS,
+                                                                                     deadline)
     if org is None or org.score.objective >= f.objective * (1 - 1e-9):
         return []
     groups = [g for r in (*org.rows, org.idle) for g in r]

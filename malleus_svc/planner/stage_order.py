@@ -13,6 +13,8 @@ holds L blocks in all. Within one h the exchange argument puts the groups in inc
 ⌊v/y⌋ on that h's positions, so an order is a choice of h per position: a dynamic programme over
 positions whose state is how many groups of each h are placed (at most (n_h + 1) per factor), exact.
 The least feasible v is found by bisection over the values y·n, and the order is read back from it.
+Caps that fall along the pipeline before its last stage (a memory table no model here gives) are
+outside what this is exact for: it then answers None and the caller keeps its order.
 """
 from __future__ import annotations
 
@@ -58,6 +60,8 @@ def _arrange(classes: Sequence[Class], caps: dict[int, Sequence[int]], v: float,
     if s == 1:
         cap = caps[classes[0][1]][0]
         return tuple(classes) if cap >= 0 and min(cap, blocks[classes[0]]) >= num_layers else None
+    if any(a > b for c in caps.values() for a, b in zip(c[:-2], c[1:-1])):
+        return None            # caps that fall along the pipeline: outside what this search is exact for
     if all(c[-1] >= c[-2] for c in caps.values()):       # the head leaves the last cap the largest: one pass
         return _positions(classes, caps, blocks, num_layers)
     for last in sorted(set(classes)):
