@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from .budget import NEVER, Deadline
-from .grouping import Group, NodeOption, available_devices, every_grouping, is_straggler, node_options
+from .grouping import (Group, NodeOption, available_devices, every_grouping, is_straggler, node_options,
+                       slowest_first)
 from .organize import Score, Scorer
 from .problem import PlannerProblem
 
@@ -62,7 +63,7 @@ def score_rows(scorer: Scorer, rows: Sequence[Sequence[Group]], idle: Sequence[G
 
 def _ordered(scorer: Scorer, row: Sequence[Group]) -> tuple[Group, ...]:
     """The row's groups in the order `stage_order` gives their classes (slowest first to start)."""
-    row = sorted(row, key=lambda g: (-g.rate, g.h, g.node, g.devices))
+    row = sorted(row, key=slowest_first)
     pool: dict[tuple[float, int], list[Group]] = {}
     for g in row:
         pool.setdefault(g.cls, []).append(g)

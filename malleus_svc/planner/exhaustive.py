@@ -35,7 +35,7 @@ from typing import Iterator, Sequence
 
 from ..config.errors import ConfigError
 from ..plan import Plan
-from .grouping import Group, every_grouping
+from .grouping import Group, every_grouping, slowest_first
 from .lower import bottleneck, layer_caps, solve_layers, solve_micro_batches
 from .timing import PipelineTimes, fill_drain, iteration_time
 from .organize import distinct_permutations, p2p_extras
@@ -196,7 +196,7 @@ class _Partitions:
 
     def run(self, groups: Sequence[Group]) -> None:
         by_type: dict[tuple, list[Group]] = {}
-        for g in sorted(groups, key=lambda g: (-g.rate, g.h, g.node, g.devices)):
+        for g in sorted(groups, key=slowest_first):
             by_type.setdefault(self.key(g), []).append(g)
         self.types = list(by_type)
         self.index = {ty: i for i, ty in enumerate(self.types)}

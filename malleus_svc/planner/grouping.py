@@ -57,6 +57,13 @@ class Group:
         return (self.rate, self.h)
 
 
+def slowest_first(g: Group) -> tuple:
+    """The order special groups take in a template: slowest first; at equal rates the larger memory
+    factor h later (deeper in the pipeline, where fewer micro-batches are in flight), then by node
+    and devices."""
+    return (-g.rate, g.h, g.node, g.devices)
+
+
 def group_rate(problem: PlannerProblem, devices: Sequence[int]) -> float:
     """y_g = alpha(|g|) * max x over g, snapped to 1.0 below the straggler threshold τ."""
     y = problem.alpha(len(devices)) * max(problem.rates[d] for d in devices)

@@ -51,7 +51,7 @@ from typing import Callable, Iterator, Sequence
 
 from ..plan import Pipeline, Plan, PlanError, Stage
 from .budget import NEVER, Deadline
-from .grouping import WIDE_DEVICES, Group, NodeOption, group_rate, make_group, node_options
+from .grouping import WIDE_DEVICES, Group, NodeOption, group_rate, make_group, node_options, slowest_first
 from .lower import bottleneck, lay_out, layer_caps, solve_micro_batches
 from .organize import (NORMAL, Score, Scorer, Template, TooManyTemplates, dfs_templates, fill,
                        greedy_templates, improve, p2p_extras, reorder_stages, score_template, stage_plans)
@@ -581,7 +581,7 @@ def _organise(problem: PlannerProblem, scorer: Scorer, groups: Sequence[Group], 
     # Slowest first. The authors sort stably by rate alone (emission order: node, full
     # groups, tail); we break ties by memory factor so that the groups needing the most memory
     # per block sit deeper in the pipeline, where fewer micro-batches are in flight.
-    key = (lambda g: -g.rate) if authors else (lambda g: (-g.rate, g.h, g.node, g.devices))
+    key = (lambda g: -g.rate) if authors else slowest_first
     specials = tuple(sorted((g for g in groups if not g.is_normal), key=key))
     normals = tuple(g for g in groups if g.is_normal)
     # small clusters: each pipeline's stages in their best order under the memory caps, where that
@@ -636,7 +636,7 @@ def _annealed(problem: PlannerProblem, scorer: Scorer, f: _Finalist, ctx: _PrevI
     if org is None or org.score.objective >= f.objective * (1 - 1e-9):
         return []
     groups = [g for r in (*org.rows, org.idle) for g in r]
-    specials = tuple(sorted((g for g in groups if not g.is_normal), key=lambda g: (-g.rate, g.h, g.node, g.devices)))
+    specials = tuple(sorted((g for g in groups if not g.is_normal), key=slowest_first))
     index = {g.devices: i for i, g in enumerate(specials)}
     template = tuple(tuple(NORMAL if g.is_normal else index[g.devices] for g in r) for r in org.rows)
     normals = tuple(g for g in groups if g.is_normal)
