@@ -29,7 +29,8 @@ from typing import Any, Iterable, Mapping, Sequence
 from malleus_svc.config.errors import ConfigError, shorten
 from malleus_svc.config.files import parse_document, read_document
 from malleus_svc.config.limits import MAX_DEVICES, MAX_GLOBAL_BATCH, MAX_LAYERS
-from malleus_svc.geometry import EMBEDDING, HEAD, Cuts, Part, Span, model_parts, shard_map
+from malleus_svc.config.presets import ModelShape
+from malleus_svc.geometry import EMBEDDING, HEAD, Cuts, Part, Span, model_parts, part_tensors, shard_map
 
 PLAN_FORMAT_VERSION = 1
 
@@ -466,25 +467,34 @@ class StateSizes:
     """Bytes of model + optimizer state of each part at full (unsharded) size.
 
     The default unit (1.0 per block) makes diffs count in 'whole blocks'; the planner fills in
-    real bytes from the cost model (fp32 params + grads + Adam moments). A block's state is counted
-    as sharded with the block (`block`), except `block_replicated`: its replicated tensors (norm
-    weights), which move whole and only to needers that held no shard of the block. Embedding and
-    head are replicated.
+    real bytes from the cost model (fp32 params + grads + Adam moments). A part's state is counted
+    as sharded with its TP shard (`block`, `embedding`, `head`: the embedding and the head are split
+    by vocabulary rows), except its replicated tensors (`block_replicated`, `head_replicated`: norm
+    weights), which move whole and only to needers that held none of them.
     """
 
     block: float = 1.0
     embedding: float = 0.0
     head: float = 0.0
     block_replicated: float = 0.0
+    head_replicated: float = 0.0
+
+    @classmethod
+    def of(cls, shape: ModelShape, bytes_per_param: float) -> "StateSizes":
+        """A model's sizes from its tensor table, at `bytes_per_param` (what moves of each parameter)."""
+        def size(part: Part, sharded: bool) -> float:
+            return bytes_per_param * sum(t.numel for t in part_tensors(shape, part) if (t.split_dim is not None) == sharded)
+
+        return cls(block=size(0, True), block_replicated=size(0, False), embedding=size(EMBEDDING, True),
+                   head=size(HEAD, True), head_replicated=size(HEAD, False))
 
     def bytes_of(self, part: Part, sharded: bool | None = None) -> float:
         """The part's state: all of it (`sharded` None), or only its sharded or replicated share."""
-        if isinstance(part, str):
-            whole = {EMBEDDING: self.embedding, HEAD: self.head}[part]
-            return 0.0 if sharded else whole
+        split, kept = {EMBEDDING: (self.embedding, 0.0), HEAD: (self.head, self.head_replicated)}.get(
+            part, (self.block, self.block_replicated))
         if sharded is None:
-            return self.block + self.block_replicated
-        return self.block if sharded else self.block_replicated
+            return split + kept
+        return split if sharded else kept
 
 
 @dataclass(frozen=True)

@@ -108,8 +108,21 @@ RECOMPUTED = dataclasses.replace(HETERO, pipelines=(
 ))
 
 
-@pytest.mark.parametrize("plan, optim", [(HETERO, OPTIM), (HETERO, SHARDED), (RECOMPUTED, OPTIM)],
-                         ids=["replicated", "sharded", "recomputed"])
+# The embedding and the head at TP 1 in one pipeline and TP 2 in the other: their vocabulary rows
+# split two ways, reduced over the finest common partition.
+VOCAB_SPLIT = Plan(
+    num_devices=7, num_layers=4, micro_batch_size=2,
+    pipelines=(
+        Pipeline((Stage((0,), (0, 1)), Stage((1, 2), (1, 4))), micro_batches=3),
+        Pipeline((Stage((3, 4), (0, 2)), Stage((5,), (2, 4))), micro_batches=2),
+    ),
+    suspended=(6,),
+)
+
+
+@pytest.mark.parametrize("plan, optim", [(HETERO, OPTIM), (HETERO, SHARDED), (RECOMPUTED, OPTIM),
+                                         (VOCAB_SPLIT, SHARDED)],
+                         ids=["replicated", "sharded", "recomputed", "vocab-split-sharded"])
 def test_heterogeneous_plan_matches_single_process_training(plan, optim):
     # fp64 on both sides: in fp32 a handful of elements whose gradient nearly cancels (|g| ~ 1e-8)
     # have a rounding-level gradient difference that Adam's g / sqrt(v) normalisation blows up to
@@ -164,8 +177,9 @@ ONE = Plan(num_devices=1, num_layers=4, micro_batch_size=2, pipelines=(Pipeline(
 TIED = dataclasses.replace(TINY, tie_embeddings=True)
 
 
-@pytest.mark.parametrize("plan, optim", [(HETERO, OPTIM), (HETERO, SHARDED), (TP2, OPTIM), (ONE, OPTIM)],
-                         ids=["heterogeneous", "heterogeneous-sharded", "tp2", "one-device"])
+@pytest.mark.parametrize("plan, optim", [(HETERO, OPTIM), (HETERO, SHARDED), (VOCAB_SPLIT, OPTIM), (TP2, OPTIM),
+                                         (ONE, OPTIM)],
+                         ids=["heterogeneous", "heterogeneous-sharded", "vocab-split", "tp2", "one-device"])
 def test_a_tied_head_trains_as_one_weight_under_any_plan(plan, optim):
     """The head tied to the embedding: its copies (on other devices, in TP groups, or both on one
     device) sum their gradients before the update, count once in the norm and decay as the
@@ -175,13 +189,15 @@ def test_a_tied_head_trains_as_one_weight_under_any_plan(plan, optim):
     batches = global_batches(steps=3, micro_batches=plan.num_micro_batches, micro_batch_size=2)
     results = run_on_gloo(_train_on_plan, plan.num_devices, plan, batches, dtype, GRAD_BUCKET_BYTES, None, TIED, optim)
     ref_losses, ref_params, ref_optim = reference_train(TIED, SEED, OPTIM, batches, dtype)
-    copies = [r["state"][n] for r in results if r for n in ("embedding.weight", "head.weight") if n in r["state"]]
-    assert len(copies) >= 2 and all(torch.equal(c.param, copies[0].param) and torch.equal(c.exp_avg, copies[0].exp_avg)
-                                    for c in copies)
     last = [r for r in results if r and r["role"].is_last and r["role"].tp_rank == 0]
     losses = [sum(r["stats"][s]["loss"] for r in last) for s in range(3)]
     assert losses == pytest.approx(ref_losses, rel=1e-9)
     full = assemble_full(r["state"] for r in results if r)
+    # every copy's vocabulary rows (the whole, or a TP rank's slice) equal the embedding's, bit for bit
+    copies = [r["state"][n] for r in results if r for n in ("embedding.weight", "head.weight") if n in r["state"]]
+    assert len(copies) >= 2 and all(
+        torch.equal(c.param, full["embedding.weight"][c.start:c.end])
+        and torch.equal(c.exp_avg, full["embedding.weight:exp_avg"][c.start:c.end]) for c in copies)
     for name, ref in {**ref_params, **ref_optim}.items():
         if not name.endswith(STEP):
             torch.testing.assert_close(full[name], ref, rtol=1e-7, atol=1e-9, msg=lambda m: f"{name}: {m}")
@@ -533,48 +549,58 @@ def test_the_loss_over_token_chunks_equals_the_whole_micro_batchs_and_keeps_no_l
 GQA = ModelShape(layers=1, hidden=64, heads=8, ffn=96, vocab=32, seq_len=32, kv_heads=4)
 
 
-def _block_under_tp(rank: int, world: int):
-    """One block at TP=4 (all ranks) and TP=2 (ranks {0,1} and {2,3}); grads and outputs per rank."""
-    full = init_part(GQA, 0, seed=5)
+def _stage_inputs():
     gen = torch.Generator().manual_seed(9)
     cu = torch.tensor([0, 6, 19, 25], dtype=torch.int32)
-    positions = MicroBatch(torch.zeros(25, dtype=torch.long), torch.zeros(25, dtype=torch.long), cu, (0,)).positions()
-    x = torch.randn(25, GQA.hidden, generator=gen)
-    w = torch.randn(25, GQA.hidden, generator=gen)
+    tokens = torch.randint(GQA.vocab, (25,), generator=gen)
+    targets = torch.randint(GQA.vocab, (25,), generator=gen)
+    targets[[0, 6, 13]] = IGNORE_INDEX
+    return tokens, targets, cu, MicroBatch(tokens, targets, cu, (0,)).positions()
+
+
+def _gqa_full() -> dict[str, torch.Tensor]:
+    return {k: v.double() for part in ("embedding", 0, "head") for k, v in init_part(GQA, part, seed=5).items()}
+
+
+def _stage_under_tp(rank: int, world: int):
+    """A stage of the embedding, one block and the head at TP=4 (all ranks) and TP=2 (ranks {0,1}
+    and {2,3}), in fp64, its loss over chunks of 4 tokens: loss, logits and grads per rank."""
+    tokens, targets, cu, positions = _stage_inputs()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     out = {}
     for size, group in ((4, dist.group.WORLD), (2, pairs[rank // 2])):
         tp = TensorParallel(size, rank % size, group)
-        model = StageModel(GQA, (0, 1), has_embedding=False, has_head=False, tp=tp)
-        model.load_full(full)
-        xi = x.clone().requires_grad_(True)
-        y = model(xi, positions, cu)
-        (y * w).sum().backward()
-        out[size] = {"y": y.detach(), "dx": xi.grad,
+        model = StageModel(GQA, (0, 1), has_embedding=True, has_head=True, tp=tp).double()
+        model.load_full(_gqa_full())
+        model.head.chunk = 4     # 25 tokens: seven chunks, each with its own collectives
+        loss = model(tokens, positions, cu, targets)
+        loss.backward()
+        with torch.no_grad():
+            logits = model(tokens, positions, cu)
+        out[size] = {"loss": loss.detach(), "logits": logits, "shapes": {n: p.shape for n, p in model.named_parameters()},
                      "grads": {n: p.grad for n, p in model.named_parameters()}}
     return out
 
 
-def test_tensor_parallel_block_equals_unsharded():
-    results = run_on_gloo(_block_under_tp, 4)
-    full = init_part(GQA, 0, seed=5)
-    model = StageModel(GQA, (0, 1), has_embedding=False, has_head=False)
-    model.load_full(full)
-    gen = torch.Generator().manual_seed(9)
-    cu = torch.tensor([0, 6, 19, 25], dtype=torch.int32)
-    positions = MicroBatch(torch.zeros(25, dtype=torch.long), torch.zeros(25, dtype=torch.long), cu, (0,)).positions()
-    x = torch.randn(25, GQA.hidden, generator=gen).requires_grad_(True)
-    w = torch.randn(25, GQA.hidden, generator=gen)
-    y = model(x, positions, cu)
-    (y * w).sum().backward()
+def test_tensor_parallel_stage_equals_unsharded():
+    """Megatron's column- and row-parallel block and its vocab-parallel embedding, head and
+    cross-entropy (each rank holding 1/t of the vocabulary rows) equal one device's stage."""
+    results = run_on_gloo(_stage_under_tp, 4)
+    tokens, targets, cu, positions = _stage_inputs()
+    model = StageModel(GQA, (0, 1), has_embedding=True, has_head=True).double()
+    model.load_full(_gqa_full())
+    logits = model(tokens, positions, cu)
+    loss = torch.nn.functional.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    loss.backward()
     for rank, res in enumerate(results):
         for size in (4, 2):
             got = res[size]
-            torch.testing.assert_close(got["y"], y, rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(got["dx"], x.grad, rtol=1e-5, atol=1e-6)
+            assert got["shapes"]["embedding.weight"][0] == got["shapes"]["head.weight"][0] == GQA.vocab // size
+            torch.testing.assert_close(got["loss"], loss.detach(), rtol=1e-12, atol=0)
+            torch.testing.assert_close(got["logits"], logits.detach(), rtol=1e-12, atol=1e-14)
             for name, p in model.named_parameters():
                 expect = take_shard(name, p.grad, rank % size, size)
-                torch.testing.assert_close(got["grads"][name], expect, rtol=1e-5, atol=1e-6,
+                torch.testing.assert_close(got["grads"][name], expect, rtol=1e-10, atol=1e-14,
                                            msg=lambda m: f"TP={size} rank {rank} {name}: {m}")
 
 

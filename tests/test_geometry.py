@@ -2,6 +2,8 @@
 and the places that must agree with them (the torch model, Plan.diff, the simulator)."""
 from __future__ import annotations
 
+import dataclasses
+
 import subprocess
 import sys
 from fractions import Fraction as F
@@ -16,7 +18,7 @@ from malleus_svc.geometry import (EMBEDDING, HEAD, WHOLE, finest_partition, hold
                                   tensor_spec, tp_divisibility_error)
 from malleus_svc.plan import Pipeline, Plan, Stage, StateSizes
 
-GQA = ModelShape(layers=3, hidden=96, heads=6, ffn=192, vocab=80, seq_len=32, kv_heads=3)
+GQA = ModelShape(layers=3, hidden=96, heads=6, ffn=192, vocab=84, seq_len=32, kv_heads=3)
 SHAPES = [PRESETS["tiny"], GQA]
 
 
@@ -74,10 +76,13 @@ def test_rows_of_a_fraction_are_exact_or_a_clear_error():
         shard_of(3, 3)
 
 
-def test_tp_sizes_must_split_heads_kv_heads_and_ffn():
+def test_tp_sizes_must_split_heads_kv_heads_ffn_and_vocab():
     assert tp_divisibility_error(GQA, 3) is None
     assert "TP size 2 does not divide kv_heads=3" in tp_divisibility_error(GQA, 2)
     assert "1, 3" in tp_divisibility_error(GQA, 2)
+    odd = dataclasses.replace(GQA, vocab=85)      # the vocabulary's rows are split too
+    assert "TP size 3 does not divide vocab=85" in tp_divisibility_error(odd, 3)
+    assert "pad the vocabulary" in tp_divisibility_error(odd, 3)
 
 
 def test_plan_diff_moves_replicated_block_state_whole_and_only_to_devices_without_a_shard():

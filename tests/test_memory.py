@@ -1,6 +1,7 @@
 """Memory of a stage measured on the meta device (runtime/memory.py) and `malleus memory`."""
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ GQA = ModelShape(layers=6, hidden=96, heads=8, ffn=160, vocab=120, seq_len=16, k
 def _closed_form_params(s: ModelShape, layers: int, first: bool, last: bool, tp: int) -> int:
     kv = s.n_kv_heads * s.head_dim
     block = (2 * s.hidden * s.hidden + 2 * s.hidden * kv + 3 * s.hidden * s.ffn) // tp + 2 * s.hidden
-    return layers * block + first * s.vocab * s.hidden + last * (s.vocab * s.hidden + s.hidden)
+    return layers * block + first * s.vocab * s.hidden // tp + last * (s.vocab * s.hidden // tp + s.hidden)
 
 
 @pytest.mark.parametrize("shape,layers,first,last,tp", [
@@ -82,8 +83,11 @@ def test_cli_on_llama70b_reports_every_stage(capsys):
     # runtime's, with what a TP group does not split left unscaled) agrees on every stage, at every TP size
     assert rc == 0 and all(r["fits"] for r in rows) and "every device fits" in out
     assert {r["tp"] for r in rows} >= {1, 2, 4, 8}
-    # short by the boundary tensors it leaves out; over by E's max of the embedding's and the head's
+    # short by the boundary tensors it leaves out
     assert all(abs(r["planner_gap"]) < 0.03 for r in rows)
+    # the embedding and the head split by vocabulary rows: a TP-8 end holds about 1/8 of a TP-1 end's
+    ends = {int(t): (float(e), float(h)) for t, e, h in re.findall(r"TP (\d+) ([\d.]+) / ([\d.]+)", out)}
+    assert set(ends) == {1, 8} and all(8 * ends[8][k] < 1.5 * ends[1][k] for k in (0, 1)), ends
 
 
 def test_cli_bad_input_is_one_line_and_exit_2(capsys, tmp_path):
@@ -118,8 +122,15 @@ def test_a_smaller_group_multiplies_only_what_it_splits():
     paper = MemoryProfile((100.0, 80.0), 50.0, 0.0, 0.0, 1000.0)
     ours = MemoryProfile((100.0, 80.0), 50.0, 0.0, 0.0, 1000.0, replicated_layer_mb=(30.0, 20.0),
                          replicated_embedding_mb=40.0)
-    assert (paper.block_mb(2.0, 1), paper.ends_mb(2.0)) == (160.0, 100.0)    # h · (K, E)
-    assert (ours.block_mb(2.0, 1), ours.ends_mb(2.0)) == (140.0, 60.0)       # h · (K - R) + R
+    assert (paper.block_mb(2.0, 1), paper.ends_mb(2.0, True, False)) == (160.0, 100.0)    # h · (K, E)
+    assert (ours.block_mb(2.0, 1), ours.ends_mb(2.0, True, False)) == (140.0, 60.0)       # h · (K - R) + R
+    assert paper.ends_mb(2.0, True, True) == paper.ends_mb(2.0, False, True) == 100.0    # the paper's one E
+    assert paper.ends_mb(2.0, False, False) == 0.0
+    # this runtime's model tells the embedding's end from the head's: a one-stage pipeline holds both
+    ends = MemoryProfile((100.0, 80.0), 50.0, 0.0, 0.0, 1000.0, replicated_embedding_mb=40.0, head_mb=70.0,
+                         replicated_head_mb=10.0)
+    assert (ends.ends_mb(2.0, True, False), ends.ends_mb(2.0, False, True)) == (60.0, 130.0)
+    assert ends.ends_mb(2.0, True, True) == 190.0
     assert ours.block_mb(1.0, 2) == 100.0 and ours.block_mb(2.0, 3) == 2 * (120.0 - 40.0) + 40.0   # depth 3 extrapolated
 
 
@@ -131,10 +142,11 @@ def test_a_sharded_optimizer_keeps_one_pipelines_share_of_the_moments():
     sharded = MemoryProfile(base.layer_mb, 50.0, 0.0, 0.0, 1000.0, replicated_layer_mb=(30.0, 20.0),
                             replicated_embedding_mb=40.0, sharded_layer_mb=24.0, sharded_embedding_mb=8.0)
     assert sharded.over(1) == sharded and base.over(4) is base     # one pipeline, or nothing sharded: as before
-    assert (sharded.block_mb(2.0, 1), sharded.ends_mb(2.0)) == (base.block_mb(2.0, 1), base.ends_mb(2.0))
+    assert (sharded.block_mb(2.0, 1), sharded.ends_mb(2.0, True, False)) == (base.block_mb(2.0, 1),
+                                                                              base.ends_mb(2.0, True, False))
     four = sharded.over(4)        # 3/4 of the sharded parts gone, the layer's split by the group like the rest
     assert four.block_mb(2.0, 1) == base.block_mb(2.0, 1) - 2.0 * 24.0 * 0.75
-    assert four.ends_mb(2.0) == base.ends_mb(2.0) - 8.0 * 0.75
+    assert four.ends_mb(2.0, True, False) == base.ends_mb(2.0, True, False) - 2.0 * 8.0 * 0.75   # split by vocab rows
 
 
 def test_cli_shows_the_sharded_moments_and_the_model_still_agrees(capsys):

@@ -13,9 +13,18 @@ import torch
 
 from malleus_svc.config.presets import ModelShape
 from _plans import BASELINE, PLAN_1, PLAN_A, PLAN_B, SHAPE_32, random_plan
-from malleus_svc.plan import EMBEDDING, HEAD, Plan
+from malleus_svc.plan import EMBEDDING, HEAD, Plan, StateSizes
 from malleus_svc.runtime.migrate import MigrationError, plan_migration, sharded_moves_by_fraction
 from malleus_svc.geometry import part_of, part_tensors, split_dim, tensor_spec
+
+
+def _sizes(shape) -> StateSizes:
+    """What plan_migration gives the diff: the model's state in bytes (fp32 param and Adam moments)."""
+    return StateSizes.of(shape, 12)
+
+
+def _in_blocks(name: str) -> bool:
+    return isinstance(part_of(name), int)
 
 
 def _tiny():
@@ -60,20 +69,22 @@ def _check_complete(old: Plan, new: Plan, shape, sched) -> None:
 def test_test_vector_sharded_flows_equal_plan_diff():
     """The worked example's migration vector: for sharded tensors the tensor-level schedule is Plan.diff's, piece for piece."""
     sched = plan_migration(BASELINE, PLAN_1, SHAPE_32)
-    diff = Plan.diff(BASELINE, PLAN_1)
-    assert sharded_moves_by_fraction(sched, SHAPE_32) == {(m.part, m.start, m.end, m.src, m.dst) for m in diff.moves}
+    assert sharded_moves_by_fraction(sched, SHAPE_32) == {(m.part, m.start, m.end, m.src, m.dst)
+                                                          for m in Plan.diff(BASELINE, PLAN_1, _sizes(SHAPE_32)).moves
+                                                          if m.sharded}
     # Totals in units of one block's sharded state: 40 blocks moved (160 quarters), 24 kept (96).
+    diff = Plan.diff(BASELINE, PLAN_1)
     block_sharded = sum(3 * 4 * torch.Size(t.shape).numel()
                         for t in part_tensors(SHAPE_32, 0) if t.split_dim is not None)
-    moved = sum(s.nbytes for s in sched.slices if s.dim is not None)
-    kept = sum(k.nbytes for k in sched.kept if split_dim(k.name) is not None)
+    moved = sum(s.nbytes for s in sched.slices if s.dim is not None and _in_blocks(s.name))
+    kept = sum(k.nbytes for k in sched.kept if split_dim(k.name) is not None and _in_blocks(k.name))
     assert Fraction(moved, block_sharded) == Fraction(diff.moved_bytes) == 40
     assert Fraction(kept, block_sharded) == Fraction(diff.reused_bytes) == 24
     assert sched.inter_node_bytes == 0
-    # Per-device flows of the vector, in quarters of a block (sharded tensors only).
+    # Per-device flows of the vector, in quarters of a block (the blocks' sharded tensors only).
     flows = Counter()
     for s in sched.slices:
-        if s.dim is not None:
+        if s.dim is not None and _in_blocks(s.name):
             flows[(s.src, s.dst)] += Fraction(4 * s.nbytes, block_sharded)
     assert dict(flows) == {(0, 4): 8, (1, 4): 8, (2, 6): 8, (3, 6): 8, (0, 7): 4, (1, 7): 4, (2, 7): 4,
                            (3, 7): 4, (4, 0): 16, (5, 1): 16, (6, 2): 16, (7, 3): 16, (8, 15): 4,
@@ -84,10 +95,11 @@ def test_test_vector_sharded_flows_equal_plan_diff():
 def test_replicated_tensors_move_whole_and_only_to_devices_without_a_copy():
     sched = plan_migration(BASELINE, PLAN_1, SHAPE_32)
     rep = [s for s in sched.slices if s.dim is None]
-    # Device 7 takes blocks 0-3 (it held 16-31) and the embedding; 15 takes blocks 4-7 (it held
-    # 16-31); 4 and 6 take blocks 8-15; 0-3 take 16-31 and the head; 12, 14 keep theirs.
+    # Device 7 takes blocks 0-3 (it held 16-31); 15 takes blocks 4-7 (it held 16-31); 4 and 6 take
+    # blocks 8-15; 0-3 take 16-31 and the head's final norm; 12, 14 keep theirs. The embedding has
+    # no replicated tensor (its rows are split like the head's matrix).
     got = {(s.part, s.dst) for s in rep}
-    expected = ({(EMBEDDING, 7)} | {(b, 7) for b in range(4)} | {(b, 15) for b in range(4, 8)} |
+    expected = ({(b, 7) for b in range(4)} | {(b, 15) for b in range(4, 8)} |
                 {(b, d) for b in range(8, 16) for d in (4, 6)} |
                 {(p, d) for p in [*range(16, 32), HEAD] for d in (0, 1, 2, 3)})
     assert got == expected
@@ -125,12 +137,24 @@ def test_no_self_sends_and_every_row_covered_once_random_plans():
         old, new = random_plan(rng), random_plan(rng)
         sched = plan_migration(old, new, shape, bucket_bytes=rng.choice([1000, 5000, 1 << 20]))
         _check_complete(old, new, shape, sched)
-        diff = Plan.diff(old, new)
-        assert sharded_moves_by_fraction(sched, shape) == {(m.part, m.start, m.end, m.src, m.dst) for m in diff.moves}
+        diff = Plan.diff(old, new, _sizes(shape))
+        assert sharded_moves_by_fraction(sched, shape) == {(m.part, m.start, m.end, m.src, m.dst)
+                                                           for m in diff.moves if m.sharded}
         assert (sched.inter_node_bytes == 0) == (diff.inter_node_bytes == 0)
         assert plan_migration(old, new, shape, bucket_bytes=sched.bucket_bytes).digest() == sched.digest()
     same = plan_migration(PLAN_B, PLAN_B, _tiny())
     assert not same.slices and not same.buckets and same.reused_bytes > 0
+
+
+def _merged(pieces) -> list[list]:
+    """(name, start, end) of consecutive row ranges, each run of adjacent ones of a tensor joined."""
+    out = []
+    for c in pieces:
+        if out and out[-1][0] == c.name and out[-1][2] == c.start:
+            out[-1][2] = c.end
+        else:
+            out.append([c.name, c.start, c.end])
+    return out
 
 
 @pytest.mark.parametrize("bucket_bytes", [1, 700, 4096, 50_000, 64 << 20])
@@ -149,13 +173,7 @@ def test_buckets_are_bounded_and_reassemble_the_slices(bucket_bytes):
         pair_buckets.setdefault((b.src, b.dst), []).append(b)
     for pair in {(s.src, s.dst) for s in sched.slices}:
         chunks = [c for b in sorted(pair_buckets[pair], key=lambda b: b.index) for c in b.chunks]
-        merged = []
-        for c in chunks:
-            if merged and merged[-1][0] == c.name and merged[-1][2] == c.start:
-                merged[-1][2] = c.end
-            else:
-                merged.append([c.name, c.start, c.end])
-        assert merged == [[s.name, s.start, s.end] for s in sched.slices if (s.src, s.dst) == pair]
+        assert _merged(chunks) == _merged([s for s in sched.slices if (s.src, s.dst) == pair])
     # Per round: one bucket per pair, and per device <= bucket_bytes sent and received (one lone
     # oversize bucket excepted).
     by_round: dict[int, list] = {}

@@ -123,13 +123,12 @@ def test_diff_is_minimal_and_complete(old, new):
     sizes = StateSizes(block=12.0, embedding=7.0, head=5.0)
     d = Plan.diff(old, new, sizes)
     need = have = 0.0
-    for part in [EMBEDDING, *range(new.num_layers), HEAD]:
-        sharded = part not in (EMBEDDING, HEAD)
-        old_map = {dev: (Fraction(r, s.tp), Fraction(r + 1, s.tp)) if sharded else (0, 1)
+    for part in [EMBEDDING, *range(new.num_layers), HEAD]:      # every part split by its TP group
+        old_map = {dev: (Fraction(r, s.tp), Fraction(r + 1, s.tp))
                    for _, s in old.holders(part) for r, dev in enumerate(s.devices)}
         for _, s in new.holders(part):
             for r, dev in enumerate(s.devices):
-                lo, hi = (Fraction(r, s.tp), Fraction(r + 1, s.tp)) if sharded else (0, 1)
+                lo, hi = Fraction(r, s.tp), Fraction(r + 1, s.tp)
                 need += float((hi - lo) * sizes.bytes_of(part))
                 if dev in old_map:
                     a, b = old_map[dev]

@@ -535,9 +535,9 @@ def test_a_recomputing_memory_model_is_the_stored_one_less_what_recomputation_fr
     assert replace(mem, activation_mb=0.0).recomputing(8.0).layer_mb == mem.layer_mb   # unknown: priced as none
 
 
-@pytest.mark.parametrize("gb", [40, 44])
+@pytest.mark.parametrize("gb", [38, 40])
 def test_where_nothing_fits_the_planner_recomputes_only_the_stages_that_need_it(gb):
-    """70B on 64 devices of 40 or 44 GiB: no layout fits with stored activations; the planner finds
+    """70B on 64 devices of 38 or 40 GiB: no layout fits with stored activations; the planner finds
     one where the stages that need it recompute, which fits the memory model, and its objective is
     what the event simulator runs (a third more compute on those stages)."""
     from malleus_svc.planner.search import _plan_once, memory_violations
@@ -552,7 +552,10 @@ def test_where_nothing_fits_the_planner_recomputes_only_the_stages_that_need_it(
     assert 0 < len(recomputing) < len(stages)
     assert not memory_violations(p, r.plan)
     assert any("recompute their blocks" in n for n in r.notes)
-    assert r.objective == pytest.approx(simulate(r.plan, p).iteration_t0, rel=0.01)
+    # within 2%: the closed form's fill and drain of uneven stages, (m - 1)·max + Σ, is up to 1.2% above
+    # the event simulator's on these plans; pricing a recomputing stage as storing would miss by ~30%
+    sim = simulate(r.plan, p).iteration_t0
+    assert sim <= r.objective * (1 + 1e-9) and r.objective == pytest.approx(sim, rel=0.02)
     # the same layout with every stage storing its activations does not fit
     stored = replace(r.plan, pipelines=tuple(replace(pipe, stages=tuple(replace(s, recompute="none")
                                                                          for s in pipe.stages))

@@ -323,7 +323,7 @@ def test_memory_peaks_follow_cost_model():
     big = chain([((0,), 40), ((1,), 2)], 4)     # 40 blocks · 1040 MB + 600 + 4500 > 40536 MB
     rep = memory_report(big, problem(layers=42), simulate(big, problem(layers=42)))
     assert [s.stage for s in rep.oom] == [0] and rep.peak_mb == pytest.approx(device_peak_mb(
-        problem(layers=42), 1, 40, 2, True)) == pytest.approx(40 * 1040 + 600 + 4500)
+        problem(layers=42), 1, 40, 2, (True, False))) == pytest.approx(40 * 1040 + 600 + 4500)
 
 
 # ----------------------------------------------------------------------------- baselines

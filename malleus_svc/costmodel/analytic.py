@@ -97,13 +97,14 @@ def memory_profile(shape: ModelShape, tp: int, pp: int, micro_batch: int, gpu_me
     K[d] for d = max(pp, 2)..1 in-flight micro-batches and E for the embedding or head, each with
     the part a smaller TP group does not split. A block: fp32 master weights, gradients and Adam
     moments and a bf16 working copy (`TRAIN_STATE_BYTES_PER_PARAM`), split over the group but for
-    its norms, plus its activations per micro-batch in flight. The embedding and the head are
-    replicated in the group: the first stage also keeps the embedding's output per micro-batch in
-    flight, the last the final norm's input and output of its one micro-batch and its loss's
-    backward transients (`geometry.loss_backward_bytes`). With `shard_optimizer`, the fp32 masters and
-    Adam moments of the split part of a block and of the embedding or head (the smaller: the saving
-    the model can promise either end) are what the plan's pipelines split among themselves. A stage
-    that recomputes keeps each block's input (whole in the group) in place of its activations."""
+    its norms, plus its activations per micro-batch in flight. The embedding and the head are split
+    by vocabulary rows, and so is the loss's backward (`geometry.loss_backward_bytes` of the
+    device's rows); whole on each member are the first stage's embedding output per micro-batch in
+    flight, and the last stage's final norm with its input and output of its one micro-batch. With
+    `shard_optimizer`, the fp32 masters and Adam moments of the split part of a block and of the
+    embedding or head (the smaller: the saving the model can promise either end) are what the plan's
+    pipelines split among themselves. A stage that recomputes keeps each block's input (whole in the
+    group) in place of its activations."""
     tokens = micro_batch * shape.seq_len
     norms = 2 * shape.hidden
     state_split = (shape.block_params() - norms) * TRAIN_STATE_BYTES_PER_PARAM / tp / MB
@@ -112,18 +113,17 @@ def memory_profile(shape: ModelShape, tp: int, pp: int, micro_batch: int, gpu_me
     depths = range(max(pp, 2), 0, -1)
     layer_mb = tuple(state_split + state_kept + d * (act_split + act_kept) for d in depths)
     kept_mb = tuple(state_kept + d * act_kept for d in depths)
-    first = (shape.embedding_params() * TRAIN_STATE_BYTES_PER_PARAM
-             + max(pp, 2) * tokens * shape.hidden * device.act_bytes)
-    last = (shape.head_params() * TRAIN_STATE_BYTES_PER_PARAM
-            + tokens * (2 * shape.hidden * device.act_bytes + 4)
-            + loss_backward_bytes(shape.vocab, tokens, device.act_bytes))
-    ends = max(first, last) / MB
+    vocab_rows = shape.vocab * shape.hidden     # the embedding's, or the head's without its norm
+    first_kept = max(pp, 2) * tokens * shape.hidden * device.act_bytes / MB
+    last_kept = (shape.hidden * TRAIN_STATE_BYTES_PER_PARAM + tokens * (2 * shape.hidden * device.act_bytes + 4)) / MB
+    state = vocab_rows * TRAIN_STATE_BYTES_PER_PARAM / tp / MB
+    loss = loss_backward_bytes(shape.vocab // tp, tokens, device.act_bytes) / MB
     sharded = SHARDED_BYTES_PER_PARAM / MB if shard_optimizer else 0.0
-    return MemoryProfile(layer_mb=layer_mb, embedding_mb=ends, reserved_mb=reserved_mb,
-                         safety_margin_mb=safety_margin_mb, gpu_memory_mb=gpu_memory_mb,
-                         replicated_layer_mb=kept_mb, replicated_embedding_mb=ends,
+    return MemoryProfile(layer_mb=layer_mb, embedding_mb=state + first_kept, head_mb=state + loss + last_kept,
+                         reserved_mb=reserved_mb, safety_margin_mb=safety_margin_mb, gpu_memory_mb=gpu_memory_mb,
+                         replicated_layer_mb=kept_mb, replicated_embedding_mb=first_kept, replicated_head_mb=last_kept,
                          sharded_layer_mb=(shape.block_params() - norms) / tp * sharded,
-                         sharded_embedding_mb=min(shape.embedding_params(), shape.head_params()) * sharded,
+                         sharded_embedding_mb=vocab_rows / tp * sharded,
                          activation_mb=act_split + act_kept, replicated_activation_mb=act_kept,
                          recompute_input_mb=tokens * shape.hidden * device.act_bytes / MB)
 
@@ -141,6 +141,4 @@ def comm_costs(shape: ModelShape, tp: int, dp: int, micro_batch: int, device: De
 
 def state_sizes(shape: ModelShape) -> StateSizes:
     """Bytes that migrate per part (fp32 master weights + Adam moments), for plan diffs."""
-    b = MIGRATED_BYTES_PER_PARAM
-    return StateSizes(block=shape.block_params() * b, embedding=shape.embedding_params() * b,
-                      head=shape.head_params() * b)
+    return StateSizes.of(shape, MIGRATED_BYTES_PER_PARAM)

@@ -15,14 +15,16 @@ class MemoryProfile:
 
     `layer_mb[k]` is the memory of one block at the full TP degree when the stage keeps
     d = len(layer_mb) - k micro-batches in flight (listed for d = len..1, as in the paper's code);
-    `embedding_mb` what the first or last stage holds beyond its blocks. On a group h = tp/|g| times
+    `embedding_mb` what the first stage holds beyond its blocks, and `head_mb` the last (None: the
+    paper's one E, for the first, the last or a stage that is both). On a group h = tp/|g| times
     smaller, the paper scales both by h. That is exact only for what the group splits:
-    `replicated_layer_mb` (same depths) and `replicated_embedding_mb` are the parts every member
-    holds whole (norms, the activations entering a TP region, an embedding not split over the
-    group), which a smaller group does not multiply. Left empty, everything splits (the paper's model).
+    `replicated_layer_mb` (same depths), `replicated_embedding_mb` and `replicated_head_mb` are the parts every member
+    holds whole (norms, the activations entering a TP region or the first stage's embedding
+    lookups, the final norm), which a smaller group does not multiply. Left empty, everything splits
+    (the paper's model).
 
-    With the optimizer sharded (ZeRO-1), `sharded_layer_mb` (split by the group like the rest) and
-    `sharded_embedding_mb` (whole on each member) are the parts of the above that the `pipelines`
+    With the optimizer sharded (ZeRO-1), `sharded_layer_mb` and `sharded_embedding_mb` (split by
+    the group like the rest) are the parts of the above that the `pipelines`
     holding each piece split among themselves: a plan of P pipelines keeps 1/P of them per device
     (`over(P)`).
 
@@ -43,6 +45,8 @@ class MemoryProfile:
     sharded_layer_mb: float = 0.0
     sharded_embedding_mb: float = 0.0
     pipelines: int = 1
+    head_mb: float | None = None
+    replicated_head_mb: float = 0.0
     activation_mb: float = 0.0
     replicated_activation_mb: float = 0.0
     recompute_input_mb: float = 0.0
@@ -91,10 +95,17 @@ class MemoryProfile:
         """What one block saves for backward per micro-batch on such a device (0: not known)."""
         return h * (self.activation_mb - self.replicated_activation_mb) + self.replicated_activation_mb
 
-    def ends_mb(self, h: float) -> float:
-        """The embedding's (or head's) share on a device of the first (or last) stage of such a group."""
-        return (h * (self.embedding_mb - self.replicated_embedding_mb) + self.replicated_embedding_mb
-                - self.sharded_embedding_mb * self._unsharded)
+    def ends_mb(self, h: float, first: bool, last: bool) -> float:
+        """What a device of such a group holds beyond its blocks for being its pipeline's `first`
+        stage (the embedding) and its `last` (the head and the loss): one E for either or both
+        where the profile gives one."""
+        def end(total: float, kept: float) -> float:
+            return h * (total - kept - self.sharded_embedding_mb * self._unsharded) + kept
+
+        if self.head_mb is None:
+            return end(self.embedding_mb, self.replicated_embedding_mb) if first or last else 0.0
+        return ((end(self.embedding_mb, self.replicated_embedding_mb) if first else 0.0)
+                + (end(self.head_mb, self.replicated_head_mb) if last else 0.0))
 
     @property
     def budget_mb(self) -> float:

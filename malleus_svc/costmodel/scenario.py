@@ -33,7 +33,8 @@ def scenario_costs(sc: Scenario) -> ScenarioCosts:
         if layer_mb is not None or emb is not None:   # measured numbers say nothing of what splits
             memory = dataclasses.replace(memory, layer_mb=tuple(layer_mb or memory.layer_mb),
                                          embedding_mb=memory.embedding_mb if emb is None else emb,
-                                         replicated_layer_mb=(), replicated_embedding_mb=0.0,
+                                         head_mb=memory.head_mb if emb is None else None,   # one E: the paper's
+                                         replicated_layer_mb=(), replicated_embedding_mb=0.0, replicated_head_mb=0.0,
                                          activation_mb=0.0, replicated_activation_mb=0.0, recompute_input_mb=0.0)
     else:
         memory = MemoryProfile(layer_mb=tuple(layer_mb), embedding_mb=emb, reserved_mb=prof.reserved_memory_mb,

@@ -3,9 +3,10 @@
 Parts: EMBEDDING (token embedding), block i (RMSNorm, attention, RMSNorm, SwiGLU MLP) and HEAD
 (final RMSNorm and the LM head; a tied head is a second copy of the embedding's matrix, kept
 equal by summing the two gradients before either is updated, as Megatron's embedding group does:
-runtime/engine.py). Inside a block, tensors are split Megatron-style: q/k/v by heads and gate/up
-by ffn rows (column-parallel, dim 0), out and down by the matching input columns (row-parallel,
-dim 1); norm weights, the embedding and the head are replicated.
+runtime/gradient_sync.py). Inside a block, tensors are split Megatron-style: q/k/v by heads and
+gate/up by ffn rows (column-parallel, dim 0), out and down by the matching input columns
+(row-parallel, dim 1). The embedding and the head are split by vocabulary rows (Megatron's
+vocab-parallel embedding and cross-entropy); norm weights are replicated.
 
 The torch model builds its parameters from this table, the checkpoint lays out its files by it,
 and migration and gradient reduction cut tensors by it.
@@ -24,7 +25,7 @@ EMBEDDING = "embedding"
 HEAD = "head"
 
 _Row = tuple[str, "int | None", Callable[["ModelShape"], tuple[int, ...]]]  # (local name, split dim, full shape)
-_EMBEDDING: tuple[_Row, ...] = (("embedding.weight", None, lambda s: (s.vocab, s.hidden)),)
+_EMBEDDING: tuple[_Row, ...] = (("embedding.weight", 0, lambda s: (s.vocab, s.hidden)),)     # rows by token
 _BLOCK: tuple[_Row, ...] = (   # in initialisation order
     ("attn_norm.weight", None, lambda s: (s.hidden,)),
     ("attn.wq", 0, lambda s: (s.heads * s.head_dim, s.hidden)),      # rows by head
@@ -37,7 +38,7 @@ _BLOCK: tuple[_Row, ...] = (   # in initialisation order
     ("mlp.w_down", 1, lambda s: (s.hidden, s.ffn)),
 )
 _HEAD: tuple[_Row, ...] = (("final_norm.weight", None, lambda s: (s.hidden,)),
-                           ("head.weight", None, lambda s: (s.vocab, s.hidden)))
+                           ("head.weight", 0, lambda s: (s.vocab, s.hidden)))            # rows by token
 
 # The same tensors under Hugging Face LLaMA's names (`transformers.LlamaForCausalLM`'s state dict).
 _HF_WHOLE = {"embedding.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
@@ -154,12 +155,14 @@ def tensor_spec(shape: ModelShape, name: str) -> TensorSpec:
 
 
 def tp_divisibility_error(shape: ModelShape, tp: int) -> str | None:
-    """Why a TP group of size `tp` cannot split this model's blocks (by whole heads and ffn rows),
-    or None if it can."""
-    dims = {"heads": shape.heads, "kv_heads": shape.n_kv_heads, "ffn": shape.ffn}
+    """Why a TP group of size `tp` cannot split this model (by whole heads, ffn rows and vocabulary
+    rows), or None if it can."""
+    dims = {"heads": shape.heads, "kv_heads": shape.n_kv_heads, "ffn": shape.ffn, "vocab": shape.vocab}
     bad = [f"{k}={v}" for k, v in dims.items() if v % tp]
     if not bad:
         return None
     ok = [d for d in range(1, shape.heads + 1) if all(v % d == 0 for v in dims.values())]
+    pad = (" (the embedding and head are split by vocabulary rows: pad the vocabulary to a multiple of 128, "
+           "as Megatron does, to split it up to TP 128)" if "vocab" in ", ".join(bad) else "")
     return (f"TP size {tp} does not divide {', '.join(bad)}; sizes that divide heads={shape.heads}, "
-            f"kv_heads={shape.n_kv_heads} and ffn={shape.ffn}: {', '.join(map(str, ok))}")
+            f"kv_heads={shape.n_kv_heads}, ffn={shape.ffn} and vocab={shape.vocab}: {', '.join(map(str, ok))}{pad}")

@@ -47,7 +47,7 @@ def solve_layers_model(rates: Sequence[float], mem_factors: Sequence[float], num
 
     def memory_row(m, j):
         k = memory.block_mb(mem_factors[j], s - j)
-        e = memory.ends_mb(mem_factors[j]) if j in (0, s - 1) else 0.0
+        e = memory.ends_mb(mem_factors[j], j == 0, j == s - 1)
         return k * m.l[j] + e + memory.reserved_mb <= memory.gpu_memory_mb - memory.safety_margin_mb
 
     m.memory = pyo.Constraint(m.J, rule=memory_row)

@@ -144,7 +144,7 @@ def _stage_caps(mem_factors: Sequence[float], num_layers: int, memory: MemoryPro
         k = memory.block_mb(hj, s - j)
         if not (math.isfinite(k) and k > 0):
             raise ValueError(f"per-layer memory K[{s - j}] = {k!r} for stage {j} of {s}: must be a positive number")
-        e = memory.ends_mb(hj) if j in (0, s - 1) else 0.0
+        e = memory.ends_mb(hj, j == 0, j == s - 1)
 
         def fits(n: int) -> bool:
             return k * n + e <= budget + slack

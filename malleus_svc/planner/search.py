@@ -796,7 +796,8 @@ def _infeasibility_reason(problem: PlannerProblem, groups: Sequence[Group]) -> s
     mem = problem.memory
     k = problem.tp
     limit = mem.gpu_memory_mb - mem.safety_margin_mb
-    one_block = mem.per_layer_mb(1) + mem.embedding_mb + mem.reserved_mb
+    end = max(mem.ends_mb(1.0, True, False), mem.ends_mb(1.0, False, True))     # the embedding's or the head's
+    one_block = mem.per_layer_mb(1) + end + mem.reserved_mb
     if one_block > limit:
         return (f"the smallest stage needs {_gb(one_block)} per device (1 block at TP {k} with 1 micro-batch in "
                 f"flight + embedding + {_gb(mem.reserved_mb)} reserved), devices have {_gb(limit)} usable "
@@ -806,7 +807,7 @@ def _infeasibility_reason(problem: PlannerProblem, groups: Sequence[Group]) -> s
         return "no device is available (all excluded or too slow): add devices or lower the exclusions"
     hs = [g.h for g in sorted(groups, key=lambda g: g.h)]
     caps = layer_caps([float(h) for h in hs], problem.num_layers, mem)
-    deepest = mem.per_layer_mb(len(hs)) + mem.embedding_mb + mem.reserved_mb
+    deepest = mem.per_layer_mb(len(hs)) + mem.ends_mb(1.0, True, False) + mem.reserved_mb
     return (f"the model has {problem.num_layers} blocks but all {len(groups)} usable groups together hold at most "
             f"{sum(caps)} in one pipeline of {len(hs)} stages (the first stage needs {_gb(deepest)} per device "
             f"for 1 block at TP {k} with {len(hs)} micro-batches in flight + embedding; devices have "

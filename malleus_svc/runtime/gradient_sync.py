@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from malleus_svc.config.presets import ModelShape
-from malleus_svc.geometry import TIED, model_parts, part_of, part_tensors
-from malleus_svc.runtime.groups import Groups, Piece, tied_piece, world_rank
+from malleus_svc.geometry import TIED, model_parts, part_of, part_tensors, tensor_spec
+from malleus_svc.runtime.groups import Groups, Piece, world_rank
 from malleus_svc.runtime.optimizer import AdamW, update_bytes
 
 Item = tuple[str, "int | None", int, int]   # a tensor's name, its split dim, and rows [lo, hi) of it there
@@ -59,9 +59,9 @@ class GradientSync:
     Sharded pieces: flattened into buckets per group (same buckets on every member, since every
     member walks the same pieces in plan order) and all-reduced among one holder per pipeline.
     Replicated tensors: all-reduced among the TP-rank-0 holders, then broadcast in the TP group.
-    A tied embedding and head: one contribution per device (the sum of the copies it holds),
-    all-reduced among the TP-rank-0 holders of either, so every copy gets the weight's whole
-    gradient, counted once in the norm.
+    A tied embedding and head: one contribution per device (the sum of the copies it holds, which
+    are the same rows), reduced piece by piece among the holders of either, so every copy gets the
+    weight's whole gradient, counted once in the norm.
 
     Overlap: `arm()` before the step's last backward, and each bucket is launched (asynchronously)
     from a gradient hook as soon as the gradients it reads are final, while backward goes on;
@@ -78,8 +78,7 @@ class GradientSync:
         self.norm_items: list[Item] = []
         self.broadcast_items: list[Item] = []
         sharded, replicated = groups.local_pieces()
-        tied = tied_piece(groups.plan) if groups.tied else None
-        self.tied_names = [n for n in TIED if n in params] if tied else []   # the copies this device holds
+        self.tied_names = [n for n in TIED if n in params] if groups.tied else []   # the copies this device holds
 
         def add(piece: Piece, item) -> None:
             if len(set(piece.members)) > 1:
@@ -87,27 +86,27 @@ class GradientSync:
             if piece.members[0] == self.rank:
                 self.norm_items.append(item)
 
+        def add_rows(piece: Piece, spec) -> None:
+            offset = spec.held_rows(r, t)[0]
+            lo, hi = spec.rows((piece.start, piece.end))
+            add(piece, (spec.name, spec.split_dim, lo - offset, hi - offset))
+
         for piece in sharded:
             for spec in part_tensors(shape, piece.part):
-                if spec.split_dim is None:
-                    continue
-                offset = spec.held_rows(r, t)[0]
-                lo, hi = spec.rows((piece.start, piece.end))
-                add(piece, (spec.name, spec.split_dim, lo - offset, hi - offset))
+                if spec.split_dim is not None:
+                    add_rows(piece, spec)
+        for piece in groups.local_tied_pieces():      # as the first copy this device holds
+            add_rows(piece, tensor_spec(shape, self.tied_names[0]))
         for piece in replicated:
             for spec in part_tensors(shape, piece.part):
-                if spec.split_dim is not None or spec.name in self.tied_names:
-                    continue
-                self._add_replicated(piece, (spec.name, None, 0, 0), add, t)
-        self.tied_item = (self.tied_names[0], None, 0, 0) if self.tied_names else None
-        if self.tied_names:
-            self._add_replicated(tied, self.tied_item, add, t)
+                if spec.split_dim is None:
+                    self._add_replicated(piece, (spec.name, None, 0, 0), add, t)
         self.params = params
         self._parts = {part: i for i, part in enumerate(model_parts(shape.layers))}
         for items in self.buckets.values():    # in the order backward finishes them, latest part first
             items.sort(key=lambda it: -self._position(it))
         self._order: list[Bucket] | None = None    # cut at first use, once bucket_bytes is final
-        self._armed, self._final, self._next = False, set(), 0
+        self._armed, self._final, self._next, self._folded = False, set(), 0, False
         self.launched_early = self.pending_at_first_launch = 0
         self._names = {id(p): name for name, p in params.items()}
         self._hooked = {it[0] for items in self.buckets.values() for it in items} | set(self.tied_names)
@@ -133,18 +132,18 @@ class GradientSync:
     def _position(self, item: Item) -> int:
         """The item's part in model order. A tied weight's copies are the embedding on some members and
         the head on others: placed as the embedding, the same on every member."""
-        return 0 if item == self.tied_item else self._parts[part_of(item[0])]
+        return 0 if item[0] in self.tied_names else self._parts[part_of(item[0])]
 
     def _bucket(self, key: tuple[int, ...], index: int, items: list[Item]) -> Bucket:
         names = {it[0] for it in items}
-        if self.tied_item in items:
+        if names & set(self.tied_names):
             names |= set(self.tied_names)   # both copies final: the device's one contribution is their sum
         return Bucket(key, index, self.groups.group(key), items, [self._view(it, grad=False).numel() for it in items],
                       frozenset(names), max(self._position(it) for it in items))
 
     def reset(self) -> None:
         """A new step: nothing armed or in flight (a step that failed may have left both)."""
-        self._armed, self._final, self._next = False, set(), 0
+        self._armed, self._final, self._next, self._folded = False, set(), 0, False
         for b in self._order or ():
             b.work = b.flat = None
 
@@ -180,10 +179,12 @@ class GradientSync:
             unflatten(b.flat, [self._view(it) for it in b.items])
         b.work = b.flat = None
 
-    def _fold_tied(self, b: Bucket | None) -> None:
-        """The tied weight's gradient: the sum of the copies this device holds, before it is reduced."""
-        if len(self.tied_names) == 2 and (b is None or self.tied_item in b.items):
+    def _fold_tied(self, b: Bucket | None = None) -> None:
+        """The tied weight's gradient: the sum of the copies this device holds, once a step, before
+        the first bucket holding it (`b`; which waits for both copies) or after backward (None)."""
+        if len(self.tied_names) == 2 and not self._folded and (b is None or b.names & set(self.tied_names)):
             self.params[self.tied_names[0]].grad.add_(self.params[self.tied_names[1]].grad)
+            self._folded = True
 
     def _add_replicated(self, piece: Piece, item, add, tp_size: int) -> None:
         if self.rank in piece.members:
@@ -214,12 +215,11 @@ class GradientSync:
         the replicated tensors to the TP ranks that do not reduce them."""
         self._armed = False
         self.launched_early = self._next      # buckets that backward's hooks launched (overlapped)
-        if self.tied_item is not None and not any(self.tied_item in b.items for b in self.launch_order):
-            self._fold_tied(None)       # reduced by no one else: this device's sum is the gradient
+        self._fold_tied()               # if no bucket did: reduced by no one else, this sum is the gradient
         self._launch_through(lambda b: True)
         for b in self.launch_order:
             self._finish(b)
-        self._next = 0
+        self._next, self._folded = 0, False
         self._settle()
 
     def _settle(self) -> None:

@@ -5,12 +5,13 @@
 * Gradient pieces: each part (block, embedding, head) is held once per pipeline, possibly at a
   different TP size in each. Its sharded tensors are cut into the finest common partition of all
   holders' shards (fractions [a, b) of the sharded dim); a piece is all-reduced among its one
-  holder per pipeline. Replicated tensors (norms, embedding, head) form one piece reduced among
-  the TP-rank-0 holder of each pipeline, then broadcast inside each TP group, so no pipeline's
-  copy is counted twice.
-* Tied embedding: where the head is the embedding's matrix, its two copies' gradients are summed
-  among the TP-rank-0 holders of the embedding and of the head in every pipeline (Megatron's
-  embedding group), in place of their own replicated reductions.
+  holder per pipeline. Replicated tensors (norms) form one piece reduced among the TP-rank-0
+  holder of each pipeline, then broadcast inside each TP group, so no pipeline's copy is counted
+  twice.
+* Tied embedding: where the head is the embedding's matrix, its two copies' vocabulary rows are
+  cut into the finest common partition of every embedding and head holder's shard, and each
+  piece's gradient is summed among its holders in every stage holding either (Megatron's
+  embedding group), in place of the two parts' own pieces.
 * Active group: all devices with work, for the global grad norm and loss.
 
 Groups are created with ``use_local_synchronization=True``: only members call `new_group`, so
@@ -115,10 +116,16 @@ class Piece:
     members: tuple[int, ...]  # in pipeline order; members[0] counts the piece in the grad norm
 
 
-def sharded_pieces(plan: Plan, part: Part) -> list[Piece]:
-    """The finest common partition of the holders' TP shards of a part, with who holds each piece."""
-    groups = [st.devices for _, st in plan.holders(part)]
-    return [Piece(part, a, b, tuple(holder_at(g, a) for g in groups))
+def sharded_pieces(plan: Plan, part: Part, tied: bool = False) -> list[Piece]:
+    """The finest common partition of the holders' TP shards of a part, with who holds each piece
+    (none for the embedding and the head when `tied`: `tied_pieces` reduces them)."""
+    if tied and part in (EMBEDDING, HEAD):
+        return []
+    return _pieces(part, [st.devices for _, st in plan.holders(part)])
+
+
+def _pieces(part: Part, groups: list[tuple[int, ...]]) -> list[Piece]:
+    return [Piece(part, a, b, tuple(dict.fromkeys(holder_at(g, a) for g in groups)))
             for a, b in finest_partition(shard_map(groups).values())]
 
 
@@ -127,11 +134,11 @@ def replicated_piece(plan: Plan, part: Part) -> Piece:
     return Piece(part, *WHOLE, tuple(st.devices[0] for _, st in plan.holders(part)))
 
 
-def tied_piece(plan: Plan) -> Piece:
-    """The tied embedding and head: reduced among TP rank 0 of every stage holding either (a
-    device holding both counts once)."""
-    members = [st.devices[0] for part in (EMBEDDING, HEAD) for _, st in plan.holders(part)]
-    return Piece(EMBEDDING, *WHOLE, tuple(dict.fromkeys(members)))
+def tied_pieces(plan: Plan) -> list[Piece]:
+    """The tied embedding and head: the finest common partition of the vocabulary rows of every
+    stage holding either, each piece reduced among its holders there (a device holding both
+    copies counts once)."""
+    return _pieces(EMBEDDING, [st.devices for part in (EMBEDDING, HEAD) for _, st in plan.holders(part)])
 
 
 @dataclass(frozen=True)
@@ -180,10 +187,10 @@ def ordered_group_ranks(plan: Plan, tied: bool = False) -> list[tuple[int, ...]]
             add(st.devices)
     for part in model_parts(plan.num_layers):
         add(replicated_piece(plan, part).members)
-        for piece in sharded_pieces(plan, part):
+        for piece in sharded_pieces(plan, part, tied):
             add(piece.members)
-    if tied:
-        add(tied_piece(plan).members)
+    for piece in tied_pieces(plan) if tied else ():
+        add(piece.members)
     add(plan.active_devices)
     return list(out)
 
@@ -223,14 +230,19 @@ class Groups:
     def local_pieces(self) -> tuple[list[Piece], list[Piece]]:
         """(sharded pieces, replicated pieces) of the parts this device holds, in global order.
 
-        Sharded: the pieces inside this device's shard. Replicated: one per held part, whether or
-        not this device is its reducer (TP ranks > 0 receive the result by broadcast).
+        Sharded: the pieces inside this device's shard (with a tied head, those of the embedding and
+        the head are `tied_pieces`). Replicated: one per held part, whether or not this device is its
+        reducer (TP ranks > 0 receive the result by broadcast).
         """
         sharded, replicated = [], []
         for part in self.parts():
             replicated.append(replicated_piece(self.plan, part))
-            sharded.extend(p for p in sharded_pieces(self.plan, part) if self.rank in p.members)
+            sharded.extend(p for p in sharded_pieces(self.plan, part, self.tied) if self.rank in p.members)
         return sharded, replicated
+
+    def local_tied_pieces(self) -> list[Piece]:
+        """The tied pieces inside this device's copies (none for a model whose head is not tied)."""
+        return [p for p in tied_pieces(self.plan) if self.rank in p.members] if self.tied else []
 
 
 def release_unused(plan: Plan, tied: bool = False) -> list[tuple[int, ...]]:

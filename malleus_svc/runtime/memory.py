@@ -6,7 +6,7 @@ the engine runs it (`precision.WorkingWeights`) under `saved_tensors_hooks`, whi
 autograd keeps for backward. Terms, per device, for `in_flight` micro-batches alive (1F1B keeps
 min(stages - stage, micro_batches) at a stage):
 
-  params       fp32 master weights (the embedding and head are replicated in a TP group)
+  params       fp32 master weights (the embedding and head split by vocabulary rows in a TP group)
   grads        fp32 gradients: the engine gives every parameter a buffer
   adam         exp_avg and exp_avg_sq, made by the engine's AdamW itself (its `step` counters
                live on the host and are left out)
@@ -17,9 +17,9 @@ min(stages - stage, micro_batches) at a stage):
   boundary     the stage's pipeline tensors, in the compute dtype: per in-flight micro-batch the
                received activation (not the first stage) and the output kept for backward (not
                the last), plus one received and one sent gradient (the backward running now)
-  logits       the last stage's loss in its backward: the logits' gradient in the compute dtype
-               and one chunk's fp32 transients (`geometry.loss_backward_bytes`); the loss keeps
-               no logits between forward and backward
+  logits       the last stage's loss in its backward: the logits' gradient of the device's
+               vocabulary rows in the compute dtype and one chunk's fp32 transients
+               (`geometry.loss_backward_bytes`); the loss keeps no logits between forward and backward
 
 Attention is measured as flash-attn's varlen kernel, the GPU path, keeps it: q, k, v (k and v at
 their own kv heads), the output and an fp32 log-sum-exp [heads, tokens], O(tokens) and never the
@@ -196,7 +196,7 @@ def stage_footprint(shape: ModelShape, num_layers: int, *, has_embedding: bool, 
     x, positions, cu_seqlens, targets = stage_inputs(shape, micro_batch, seq_len, has_embedding, META)
     saved, working = saved_for_backward(model, x, positions, cu_seqlens, targets if has_head else None)
     boundary = micro_batch * seq_len * shape.hidden * GPU_COMPUTE_DTYPE.itemsize
-    loss = loss_backward_bytes(shape.vocab, micro_batch * seq_len, GPU_COMPUTE_DTYPE.itemsize) if has_head else 0
+    loss = loss_backward_bytes(shape.vocab // tp, micro_batch * seq_len, GPU_COMPUTE_DTYPE.itemsize) if has_head else 0
     recomputed = 0
     if recompute:
         # the forward saved each block's input (the checkpoint does, where the hooks see it); in

@@ -13,14 +13,15 @@ Two halves:
 Algorithm (planning)
 --------------------
 The schedule is `Plan.diff` expanded into tensor rows: the diff is given this model's state
-sizes (a block's sharded and replicated tensors apart, the embedding and the head), and each of
+sizes (each part's sharded and replicated tensors apart), and each of
 its moves and kept pieces becomes, for every tensor of the part on that side of the split
 (`geometry.part_tensors`), the rows its fraction covers. So the migration moves exactly what the
 diff says: same pieces, same senders, same totals. In the diff's order:
 
-* sharded tensors, per (block, fraction piece, needer): all sharded tensors of a block move
-  together, cut by the finest common partition of old and new shards;
-* replicated tensors (norm weights, embedding, head), per (part, needer): every TP rank of a
+* sharded tensors, per (part, fraction piece, needer): all sharded tensors of a part (a block's
+  by heads and ffn rows, the embedding's and the head's by vocabulary rows) move together, cut by
+  the finest common partition of old and new shards;
+* replicated tensors (norm weights), per (part, needer): every TP rank of a
   holder stage needs the whole tensor, so a needer that held ANY shard of the part keeps its
   copy, and one that held none receives the whole tensor from one old holder.
 
@@ -216,14 +217,9 @@ def plan_migration(old: Plan, new: Plan, shape: ModelShape, *, bucket_bytes: int
     def side(part: Part, sharded: bool) -> list[TensorSpec]:
         return [t for t in tensors[part] if (t.split_dim is not None) == sharded]
 
-    def state_bytes(specs: list[TensorSpec]) -> int:   # param + exp_avg + exp_avg_sq
-        return 3 * itemsize * sum(t.numel for t in specs)
-
-    sizes = StateSizes(block=state_bytes(side(0, True)), block_replicated=state_bytes(side(0, False)),
-                       embedding=state_bytes(side(EMBEDDING, False)), head=state_bytes(side(HEAD, False)))
-    diff = Plan.diff(old, new, sizes, unavailable=dead)
+    diff = Plan.diff(old, new, StateSizes.of(shape, 3 * itemsize), unavailable=dead)   # param, exp_avg, exp_avg_sq
     if diff.missing:
-        what = [f"block {m.part} fraction [{m.start}, {m.end}) for device {m.dst}" if m.sharded
+        what = [f"{_part_label(m.part)} fraction [{m.start}, {m.end}) for device {m.dst}" if m.sharded
                 else f"{_part_label(m.part)} replicated tensors for device {m.dst}" for m in diff.missing]
         shown = "; ".join(what[:12]) + (f"; ... ({len(what)} in all)" if len(what) > 12 else "")
         raise MigrationError(

@@ -10,7 +10,8 @@ device builds its stage on the meta device, allocates only its own shards and dr
 they overlap, identical to what any other plan (or the single-process reference) would hold.
 Names, full shapes and TP split dims come from `geometry.tensors`: each parameter is that table's
 shard for this device's TP group (q/k/v and gate/up column-parallel, out and down row-parallel,
-summed by an all-reduce; norm weights replicated).
+summed by an all-reduce; the embedding, the head and its loss vocab-parallel; norm weights
+replicated).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from functools import cached_property
 from typing import Iterator, Mapping
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call
@@ -32,7 +34,7 @@ from malleus_svc.geometry import (EMBEDDING, HEAD, TIED, Part, TensorSpec, loss_
 from malleus_svc.runtime.attention import Packing, RotaryTables, apply_rotary, varlen_causal_attention
 from malleus_svc.runtime.batch import IGNORE_INDEX
 from malleus_svc.runtime.precision import master_of, weight_grad
-from malleus_svc.runtime.tensor_parallel import SINGLE, TensorParallel, copy_to_region, reduce_from_region
+from malleus_svc.runtime.tensor_parallel import SINGLE, TensorParallel, copy_to_region, gather_from_region, reduce_from_region
 
 INIT_STD = 0.02
 
@@ -221,15 +223,24 @@ class Block(nn.Module):
 
 
 class Embedding(nn.Module):
-    def __init__(self, spec: TensorSpec):
+    """Megatron's vocab-parallel embedding: TP rank r holds vocabulary rows [first, first + rows),
+    looks up the tokens that fall there (zeros for the others) and the group sums the lookups."""
+
+    def __init__(self, spec: TensorSpec, tp: TensorParallel):
         super().__init__()
-        self.weight = _parameter(spec, SINGLE)
+        self.tp = tp
+        self.weight = _parameter(spec, tp)
+        self.first = shard_rows(spec.shape[0], tp.rank, tp.size)[0]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        outside = None
+        if self.tp.size > 1:
+            tokens = tokens - self.first
+            outside = (tokens < 0) | (tokens >= self.weight.shape[0])
+            tokens = tokens.masked_fill(outside, 0)
         master = master_of(self.weight)
-        if master is None:
-            return F.embedding(tokens, self.weight)
-        return _MasterGradEmbedding.apply(tokens, self.weight, master)
+        x = F.embedding(tokens, self.weight) if master is None else _MasterGradEmbedding.apply(tokens, self.weight, master)
+        return x if outside is None else reduce_from_region(x.masked_fill(outside.unsqueeze(-1), 0), self.tp)
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -238,7 +249,14 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     chunk's logits and their gradient, keeps that gradient in the compute dtype for the whole
     micro-batch (what the plain expression's backward hands its matrix multiply), then takes x's and
     the weight's gradients in one GEMM each, as the plain expression's backward does. No fp32
-    [tokens, vocab] tensor of the whole micro-batch ever exists (`geometry.loss`)."""
+    [tokens, vocab] tensor of the whole micro-batch ever exists (`geometry.loss`).
+
+    Vocab-parallel (a TP group of `tp.size`, this rank's `weight` the vocabulary rows from `first`):
+    Megatron's cross-entropy. Per chunk the group all-reduces each token's largest logit, then its
+    sum of exponentials and its target's logit (held by one rank) in one call, so every rank has
+    the loss without any rank seeing all logits; forward keeps each token's log-sum-exp, and
+    backward, with no communication, takes this rank's slice of softmax minus one-hot. x's
+    gradient is then this rank's partial sum, which the TP region's entry sums over the group."""
 
     @staticmethod
     def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -246,41 +264,86 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                                ignore_index=IGNORE_INDEX, reduction="sum")
 
     @staticmethod
+    def _local_targets(targets: torch.Tensor, first: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each target's row in this rank's slice, clamped in range; whether this rank holds it)."""
+        local = targets - first
+        held = (local >= 0) & (local < rows)
+        return local.clamp(0, rows - 1).unsqueeze(-1), held
+
+    @staticmethod
+    def _vocab_parallel(logits: torch.Tensor, targets: torch.Tensor, tp: TensorParallel, first: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed cross-entropy of a chunk, each token's log-sum-exp over the whole vocabulary)."""
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        top = tp.all_reduce(logits.max(-1).values, dist.ReduceOp.MAX)
+        local, held = _ChunkedHeadLoss._local_targets(targets, first, logits.shape[-1])
+        target_logit = torch.where(held, logits.gather(-1, local).squeeze(-1), 0.0)
+        summed = tp.all_reduce(torch.stack(((logits - top.unsqueeze(-1)).exp().sum(-1), target_logit)))
+        lse = top + summed[0].log()
+        return torch.where(targets != IGNORE_INDEX, lse - summed[1], 0.0).sum(), lse
+
+    @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                master: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(x, weight, targets)
-        ctx.chunk, ctx.master_dtype = chunk, None if master is None else master.dtype
-        return sum(_ChunkedHeadLoss._cross_entropy(F.linear(x[s:s + chunk], weight), targets[s:s + chunk])
-                   for s in range(0, x.shape[0], chunk))
+                master: torch.Tensor | None, tp: TensorParallel, first: int) -> torch.Tensor:
+        ctx.chunk, ctx.master_dtype, ctx.tp, ctx.first = chunk, None if master is None else master.dtype, tp, first
+        if tp.size == 1:
+            ctx.save_for_backward(x, weight, targets)
+            return sum(_ChunkedHeadLoss._cross_entropy(F.linear(x[s:s + chunk], weight), targets[s:s + chunk])
+                       for s in range(0, x.shape[0], chunk))
+        losses, lses = zip(*(_ChunkedHeadLoss._vocab_parallel(F.linear(x[s:s + chunk], weight), targets[s:s + chunk],
+                                                              tp, first) for s in range(0, x.shape[0], chunk)))
+        ctx.save_for_backward(x, weight, targets, torch.cat(lses))
+        return sum(losses)
+
+    @staticmethod
+    def _grad_logits(ctx, x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor | None,
+                     grad: torch.Tensor) -> torch.Tensor:
+        """One chunk's logits' gradient, recomputed."""
+        if lse is None:
+            with torch.enable_grad():    # scaled here, not by grad_outputs (whose check imports sympy)
+                logits = F.linear(x, w).requires_grad_(True)
+                loss = _ChunkedHeadLoss._cross_entropy(logits, targets) * grad
+            return torch.autograd.grad(loss, (logits,))[0]
+        logits = F.linear(x, w)
+        probs = (logits.to(lse.dtype) - lse.unsqueeze(-1)).exp()
+        local, held = _ChunkedHeadLoss._local_targets(targets, ctx.first, logits.shape[-1])
+        probs.scatter_add_(-1, local, -held.to(probs.dtype).unsqueeze(-1))
+        return (probs * ((targets != IGNORE_INDEX) * grad).unsqueeze(-1)).to(logits.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, weight, targets = ctx.saved_tensors
+        x, weight, targets, *lse = ctx.saved_tensors
+        lse = lse[0] if lse else None
         grad_logits = x.new_empty(x.shape[0], weight.shape[0])
         w = weight.detach()
         for s in range(0, x.shape[0], ctx.chunk):
-            with torch.enable_grad():    # scaled here, not by grad_outputs (whose check imports sympy)
-                logits = F.linear(x[s:s + ctx.chunk].detach(), w).requires_grad_(True)
-                loss = _ChunkedHeadLoss._cross_entropy(logits, targets[s:s + ctx.chunk]) * grad
-            grad_logits[s:s + ctx.chunk] = torch.autograd.grad(loss, (logits,))[0]
+            part = slice(s, s + ctx.chunk)
+            grad_logits[part] = _ChunkedHeadLoss._grad_logits(ctx, x[part].detach(), w, targets[part],
+                                                              None if lse is None else lse[part], grad)
         grad_x = grad_logits @ weight
         if ctx.master_dtype is not None:   # a working weight: its master takes the gradient, in fp32
-            return grad_x, None, None, None, weight_grad(grad_logits, x, ctx.master_dtype)
-        return grad_x, grad_logits.t() @ x, None, None, None
+            return grad_x, None, None, None, weight_grad(grad_logits, x, ctx.master_dtype), None, None
+        return grad_x, grad_logits.t() @ x, None, None, None, None, None
 
 
 class LMHead(nn.Module):
-    def __init__(self, spec: TensorSpec):
+    """The head, vocab-parallel in a TP group (rows from `first`), and its chunked cross-entropy."""
+
+    def __init__(self, spec: TensorSpec, tp: TensorParallel):
         super().__init__()
-        self.weight = _parameter(spec, SINGLE)
-        self.chunk = loss_chunk_tokens(spec.shape[0])
+        self.tp = tp
+        self.weight = _parameter(spec, tp)
+        self.first = shard_rows(spec.shape[0], tp.rank, tp.size)[0]
+        self.chunk = loss_chunk_tokens(spec.shard_shape(tp.size)[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        """The logits of the whole vocabulary (gathered from the group's slices)."""
+        return gather_from_region(linear(copy_to_region(x, self.tp), self.weight), self.tp)
 
     def loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The summed cross-entropy of the logits of x against targets, chunk by chunk of tokens."""
-        return _ChunkedHeadLoss.apply(x, self.weight, targets, self.chunk, master_of(self.weight))
+        return _ChunkedHeadLoss.apply(copy_to_region(x, self.tp), self.weight, targets, self.chunk,
+                                      master_of(self.weight), self.tp, self.first)
 
 
 class StageModel(nn.Module):
@@ -299,11 +362,11 @@ class StageModel(nn.Module):
             raise ValueError(err)
         self.shape, self.tp, self.layers, self.recompute = shape, tp, layers, recompute
         self.rotary = RotaryTables(shape.head_dim, shape.rope_theta, shape.rope_scaling)
-        self.embedding = Embedding(_by_local_name(shape, EMBEDDING)["embedding.weight"]) if has_embedding else None
+        self.embedding = Embedding(_by_local_name(shape, EMBEDDING)["embedding.weight"], tp) if has_embedding else None
         self.blocks = nn.ModuleDict({str(i): Block(shape, tp) for i in range(*layers)})
         head = _by_local_name(shape, HEAD) if has_head else None
         self.final_norm = RMSNorm(head["final_norm.weight"], shape.norm_eps) if head else None
-        self.head = LMHead(head["head.weight"]) if head else None
+        self.head = LMHead(head["head.weight"], tp) if head else None
 
     @property
     def parts(self) -> list[Part]:

@@ -93,7 +93,7 @@ def plan_memory(sc: Scenario, plan: Plan) -> list[StageReport]:
         last = len(pipe.stages) - 1
         for j, st in enumerate(pipe.stages):
             depth = min(len(pipe.stages) - j, pipe.micro_batches)
-            ends = j in (0, last)
+            ends = (j == 0, j == last)
             recompute = st.recompute == "full"
             measured = _footprint(sc.shape, st.num_layers, j == 0, j == last, st.tp, sc.micro_batch,
                                   recompute).at_depth(depth)
@@ -166,6 +166,18 @@ def measured_profile(sc: Scenario) -> tuple[list[float], float]:
     return layer_mb, round(ends, 1)
 
 
+def vocab_split_line(sc: Scenario, plan: Plan) -> str:
+    """What the embedding and the head (with its loss) add to a device at each TP size the plan's
+    first and last stages have: 1/t of their state and logits, as they are split by vocabulary rows."""
+    def extra_gb(tp: int, first: bool, last: bool) -> float:
+        one = _footprint(sc.shape, 1, first, last, tp, sc.micro_batch).at_depth(1).total
+        return (one - _footprint(sc.shape, 1, False, False, tp, sc.micro_batch).at_depth(1).total) / GB
+
+    ends = sorted({pipe.stages[0].tp for pipe in plan.pipelines} | {pipe.stages[-1].tp for pipe in plan.pipelines})
+    sizes = ", ".join(f"TP {t} {extra_gb(t, True, False):.1f} / {extra_gb(t, False, True):.1f}" for t in ends)
+    return f"embedding / head and loss per device, split by vocabulary rows: {sizes} GB"
+
+
 def print_memory(sc: Scenario, plan: Plan, as_json: bool = False) -> int:
     """The table and the verdict of `malleus memory`; 0 if every device fits, 1 if not."""
     rows = plan_memory(sc, plan)
@@ -179,6 +191,7 @@ def print_memory(sc: Scenario, plan: Plan, as_json: bool = False) -> int:
         print(f"optimizer sharded among the plan's {len(plan.pipelines)} pipelines: fp32 masters and Adam moments "
               f"{_spread(r.unsharded for r in rows)} GB per device unsharded, "
               f"{_spread(r.measured.params + r.measured.adam for r in rows)} GB sharded")
+    print(vocab_split_line(sc, plan))
     print(verdict(rows))
     if as_json:
         print(json.dumps([r.to_dict() for r in rows], indent=2))

@@ -7,6 +7,7 @@ not flagged for memory it never uses, and a schedule bug that keeps more alive w
 
 Per device of stage j of pipeline i, in MB (the planner's formula with the reached depth d):
     h · (K[d] · l + E · [first or last stage]) + X0,   h = tp / |g|
+(E of the first and of the last stage where the profile tells them apart)
 (the parts a group does not split unscaled: `MemoryProfile.block_mb`, `ends_mb`)
 flagged `oom` when above the device's memory C, and `over_budget` when above C - δ (the margin
 the planner keeps).
@@ -34,16 +35,17 @@ class StageMemory:
                 "blocks": self.blocks, "in_flight": self.in_flight, "peak_mb": round(self.peak_mb, 1)}
 
 
-def device_peak_mb(problem: PlannerProblem, tp_size: int, blocks: int, in_flight: int, holds_embedding: bool,
+def device_peak_mb(problem: PlannerProblem, tp_size: int, blocks: int, in_flight: int, ends: tuple[bool, bool],
                    pipelines: int = 1, recompute: bool = False) -> float:
     """Peak MB on one device of a group of `tp_size` holding `blocks` blocks with `in_flight` micro-batches
-    alive, in a plan of `pipelines` pipelines (they share a sharded optimizer's state); with
-    `recompute`, the stage recomputes its blocks in backward."""
+    alive, its stage the (first, last) of its pipeline or neither (`ends`), in a plan of `pipelines`
+    pipelines (they share a sharded optimizer's state); with `recompute`, the stage recomputes its
+    blocks in backward."""
     mem = problem.memory.over(pipelines)
     h = problem.tp / tp_size
     per_block = mem.block_mb(h, max(1, in_flight), recompute)   # every stage runs >= 1 micro-batch
     once = mem.activations_mb(h) if recompute and mem.activation_mb else 0.0   # the block being recomputed
-    return per_block * blocks + once + (mem.ends_mb(h) if holds_embedding else 0.0) + mem.reserved_mb
+    return per_block * blocks + once + mem.ends_mb(h, *ends) + mem.reserved_mb
 
 
 def stage_memory(plan: Plan, problem: PlannerProblem, sim: SimResult) -> list[StageMemory]:
@@ -51,7 +53,7 @@ def stage_memory(plan: Plan, problem: PlannerProblem, sim: SimResult) -> list[St
     for i, (pipe, pres) in enumerate(zip(plan.pipelines, sim.pipelines)):
         last = len(pipe.stages) - 1
         for j, (st, sres) in enumerate(zip(pipe.stages, pres.stages)):
-            peak = device_peak_mb(problem, st.tp, st.num_layers, sres.max_in_flight, j in (0, last), len(plan.pipelines),
+            peak = device_peak_mb(problem, st.tp, st.num_layers, sres.max_in_flight, (j == 0, j == last), len(plan.pipelines),
                                   st.recompute == "full")
             out.append(StageMemory(i, j, st.devices, st.num_layers, sres.max_in_flight, peak))
     return out
