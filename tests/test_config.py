@@ -46,7 +46,8 @@ def test_defaults_come_from_the_model_shape():
     # More micro-batches in flight need more memory; the list is for d = pp..1.
     assert list(p.memory.layer_mb) == sorted(p.memory.layer_mb, reverse=True)
     assert p.t0_seconds == pytest.approx(analytic.block_seconds(PRESETS["llama-32b"], 4, 1, analytic.DeviceSpec()))
-    assert p.state_sizes.block == PRESETS["llama-32b"].block_params() * 12
+    sizes, shape = p.state_sizes, PRESETS["llama-32b"]
+    assert sizes.block + sizes.block_replicated == shape.block_params() * 12 and sizes.block_replicated == 2 * shape.hidden * 12
 
 
 def test_the_optimizer_step_comes_from_the_memory_bandwidth_or_the_profile():

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from _mp import run_on_gloo
 from malleus_svc.config.presets import ModelShape, preset
-from malleus_svc.geometry import one_f_one_b
+from malleus_svc.geometry import one_f_one_b, split_dim
 from malleus_svc.plan import Pipeline, Plan, Stage
 from malleus_svc.runtime.batch import IGNORE_INDEX, MicroBatch
 from malleus_svc.runtime.engine import STEP, Engine, OptimConfig, assemble_full, full_shard_states
@@ -583,8 +583,9 @@ def _stage_under_tp(rank: int, world: int):
 
 
 def test_tensor_parallel_stage_equals_unsharded():
-    """Megatron's column- and row-parallel block and its vocab-parallel embedding, head and
-    cross-entropy (each rank holding 1/t of the vocabulary rows) equal one device's stage."""
+    """Megatron's column- and row-parallel block with sequence parallelism (25 tokens: rows 6 or 7
+    per rank at TP 4, 12 or 13 at TP 2) and its vocab-parallel embedding, head and cross-entropy
+    (each rank holding 1/t of the vocabulary rows) equal one device's stage."""
     results = run_on_gloo(_stage_under_tp, 4)
     tokens, targets, cu, positions = _stage_inputs()
     model = StageModel(GQA, (0, 1), has_embedding=True, has_head=True).double()
@@ -598,9 +599,14 @@ def test_tensor_parallel_stage_equals_unsharded():
             assert got["shapes"]["embedding.weight"][0] == got["shapes"]["head.weight"][0] == GQA.vocab // size
             torch.testing.assert_close(got["loss"], loss.detach(), rtol=1e-12, atol=0)
             torch.testing.assert_close(got["logits"], logits.detach(), rtol=1e-12, atol=1e-14)
+            group = range(rank - rank % size, rank - rank % size + size)
             for name, p in model.named_parameters():
-                expect = take_shard(name, p.grad, rank % size, size)
-                torch.testing.assert_close(got["grads"][name], expect, rtol=1e-10, atol=1e-14,
+                if split_dim(name) is None:    # a norm's gain: each rank's share is its rows' (sequence parallelism)
+                    mine = sum(results[r][size]["grads"][name] for r in group)
+                    assert not torch.allclose(got["grads"][name], p.grad)
+                else:
+                    mine = got["grads"][name]
+                torch.testing.assert_close(mine, take_shard(name, p.grad, rank % size, size), rtol=1e-10, atol=1e-14,
                                            msg=lambda m: f"TP={size} rank {rank} {name}: {m}")
 
 

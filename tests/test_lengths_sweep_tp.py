@@ -73,7 +73,7 @@ def test_a_sweep_on_the_jobs_own_device_runs_its_lengths_and_prices_the_collecti
     if rep["on_pace"] < 1:
         inconclusive(f"{rep['on_pace']:.0%} of the mixes timed at their pace")
     assert rep["test_max_abs_error"] < 1e-6     # compute on pace and priced collectives: the fit is exact
-    # TP 2's collectives: 4 all-reduces of each token's fp32 hidden state per block, at 2 GB/s
+    # TP 2's collectives: 5 all-reduces' worth of each token's fp32 hidden state per block, at 2 GB/s
     price = tp_comm_seconds_per_token(preset("tiny").hidden, 2, 4, 2.0)
     comm = sum(rep["layers"] * sum(m) * price for m in mixes)
     assert rep["comm_share"] == pytest.approx(comm / sum(r["measured_s"] for r in rep["train"] + rep["test"]))

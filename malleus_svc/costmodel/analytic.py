@@ -37,9 +37,11 @@ def _allreduce_seconds(nbytes: float, ranks: int, gbps: float) -> float:
 
 
 def tp_comm_seconds_per_token(hidden: int, tp: int, act_bytes: float, gbps: float) -> float:
-    """A block's TP collectives per token: Megatron TP all-reduces the hidden state twice forward
-    and twice backward."""
-    return 4.0 * _allreduce_seconds(hidden * act_bytes, tp, gbps)
+    """A block's TP collectives per token, under sequence parallelism: each of its two regions
+    all-gathers the hidden state and reduce-scatters it forward, the reverse backward, and
+    all-gathers its input again in backward (kept as rows, not whole). An all-gather or a
+    reduce-scatter moves half an all-reduce: five all-reduces' worth in all."""
+    return 5.0 * _allreduce_seconds(hidden * act_bytes, tp, gbps)
 
 
 def block_seconds(shape: ModelShape, tp: int, micro_batch: int, device: DeviceSpec,
@@ -79,15 +81,14 @@ def activation_mb(shape: ModelShape, tp: int, micro_batch: int, device: DeviceSp
 def block_activation_bytes(shape: ModelShape, tp: int, device: DeviceSpec) -> tuple[float, float]:
     """Bytes per token one block of this runtime keeps for backward (flash attention, compute in
     `act_bytes`, no recomputation): (replicated in the TP group, this device's share of the split part).
-    Replicated: both norms' inputs and outputs (the outputs enter TP regions) and their fp32 1/rms
-    (rotary's fp32 tables are the stage's, shared by its blocks). Split: rotated q and k, v, the
-    attention output, flash's fp32 log-sum-exp per head, and SwiGLU's gate, up, silu(gate) and
-    their product."""
+    With sequence parallelism nothing is replicated. Between the TP regions a device keeps its rows
+    of both norms' inputs and outputs (the outputs enter the regions, which all-gather them again in
+    backward) and their fp32 1/rms (rotary's fp32 tables are the stage's, shared by its blocks);
+    inside them, its heads' rotated q and k, v, attention output and flash's fp32 log-sum-exp, and
+    its ffn rows of SwiGLU's gate, up, silu(gate) and their product."""
     a, d = device.act_bytes, shape.head_dim
     kv = shape.n_kv_heads * d
-    replicated = 4 * a * shape.hidden + 2 * 4
-    split = (a * (2 * shape.hidden + 2 * kv + 4 * shape.ffn) + 4 * shape.heads) / tp
-    return replicated, split
+    return 0.0, (4 * a * shape.hidden + 2 * 4 + a * (2 * shape.hidden + 2 * kv + 4 * shape.ffn) + 4 * shape.heads) / tp
 
 
 def memory_profile(shape: ModelShape, tp: int, pp: int, micro_batch: int, gpu_memory_mb: float,
@@ -103,8 +104,8 @@ def memory_profile(shape: ModelShape, tp: int, pp: int, micro_batch: int, gpu_me
     flight, and the last stage's final norm with its input and output of its one micro-batch. With
     `shard_optimizer`, the fp32 masters and Adam moments of the split part of a block and of the
     embedding or head (the smaller: the saving the model can promise either end) are what the plan's
-    pipelines split among themselves. A stage that recomputes keeps each block's input (whole in the
-    group) in place of its activations."""
+    pipelines split among themselves. A stage that recomputes keeps each block's input (its rows of
+    it) in place of its activations."""
     tokens = micro_batch * shape.seq_len
     norms = 2 * shape.hidden
     state_split = (shape.block_params() - norms) * TRAIN_STATE_BYTES_PER_PARAM / tp / MB
@@ -125,7 +126,7 @@ def memory_profile(shape: ModelShape, tp: int, pp: int, micro_batch: int, gpu_me
                          sharded_layer_mb=(shape.block_params() - norms) / tp * sharded,
                          sharded_embedding_mb=vocab_rows / tp * sharded,
                          activation_mb=act_split + act_kept, replicated_activation_mb=act_kept,
-                         recompute_input_mb=tokens * shape.hidden * device.act_bytes / MB)
+                         recompute_input_mb=tokens * shape.hidden * device.act_bytes / tp / MB)
 
 
 def comm_costs(shape: ModelShape, tp: int, dp: int, micro_batch: int, device: DeviceSpec) -> CommCosts:

@@ -29,7 +29,7 @@ class MemoryProfile:
     (`over(P)`).
 
     A stage that recomputes its blocks (`Stage.recompute == "full"`) keeps per block and micro-batch
-    in flight its input, `recompute_input_mb` (whole on every member), instead of the
+    in flight its input, `recompute_input_mb` (split by the group: each member keeps its rows), instead of the
     `activation_mb` a block saves (`replicated_activation_mb` of it not split by a smaller group),
     and holds one block's activations once, while that block is recomputed. Left at 0 (a scenario's
     own K gives no split of it), recomputation is priced as saving nothing.
@@ -72,7 +72,7 @@ class MemoryProfile:
         kept = _at_depth(self.replicated_layer_mb, in_flight) if self.replicated_layer_mb else 0.0
         base = h * (self.per_layer_mb(in_flight) - kept - self.sharded_layer_mb * self._unsharded) + kept
         if recompute and self.activation_mb:
-            base -= in_flight * (self.activations_mb(h) - self.recompute_input_mb)
+            base -= in_flight * (self.activations_mb(h) - h * self.recompute_input_mb)
         return base
 
     def recomputing(self, largest_h: float) -> "MemoryProfile":
@@ -84,7 +84,7 @@ class MemoryProfile:
             return self
         depths = range(len(self.layer_mb), 0, -1)     # layer_mb lists depths len..1
         saved = self.activation_mb - self.recompute_input_mb
-        kept = self.replicated_activation_mb - self.recompute_input_mb
+        kept = self.replicated_activation_mb
         return dataclasses.replace(
             self, layer_mb=tuple(k - d * saved for k, d in zip(self.layer_mb, depths)),
             replicated_layer_mb=tuple(k - d * kept for k, d in zip(self.replicated_layer_mb, depths)),

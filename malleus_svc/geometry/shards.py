@@ -35,6 +35,13 @@ def shard_rows(size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
     return rows_of(shard_of(tp_rank, tp_size), size)
 
 
+def sequence_rows(tokens: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """Rows [start, end) of a micro-batch of `tokens` tokens that TP rank `tp_rank` of `tp_size`
+    holds between TP regions (sequence parallelism): in rank order, sizes one row apart at most
+    (micro-batches of packed documents have any number of tokens)."""
+    return tokens * tp_rank // tp_size, tokens * (tp_rank + 1) // tp_size
+
+
 def shard_map(groups: Iterable[Sequence[int]], *, sharded: bool = True,
               exclude: Iterable[int] = ()) -> dict[int, Span]:
     """device -> the fraction it holds of a part held by these TP groups (the whole when not `sharded`)."""

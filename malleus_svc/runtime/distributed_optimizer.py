@@ -9,9 +9,8 @@ zeros). A step then:
   * counts its own chunks in the global norm (each element once) and clips them;
   * updates its own chunk of the fp32 masters with the chunk's Adam moments, which only it holds;
   * all-gathers the updated chunks into every member's weights (`publish`): the parameters, or with
-    a working copy, that copy, whose other masters are freed after the first update; then sends the
-    replicated tensors to the TP ranks that do not reduce them, and copies a tied weight's update
-    into its second copy.
+    a working copy, that copy, whose other masters are freed after the first update; then copies a
+    tied weight's update into its second copy.
 What no other pipeline holds (a piece of one pipeline) is updated where it lies, as without sharding.
 The update is elementwise, so it equals the replicated one up to the order of the gradient sums.
 
@@ -85,8 +84,8 @@ class ShardedGradientSync(GradientSync):
         self.steps = 0                                # updates of the chunks (all of them at once)
         bucketed = {it for items in self.buckets.values() for it in items}
         self.local_norm_items = [it for it in self.norm_items if it not in bucketed]
-        # updated elsewhere: the bucketed tensors, those the TP group's rank 0 sends, a tied second copy
-        elsewhere = {it[0] for it in bucketed} | {it[0] for it in self.broadcast_items}
+        # updated elsewhere: the bucketed tensors, a tied second copy
+        elsewhere = {it[0] for it in bucketed}
         if len(self.tied_names) == 2 and self.tied_names[0] in elsewhere:
             elsewhere.add(self.tied_names[1])
         self.local = {name: p for name, p in params.items() if name not in elsewhere}
@@ -124,11 +123,6 @@ class ShardedGradientSync(GradientSync):
     def _finish(self, b: _Chunked) -> None:
         b.work.wait()
         b.work = b.flat = None
-
-    def _settle(self) -> None:
-        """The TP ranks that do not reduce get the updated weights (`publish`), not the gradients."""
-        if len(self.tied_names) == 2:
-            self.params[self.tied_names[1]].grad.copy_(self.params[self.tied_names[0]].grad)
 
     def local_square_norm(self) -> torch.Tensor:
         views = [self._view(item) for item in self.local_norm_items] + [b.grad for b in self.chunked]
@@ -189,14 +183,11 @@ class ShardedGradientSync(GradientSync):
 
     @torch.no_grad()
     def publish(self) -> None:
-        """Every member's updated chunks into every member's weights; then the replicated tensors to
-        the TP ranks that do not reduce them, and a tied weight into its second copy."""
+        """Every member's updated chunks into every member's weights, then a tied weight into its
+        second copy."""
         targets = self._targets
         for b in self.chunked:
             b.gather_into(b.master, targets)
-        if self.broadcast_items:
-            tp_group, src = self.groups.tp.group, world_rank(self.groups.stage_devices[0])
-            self._collective(self.broadcast_items, lambda f: dist.broadcast(f, src=src, group=tp_group), targets)
         if len(self.tied_names) == 2:
             targets[self.tied_names[1]].copy_(targets[self.tied_names[0]])
 
@@ -212,9 +203,6 @@ class ShardedGradientSync(GradientSync):
             full = {name: torch.zeros_like(self.params[name]) for name in self.elsewhere}
             for b in self.chunked:
                 b.gather_into(b.master if which == 0 else b.moments[which - 1], full)
-            if self.broadcast_items:
-                tp_group, src = self.groups.tp.group, world_rank(self.groups.stage_devices[0])
-                self._collective(self.broadcast_items, lambda f: dist.broadcast(f, src=src, group=tp_group), full)
             if len(self.tied_names) == 2 and self.tied_names[1] in full:
                 full[self.tied_names[1]] = full[self.tied_names[0]]
             for name, t in full.items():

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from malleus_svc.config.presets import ModelShape
 from malleus_svc.geometry import TIED, model_parts, part_of, part_tensors, tensor_spec
-from malleus_svc.runtime.groups import Groups, Piece, world_rank
+from malleus_svc.runtime.groups import Groups, Piece
 from malleus_svc.runtime.optimizer import AdamW, update_bytes
 
 Item = tuple[str, "int | None", int, int]   # a tensor's name, its split dim, and rows [lo, hi) of it there
@@ -58,7 +58,8 @@ class GradientSync:
 
     Sharded pieces: flattened into buckets per group (same buckets on every member, since every
     member walks the same pieces in plan order) and all-reduced among one holder per pipeline.
-    Replicated tensors: all-reduced among the TP-rank-0 holders, then broadcast in the TP group.
+    Replicated tensors (norm weights): all-reduced among every device of every holding stage (under
+    sequence parallelism each TP rank's gradient is its rows' share).
     A tied embedding and head: one contribution per device (the sum of the copies it holds, which
     are the same rows), reduced piece by piece among the holders of either, so every copy gets the
     weight's whole gradient, counted once in the norm.
@@ -76,7 +77,6 @@ class GradientSync:
         r, t = groups.tp.rank, groups.tp.size
         self.buckets: dict[tuple[int, ...], list[Item]] = {}
         self.norm_items: list[Item] = []
-        self.broadcast_items: list[Item] = []
         sharded, replicated = groups.local_pieces()
         self.tied_names = [n for n in TIED if n in params] if groups.tied else []   # the copies this device holds
 
@@ -100,7 +100,7 @@ class GradientSync:
         for piece in replicated:
             for spec in part_tensors(shape, piece.part):
                 if spec.split_dim is None:
-                    self._add_replicated(piece, (spec.name, None, 0, 0), add, t)
+                    add(piece, (spec.name, None, 0, 0))
         self.params = params
         self._parts = {part: i for i, part in enumerate(model_parts(shape.layers))}
         for items in self.buckets.values():    # in the order backward finishes them, latest part first
@@ -186,33 +186,13 @@ class GradientSync:
             self.params[self.tied_names[0]].grad.add_(self.params[self.tied_names[1]].grad)
             self._folded = True
 
-    def _add_replicated(self, piece: Piece, item, add, tp_size: int) -> None:
-        if self.rank in piece.members:
-            add(piece, item)
-        if tp_size > 1 and len(piece.members) > 1:
-            self.broadcast_items.append(item)
-
     def _view(self, item: Item, grad: bool = True) -> torch.Tensor:
         """The item's rows of its parameter's gradient (or, not `grad`, of the parameter itself)."""
         p = self.params[item[0]]
         return narrow(p.grad if grad else p.detach(), item)
 
-    def _collective(self, items, op: Callable[[torch.Tensor], None],
-                    tensors: Mapping[str, torch.Tensor] | None = None) -> None:
-        """`op` on the items' gradient views (or their views of `tensors`, by name), a bucket of at most
-        `bucket_bytes` at a time: one flat copy per bucket (a view contiguous and alone in it in place)."""
-        views = [self._view(it) if tensors is None else narrow(tensors[it[0]], it) for it in items]
-        for views in _buckets(views, self.bucket_bytes):
-            if len(views) == 1 and views[0].is_contiguous():
-                op(views[0])
-                continue
-            flat = torch.cat([v.reshape(-1) for v in views])
-            op(flat)
-            unflatten(flat, views)
-
     def reduce(self) -> None:
-        """Launch the buckets not launched yet, wait for all of them (the step's one wait), then send
-        the replicated tensors to the TP ranks that do not reduce them."""
+        """Launch the buckets not launched yet and wait for all of them (the step's one wait)."""
         self._armed = False
         self.launched_early = self._next      # buckets that backward's hooks launched (overlapped)
         self._fold_tied()               # if no bucket did: reduced by no one else, this sum is the gradient
@@ -223,10 +203,7 @@ class GradientSync:
         self._settle()
 
     def _settle(self) -> None:
-        """After the reductions: what the TP ranks that do not reduce need, and the tied copies."""
-        if self.broadcast_items:
-            tp_group, src = self.groups.tp.group, world_rank(self.groups.stage_devices[0])
-            self._collective(self.broadcast_items, lambda f: dist.broadcast(f, src=src, group=tp_group))
+        """After the reductions: the tied weight's second copy."""
         if len(self.tied_names) == 2:
             self.params[self.tied_names[1]].grad.copy_(self.params[self.tied_names[0]].grad)
 

@@ -5,9 +5,8 @@
 * Gradient pieces: each part (block, embedding, head) is held once per pipeline, possibly at a
   different TP size in each. Its sharded tensors are cut into the finest common partition of all
   holders' shards (fractions [a, b) of the sharded dim); a piece is all-reduced among its one
-  holder per pipeline. Replicated tensors (norms) form one piece reduced among the TP-rank-0
-  holder of each pipeline, then broadcast inside each TP group, so no pipeline's copy is counted
-  twice.
+  holder per pipeline. Replicated tensors (norms) form one piece reduced among every device of
+  every holding stage: under sequence parallelism each TP rank's gradient is its rows' share.
 * Tied embedding: where the head is the embedding's matrix, its two copies' vocabulary rows are
   cut into the finest common partition of every embedding and head holder's shard, and each
   piece's gradient is summed among its holders in every stage holding either (Megatron's
@@ -130,8 +129,9 @@ def _pieces(part: Part, groups: list[tuple[int, ...]]) -> list[Piece]:
 
 
 def replicated_piece(plan: Plan, part: Part) -> Piece:
-    """The whole of a part's replicated tensors, reduced among TP rank 0 of each holding stage."""
-    return Piece(part, *WHOLE, tuple(st.devices[0] for _, st in plan.holders(part)))
+    """The whole of a part's replicated tensors, reduced among every device of each holding stage
+    (each TP rank's gradient is the share of its rows of the tokens)."""
+    return Piece(part, *WHOLE, tuple(d for _, st in plan.holders(part) for d in st.devices))
 
 
 def tied_pieces(plan: Plan) -> list[Piece]:
@@ -210,7 +210,8 @@ class Groups:
                 self._groups[ranks] = _get_or_create(ranks)
         stage = plan.pipelines[self.role.pipeline].stages[self.role.stage]
         self.stage_devices = stage.devices
-        self.tp = TensorParallel(stage.tp, self.role.tp_rank, self.group(stage.devices))
+        self.tp = TensorParallel(stage.tp, self.role.tp_rank, self.group(stage.devices),
+                                 group_ranks=tuple(sorted(stage.devices).index(d) for d in stage.devices))
         self.peers = pipeline_peers(plan, rank)
         self.active = self.group(plan.active_devices)
 
@@ -231,8 +232,7 @@ class Groups:
         """(sharded pieces, replicated pieces) of the parts this device holds, in global order.
 
         Sharded: the pieces inside this device's shard (with a tied head, those of the embedding and
-        the head are `tied_pieces`). Replicated: one per held part, whether or not this device is its
-        reducer (TP ranks > 0 receive the result by broadcast).
+        the head are `tied_pieces`). Replicated: one per held part.
         """
         sharded, replicated = [], []
         for part in self.parts():

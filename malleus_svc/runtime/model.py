@@ -9,9 +9,9 @@ is initialised tile by tile, each tile from a generator seeded by (seed, name, t
 device builds its stage on the meta device, allocates only its own shards and draws only the tiles
 they overlap, identical to what any other plan (or the single-process reference) would hold.
 Names, full shapes and TP split dims come from `geometry.tensors`: each parameter is that table's
-shard for this device's TP group (q/k/v and gate/up column-parallel, out and down row-parallel,
-summed by an all-reduce; the embedding, the head and its loss vocab-parallel; norm weights
-replicated).
+shard for this device's TP group (q/k/v and gate/up column-parallel, out and down row-parallel;
+the embedding, the head and its loss vocab-parallel; norm weights replicated), and between those
+regions each TP rank holds its rows of the tokens (sequence parallelism: `tensor_parallel`).
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ from malleus_svc.geometry import (EMBEDDING, HEAD, TIED, Part, TensorSpec, loss_
 from malleus_svc.runtime.attention import Packing, RotaryTables, apply_rotary, varlen_causal_attention
 from malleus_svc.runtime.batch import IGNORE_INDEX
 from malleus_svc.runtime.precision import master_of, weight_grad
-from malleus_svc.runtime.tensor_parallel import SINGLE, TensorParallel, copy_to_region, gather_from_region, reduce_from_region
+from malleus_svc.runtime.tensor_parallel import (SINGLE, TensorParallel, gather_from_region, gather_from_sequence,
+                                                 gather_to_boundary, reduce_scatter_to_sequence, scatter_to_sequence)
 
 INIT_STD = 0.02
 
@@ -123,6 +124,45 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight) if master is None else _MasterGradLinear.apply(x, weight, master)
 
 
+class _GatheredLinears(torch.autograd.Function):
+    """F.linear(every rank's rows of x, w) for each weight, this rank holding rows `x`: the entry of
+    column-parallel layers under sequence parallelism. One all-gather serves all the weights;
+    backward keeps only this rank's rows and all-gathers them again (Megatron's sequence
+    parallelism), and reduce-scatters the input's gradient. A weight with a master (`linear`) gives
+    its gradient to the master, in the master's dtype."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TensorParallel, tokens: int, *weights_then_masters) -> tuple[torch.Tensor, ...]:
+        n = len(weights_then_masters) // 2
+        weights, masters = weights_then_masters[:n], weights_then_masters[n:]
+        ctx.save_for_backward(x, *weights)
+        ctx.tp, ctx.tokens, ctx.dtypes = tp, tokens, [None if m is None else m.dtype for m in masters]
+        whole = tp.gather_sequence(x, tokens)
+        return tuple(F.linear(whole, w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        x, *weights = ctx.saved_tensors
+        whole = ctx.tp.gather_sequence(x, ctx.tokens)
+        grad_x = ctx.tp.reduce_scatter_sequence(sum(g @ w for g, w in zip(grads, weights)))
+        to_weights = [weight_grad(g, whole, w.dtype) if d is None else None
+                      for g, w, d in zip(grads, weights, ctx.dtypes)]
+        to_masters = [None if d is None else weight_grad(g, whole, d) for g, d in zip(grads, ctx.dtypes)]
+        return grad_x, None, None, *to_weights, *to_masters
+
+
+def column_parallel(x: torch.Tensor, tp: TensorParallel, tokens: int, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The micro-batch's `tokens` rows (this rank holds `x`, its own) times each column-parallel weight."""
+    if tp.size == 1:
+        return tuple(linear(x, w) for w in weights)
+    return _GatheredLinears.apply(x, tp, tokens, *weights, *(master_of(w) for w in weights))
+
+
+def row_parallel(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """x times a row-parallel weight, summed over the group, this rank's rows of the sum."""
+    return reduce_scatter_to_sequence(linear(x, weight), tp)
+
+
 class _MasterGradEmbedding(torch.autograd.Function):
     """F.embedding(tokens, weight) for a working weight: the rows' gradients summed into one dense
     gradient in the master's dtype (the op F.embedding's own backward runs) for `master`."""
@@ -185,14 +225,11 @@ class Attention(nn.Module):
             setattr(self, name, _parameter(specs[f"attn.{name}"], tp))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], packing: Packing) -> torch.Tensor:
-        tokens, d = x.shape[0], self.head_dim
-        x = copy_to_region(x, self.tp)
-        q = linear(x, self.wq).view(tokens, -1, d)
-        k = linear(x, self.wk).view(tokens, -1, d)
-        v = linear(x, self.wv).view(tokens, -1, d)
+        tokens, d = packing.num_tokens, self.head_dim
+        q, k, v = (t.view(tokens, -1, d) for t in column_parallel(x, self.tp, tokens, self.wq, self.wk, self.wv))
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         o = self.attend(q, k, v, packing).reshape(tokens, -1)
-        return reduce_from_region(linear(o, self.wo), self.tp)
+        return row_parallel(o, self.wo, self.tp)
 
 
 class SwiGLU(nn.Module):
@@ -202,10 +239,9 @@ class SwiGLU(nn.Module):
         for name in ("w_gate", "w_up", "w_down"):
             setattr(self, name, _parameter(specs[f"mlp.{name}"], tp))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_region(x, self.tp)
-        hidden = F.silu(linear(x, self.w_gate)) * linear(x, self.w_up)
-        return reduce_from_region(linear(hidden, self.w_down), self.tp)
+    def forward(self, x: torch.Tensor, tokens: int) -> torch.Tensor:
+        gate, up = column_parallel(x, self.tp, tokens, self.w_gate, self.w_up)
+        return row_parallel(F.silu(gate) * up, self.w_down, self.tp)
 
 
 class Block(nn.Module):
@@ -219,7 +255,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], packing: Packing) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope, packing)
-        return x + self.mlp(self.mlp_norm(x))
+        return x + self.mlp(self.mlp_norm(x), packing.num_tokens)
 
 
 class Embedding(nn.Module):
@@ -240,7 +276,7 @@ class Embedding(nn.Module):
             tokens = tokens.masked_fill(outside, 0)
         master = master_of(self.weight)
         x = F.embedding(tokens, self.weight) if master is None else _MasterGradEmbedding.apply(tokens, self.weight, master)
-        return x if outside is None else reduce_from_region(x.masked_fill(outside.unsqueeze(-1), 0), self.tp)
+        return x if outside is None else reduce_scatter_to_sequence(x.masked_fill(outside.unsqueeze(-1), 0), self.tp)
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -336,14 +372,15 @@ class LMHead(nn.Module):
         self.first = shard_rows(spec.shape[0], tp.rank, tp.size)[0]
         self.chunk = loss_chunk_tokens(spec.shard_shape(tp.size)[0])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The logits of the whole vocabulary (gathered from the group's slices)."""
-        return gather_from_region(linear(copy_to_region(x, self.tp), self.weight), self.tp)
+    def forward(self, x: torch.Tensor, tokens: int) -> torch.Tensor:
+        """The logits of every token (this rank holds `x`, its rows) over the whole vocabulary."""
+        return gather_from_region(linear(gather_from_sequence(x, self.tp, tokens), self.weight), self.tp)
 
     def loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The summed cross-entropy of the logits of x against targets, chunk by chunk of tokens."""
-        return _ChunkedHeadLoss.apply(copy_to_region(x, self.tp), self.weight, targets, self.chunk,
-                                      master_of(self.weight), self.tp, self.first)
+        """The summed cross-entropy of every token's logits (this rank holds `x`, its rows) against
+        targets, chunk by chunk of tokens."""
+        return _ChunkedHeadLoss.apply(gather_from_sequence(x, self.tp, targets.shape[0]), self.weight, targets,
+                                      self.chunk, master_of(self.weight), self.tp, self.first)
 
 
 class StageModel(nn.Module):
@@ -440,8 +477,9 @@ class StageModel(nn.Module):
                 targets: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens [T] (first stage) or hidden states [T, hidden] -> hidden states, or on the last stage
         the logits, or with `targets` the summed cross-entropy against them (`LMHead.loss`)."""
-        if self.embedding is not None:
-            x = self.embedding(x)
+        tokens = positions.shape[0]
+        # between TP regions each rank holds its rows of the tokens (sequence parallelism)
+        x = self.embedding(x) if self.embedding is not None else scatter_to_sequence(x, self.tp)
         # what every layer's attention needs of the positions and the boundaries, made once, the
         # tables in the dtype rotary computes in (at least fp32) so that no layer casts them again
         packing = Packing(cu_seqlens, x.device)
@@ -454,10 +492,10 @@ class StageModel(nn.Module):
                                use_reentrant=False, preserve_rng_state=False)
             else:
                 x = block(x, rope, packing)
-        if self.head is not None:
-            x = self.final_norm(x)
-            x = self.head(x) if targets is None else self.head.loss(x, targets)
-        return x
+        if self.head is None:
+            return gather_to_boundary(x, self.tp, tokens)      # the next stage's ranks each take theirs
+        x = self.final_norm(x)
+        return self.head(x, tokens) if targets is None else self.head.loss(x, targets)
 
 
 def _run_block(x: torch.Tensor, block: Block, weights: Mapping[str, torch.Tensor], rope, packing: Packing

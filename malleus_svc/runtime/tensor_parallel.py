@@ -1,11 +1,16 @@
-"""Communication at the edges of a tensor-parallel (TP) region, as autograd functions.
+"""Communication at the edges of a tensor-parallel (TP) region, as autograd functions: Megatron's
+tensor parallelism with sequence parallelism.
 
-A column-parallel layer needs its (replicated) input on every TP rank and produces a partial
-gradient for it on each; a row-parallel layer produces partial outputs that must be summed.
-So the region is entered with `copy_to_region` (forward identity, backward all-reduce) and left
-with `reduce_from_region` (forward all-reduce, backward identity); a vocab-parallel head's logits
-leave it whole with `gather_from_region` (forward all-gather along the last dim, backward the
-rank's own slice). With one rank all three are no-ops.
+Between the TP regions of a block (its norms, residuals and other elementwise work) each rank of a
+group holds its own rows of the micro-batch's tokens (`geometry.sequence_rows`). A column-parallel
+layer needs every row on every rank, so the region is entered by all-gathering the rows (its
+backward reduce-scatters the ranks' partial input gradients: `gather_from_sequence`, or the fused
+`model` linears that all-gather again in backward instead of keeping the whole input); a
+row-parallel layer's partial outputs are summed and cut into rows by one reduce-scatter
+(`reduce_scatter_to_sequence`, backward all-gather). Stage boundaries carry whole micro-batches, the
+same on every rank: a stage takes its rows of what it receives (`scatter_to_sequence`) and
+all-gathers its output (`gather_to_boundary`). A vocab-parallel head's logits leave the region
+whole with `gather_from_region` (all-gather along the last dim). With one rank all are no-ops.
 """
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from malleus_svc.geometry import sequence_rows
 
 
 @dataclass
@@ -27,12 +34,18 @@ class TensorParallel:
     group: "dist.ProcessGroup | None" = None
     comm_seconds: float = field(default=0.0, compare=False)
     clock: object = field(default=None, compare=False)     # a runtime.device_clock.DeviceClock
+    # each TP rank's rank in `group` (whose ranks follow device ids, not a stage's device order)
+    group_ranks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
             raise ValueError(f"TP rank {self.rank} is outside a group of size {self.size}")
         if self.size > 1 and self.group is None:
             raise ValueError(f"a TP group of size {self.size} needs a process group")
+        if self.group_ranks is None:
+            self.group_ranks = tuple(range(self.size))
+        if sorted(self.group_ranks) != list(range(self.size)):
+            raise ValueError(f"group ranks {self.group_ranks} are not a permutation of a group of {self.size}")
 
     def all_reduce(self, x: torch.Tensor, op: "dist.ReduceOp" = dist.ReduceOp.SUM) -> torch.Tensor:
         out = x.contiguous().clone()
@@ -41,11 +54,49 @@ class TensorParallel:
         return out
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's `x` side by side along the last dim, in rank order."""
+        """Every rank's `x` side by side along the last dim, in TP rank order."""
         parts = [torch.empty_like(x) for _ in range(self.size)]
         with self._timed():
             dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        return torch.cat([parts[g] for g in self.group_ranks], dim=-1)
+
+    def rows(self, tokens: int) -> tuple[int, int]:
+        """This rank's rows [start, end) of a micro-batch of `tokens` tokens."""
+        return sequence_rows(tokens, self.rank, self.size)
+
+    def gather_sequence(self, own: torch.Tensor, tokens: int) -> torch.Tensor:
+        """Every rank's rows, in TP rank order: the whole [tokens, ...] (the collective moves one
+        equal slot per rank, in group rank order; shards a row short travel padded)."""
+        width = -(-tokens // self.size)
+        out = own.new_empty((self.size * width, *own.shape[1:]))
+        if own.shape[0] < width:
+            own = torch.cat([own, own.new_zeros((width - own.shape[0], *own.shape[1:]))])
+        with self._timed():
+            dist.all_gather_single(out, own.contiguous(), group=self.group)
+        if self._in_place(tokens):
+            return out
+        return torch.cat([out[g * width:g * width + e - s] for g, (s, e) in
+                          zip(self.group_ranks, (sequence_rows(tokens, r, self.size) for r in range(self.size)))])
+
+    def reduce_scatter_sequence(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the sum over the group of `full` [tokens, ...]."""
+        tokens = full.shape[0]
+        width = -(-tokens // self.size)
+        if not self._in_place(tokens):
+            slots = full.new_zeros((self.size, width, *full.shape[1:]))
+            for r, g in enumerate(self.group_ranks):
+                s, e = sequence_rows(tokens, r, self.size)
+                slots[g, :e - s] = full[s:e]
+            full = slots.view(self.size * width, *full.shape[1:])
+        out = full.new_empty((width, *full.shape[1:]))
+        with self._timed():
+            dist.reduce_scatter_single(out, full.contiguous(), group=self.group)
+        s, e = self.rows(tokens)
+        return out[:e - s]
+
+    def _in_place(self, tokens: int) -> bool:
+        """Whether the rows of every rank are its slot as the collective lays them out."""
+        return tokens % self.size == 0 and self.group_ranks == tuple(range(self.size))
 
     @contextlib.contextmanager
     def _timed(self):
@@ -73,26 +124,51 @@ class LocalShard(TensorParallel):
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x] * self.size, dim=-1)
 
+    def gather_sequence(self, own: torch.Tensor, tokens: int) -> torch.Tensor:
+        if not own.shape[0]:
+            return own.new_zeros((tokens, *own.shape[1:]))
+        return own.repeat(-(-tokens // own.shape[0]), *(1,) * (own.dim() - 1))[:tokens]   # real values, to time
 
-class _CopyToRegion(torch.autograd.Function):
+    def reduce_scatter_sequence(self, full: torch.Tensor) -> torch.Tensor:
+        s, e = self.rows(full.shape[0])
+        return full[s:e].clone()
+
+
+class _ScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-        ctx.tp = tp
-        return x.view_as(x)
+        ctx.tp, ctx.tokens = tp, x.shape[0]
+        s, e = tp.rows(x.shape[0])
+        return x[s:e]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ctx.tp.all_reduce(grad), None
+        return ctx.tp.gather_sequence(grad, ctx.tokens), None
 
 
-class _ReduceFromRegion(torch.autograd.Function):
+class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-        return tp.all_reduce(x)
+    def forward(ctx, x: torch.Tensor, tp: TensorParallel, tokens: int, partial: bool) -> torch.Tensor:
+        ctx.tp, ctx.partial = tp, partial
+        return tp.gather_sequence(x, tokens)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, None
+        if ctx.partial:
+            return ctx.tp.reduce_scatter_sequence(grad), None, None, None
+        s, e = ctx.tp.rows(grad.shape[0])
+        return grad[s:e], None, None, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        ctx.tp, ctx.tokens = tp, x.shape[0]
+        return tp.reduce_scatter_sequence(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.tp.gather_sequence(grad, ctx.tokens), None
 
 
 class _GatherFromRegion(torch.autograd.Function):
@@ -106,14 +182,28 @@ class _GatherFromRegion(torch.autograd.Function):
         return grad.narrow(-1, ctx.tp.rank * ctx.width, ctx.width), None
 
 
-def copy_to_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """Enter a TP region: identity forward, sum of the ranks' input gradients backward."""
-    return x if tp.size == 1 else _CopyToRegion.apply(x, tp)
+def scatter_to_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """A whole micro-batch, the same on every rank (received at a stage boundary): this rank's rows;
+    backward all-gathers the rows' gradients into the whole one (the same on every rank again)."""
+    return x if tp.size == 1 else _ScatterToSequence.apply(x, tp)
 
 
-def reduce_from_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """Leave a TP region: sum of the ranks' partial outputs forward, identity backward."""
-    return x if tp.size == 1 else _ReduceFromRegion.apply(x, tp)
+def gather_from_sequence(x: torch.Tensor, tp: TensorParallel, tokens: int) -> torch.Tensor:
+    """Enter a column-parallel region: every rank's rows; backward sums the ranks' partial
+    gradients and hands each rank its rows (reduce-scatter)."""
+    return x if tp.size == 1 else _GatherFromSequence.apply(x, tp, tokens, True)
+
+
+def gather_to_boundary(x: torch.Tensor, tp: TensorParallel, tokens: int) -> torch.Tensor:
+    """A stage's output, whole on every rank for the next stage; backward takes this rank's rows of
+    the gradient that comes back (the same on every rank)."""
+    return x if tp.size == 1 else _GatherFromSequence.apply(x, tp, tokens, False)
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Leave a row-parallel region: the sum of the ranks' partial outputs, this rank's rows of it;
+    backward all-gathers the rows' gradients."""
+    return x if tp.size == 1 else _ReduceScatterToSequence.apply(x, tp)
 
 
 def gather_from_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
