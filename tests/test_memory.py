@@ -41,7 +41,7 @@ def test_meta_measurement_equals_real_tensors(first, last, tp):
         model = build_stage(shape, 2, has_embedding=first, has_head=last, tp=tp, device=device)
         if device.type == "cpu":
             model.init_from_seed(0)
-        x, positions, cu_seqlens, targets = stage_inputs(shape, 2, 24, first, device)
+        x, positions, cu_seqlens, targets = stage_inputs(shape, 2, 24, first, device, tp=tp)
         saved, working = saved_for_backward(model, x, positions, cu_seqlens, targets if last else None)
         seen.append((saved, working.nbytes))
     assert seen[0] == seen[1]
@@ -66,8 +66,8 @@ def test_depth_multiplies_what_each_micro_batch_keeps():
     assert three.activations == 3 * one.activations
     assert (one.params, one.adam, one.working) == (three.params, three.adam, three.working)   # one working copy
     assert one.working * 2 == one.params
-    tokens_hidden_bf16 = 2 * GQA.seq_len * GQA.hidden * 2
-    assert one.boundary == 2 * 2 * tokens_hidden_bf16 and three.boundary == 4 * 2 * tokens_hidden_bf16
+    rows_hidden_bf16 = 2 * GQA.seq_len * GQA.hidden * 2 // 2      # TP 2: each rank's half of the rows
+    assert one.boundary == 2 * 2 * rows_hidden_bf16 and three.boundary == 4 * 2 * rows_hidden_bf16
 
 
 def test_cli_on_llama70b_reports_every_stage(capsys):
@@ -213,7 +213,7 @@ def test_a_recomputing_stage_keeps_its_blocks_inputs_and_one_blocks_activations(
 
     plain, rc, rc_more = measure(layers, False), measure(layers, True), measure(layers + 1, True)
     one_block = stage_footprint(shape, 1, has_embedding=False, has_head=False, tp=tp, micro_batch=mb).saved
-    assert rc_more.saved - rc.saved == rc.boundary_tensor // tp      # a block more: its rows of its input more
+    assert rc_more.saved - rc.saved == rc.boundary_tensor    # a block more: its input (this rank's rows) more
     assert measure(layers + 1, False).saved - plain.saved > 4 * rc.boundary_tensor
     assert rc.recomputed == one_block
     assert rc.at_depth(4).activations == 4 * rc.saved + one_block < plain.at_depth(4).activations / 2
@@ -222,7 +222,7 @@ def test_a_recomputing_stage_keeps_its_blocks_inputs_and_one_blocks_activations(
         model = build_stage(shape, layers, has_embedding=first, has_head=last, tp=tp, device=device, recompute=True)
         if device.type == "cpu":
             model.init_from_seed(0)
-        x, positions, cu_seqlens, targets = stage_inputs(shape, mb, shape.seq_len, first, device)
+        x, positions, cu_seqlens, targets = stage_inputs(shape, mb, shape.seq_len, first, device, tp=tp)
         seen.append(saved_for_backward(model, x, positions, cu_seqlens, targets if last else None)[0])
     assert seen[0] == seen[1] == rc.saved
 

@@ -146,27 +146,34 @@ def test_post_program_never_deadlocks_across_pipeline_shapes():
 
 
 def test_post_program_with_real_tensors_on_live_ranks():
-    # threads posting real tensors through the hub, TP groups 2 -> 1 -> 3 -> 2
+    # threads posting real tensors through the hub, TP groups 2 -> 1 -> 3 -> 2, micro-batches of 7
+    # tokens: every boundary re-cuts each rank's rows (sequence parallelism)
     plan = _pipeline([2, 1, 3, 2], 5)
-    programs = pipeline_programs(_stage_peers(plan), 5, shape=(3,))
+    programs = pipeline_programs(_stage_peers(plan), 5, tokens=7, width=3)
     hub = RulesHub(world=plan.num_devices, timeout=20)
 
     def rank_fn(rank):
         def run():
             got = []
             for ops, wait in programs[rank]:
-                seq = hub.post(rank, ops, [torch.full((3,), float(rank)) if o.kind == "send" else None for o in ops])
+                seq = hub.post(rank, ops, [torch.full(o.shape, float(rank)) if o.kind == "send" else None for o in ops])
                 if wait:
-                    got += hub.wait(rank, seq)
+                    got += zip([o for o in ops if o.kind == "recv"], hub.wait(rank, seq))
             return got
         return run
 
     results = run_threads({r: rank_fn(r) for r in programs}, hub)
     peers = {r: p for st in _stage_peers(plan) for r, p in st.items()}
-    for r, got in results.items():   # each receive came from the peer the plan names
-        srcs = [peers[r].recv_activation_from] * 5 * (peers[r].recv_activation_from is not None) \
-            + [peers[r].recv_gradient_from] * 5 * (peers[r].recv_gradient_from is not None)
-        assert sorted(int(t[0]) for t in got) == sorted(srcs)
+    for r, got in results.items():
+        rows: dict[str, list[tuple[int, int]]] = {}
+        for op, t in got:        # each piece came from the peer its op names, with the rows it names
+            assert tuple(t.shape) == op.shape and bool((t == op.peer).all()), (r, str(op))
+            what, span = op.label.split(" rows ")
+            rows.setdefault(what, []).append(tuple(map(int, span.split(":"))))
+        lo, hi = peers[r].rows(7)  # and together they are this rank's rows of every tensor it receives
+        expected = 5 * ((peers[r].prev != ()) + (peers[r].next != ()))
+        assert len(rows) == expected and all(sorted(v)[0][0] == lo and sorted(v)[-1][1] == hi and
+                                             sum(b - a for a, b in v) == hi - lo for v in rows.values())
 
 
 # ---------------------------------------------------------------------------- the real engine

@@ -320,8 +320,9 @@ class Engine:
         for ins in stage_program(self.num_stages, self.role.stage, len(micro_batches), forward_only=not train):
             if isinstance(ins, Post):
                 sends = {t: outgoing.pop(t) for t in ins.sends}
-                # every boundary tensor, either way, is one row of hidden per token of its micro-batch
-                shapes = {t: (micro_batches[t.micro].num_tokens, self.shape.hidden) for t in ins.receives}
+                # every boundary tensor, either way, is one row of hidden per token of its micro-batch,
+                # of which this device sends and receives its rows (sequence parallelism)
+                shapes = {t: (micro_batches[t.micro].num_tokens, self.shape.hidden) for t in ins.transfers}
                 incoming.update(self.transport.post(ins, sends, shapes))
             elif ins.kind == "F":
                 x = incoming.pop(Transfer("recv", "activation", ins.micro), None)

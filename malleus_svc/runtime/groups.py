@@ -1,7 +1,8 @@
 """Every communication group and peer one device needs under a plan, derived from the plan alone.
 
 * TP group: the devices of the device's stage.
-* Pipeline peers: who sends activations to whom and gradients back (see `PipelinePeers`).
+* Pipeline peers: who sends which rows of the activations to whom, and of their gradients back
+  (see `PipelinePeers`).
 * Gradient pieces: each part (block, embedding, head) is held once per pipeline, possibly at a
   different TP size in each. Its sharded tensors are cut into the finest common partition of all
   holders' shards (fractions [a, b) of the sharded dim); a piece is all-reduced among its one
@@ -32,7 +33,8 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
-from malleus_svc.geometry import EMBEDDING, HEAD, WHOLE, Part, finest_partition, holder_at, model_parts, shard_map
+from malleus_svc.geometry import (EMBEDDING, HEAD, WHOLE, Part, finest_partition, holder_at, model_parts,
+                                  sequence_rows, shard_map)
 from malleus_svc.plan import Plan
 from malleus_svc.runtime.tensor_parallel import TensorParallel
 
@@ -143,33 +145,41 @@ def tied_pieces(plan: Plan) -> list[Piece]:
 
 @dataclass(frozen=True)
 class PipelinePeers:
-    """Where activations come from and go to, and where their gradients return.
+    """Where this device's rows of a stage-boundary tensor come from and go to.
 
-    Activations at stage boundaries are replicated inside a TP group, so one copy suffices:
-    receiver TP rank r takes its activation from sender TP rank r mod t_send, and on the way back
-    sender TP rank s takes its gradient from receiver TP rank s mod t_recv (gradients at the
-    boundary are replicated too, because TP regions all-reduce the input gradient). A sender of
-    a larger group than its receiver may send nothing; one of a smaller group may send several.
+    Under sequence parallelism every TP rank holds its rows of a micro-batch's hidden states
+    (`geometry.sequence_rows`), on both sides of a boundary: a receiving rank takes each part of its
+    rows from the sending rank that holds it, and gradients return the same way. Groups of
+    different sizes re-cut the rows: a rank of a smaller group talks to several of a larger one,
+    and which ranks overlap depends on the micro-batch's token count.
     """
 
-    recv_activation_from: int | None
-    send_activation_to: tuple[int, ...]
-    recv_gradient_from: int | None
-    send_gradient_to: tuple[int, ...]
+    tp_rank: int
+    tp_size: int
+    prev: tuple[int, ...]    # the previous stage's devices in TP rank order (none on the first stage)
+    next: tuple[int, ...]    # the next stage's (none on the last)
+
+    def rows(self, tokens: int) -> tuple[int, int]:
+        return sequence_rows(tokens, self.tp_rank, self.tp_size)
+
+    def pieces(self, tokens: int, other: tuple[int, ...]) -> list[tuple[int, int, int]]:
+        """(device, start, end): the rows of this rank that each rank of the `other` stage holds too,
+        in row order."""
+        lo, hi = self.rows(tokens)
+        out = []
+        for q, d in enumerate(other):
+            a, b = sequence_rows(tokens, q, len(other))
+            if max(a, lo) < min(b, hi):
+                out.append((d, max(a, lo), min(b, hi)))
+        return out
 
 
 def pipeline_peers(plan: Plan, rank: int) -> PipelinePeers:
     role = plan.roles()[rank]
     stages = plan.pipelines[role.pipeline].stages
-    r, t = role.tp_rank, role.tp_size
-    prev = stages[role.stage - 1] if not role.is_first else None
-    nxt = stages[role.stage + 1] if not role.is_last else None
-    return PipelinePeers(
-        recv_activation_from=prev.devices[r % prev.tp] if prev else None,
-        send_activation_to=tuple(d for q, d in enumerate(nxt.devices) if q % t == r) if nxt else (),
-        recv_gradient_from=nxt.devices[r % nxt.tp] if nxt else None,
-        send_gradient_to=tuple(d for s, d in enumerate(prev.devices) if s % t == r) if prev else (),
-    )
+    return PipelinePeers(role.tp_rank, role.tp_size,
+                         stages[role.stage - 1].devices if not role.is_first else (),
+                         stages[role.stage + 1].devices if not role.is_last else ())
 
 
 def ordered_group_ranks(plan: Plan, tied: bool = False) -> list[tuple[int, ...]]:

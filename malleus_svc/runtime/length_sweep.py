@@ -272,7 +272,8 @@ def _rank_times(mixes, shape, layers, repeats, warmup, seed, threads, clock, tp=
         x, pos, cu, g = inputs[i]
         for p in model.parameters():
             p.grad = None
-        xr = x.detach().requires_grad_(True)
+        rows = slice(*tp.rows(x.shape[0]))          # a TP rank's rows of the stage's input and output
+        xr, g = x[rows].detach().requires_grad_(True), g[rows]
         if tp.group is not None:
             dist.barrier(group=tp.group)
         c0, m0 = now()

@@ -14,9 +14,10 @@ min(stages - stage, micro_batches) at a stage):
   activations  what the forward saves for backward, per in-flight micro-batch, less the above; with
                recomputation each block's input instead of what it saves, plus one block's saved
                activations once (the block being recomputed in backward)
-  boundary     the stage's pipeline tensors, in the compute dtype: per in-flight micro-batch the
-               received activation (not the first stage) and the output kept for backward (not
-               the last), plus one received and one sent gradient (the backward running now)
+  boundary     the device's rows of the stage's pipeline tensors, in the compute dtype: per
+               in-flight micro-batch the received activation (not the first stage) and the output
+               kept for backward (not the last), plus one received and one sent gradient (the
+               backward running now)
   logits       the last stage's loss in its backward: the logits' gradient of the device's
                vocabulary rows in the compute dtype and one chunk's fp32 transients
                (`geometry.loss_backward_bytes`); the loss keeps no logits between forward and backward
@@ -38,7 +39,7 @@ from typing import Iterator
 import torch
 
 from malleus_svc.config.presets import ModelShape
-from malleus_svc.geometry import loss_backward_bytes
+from malleus_svc.geometry import loss_backward_bytes, sequence_rows
 from malleus_svc.runtime.attention import varlen_causal_attention
 from malleus_svc.runtime.model import StageModel
 from malleus_svc.runtime.precision import GPU_COMPUTE_DTYPE, WorkingWeights
@@ -126,7 +127,7 @@ class StageFootprint:
     adam: int
     working: int
     saved: int                    # activations kept for backward per micro-batch
-    boundary_tensor: int          # one [tokens, hidden] tensor in the compute dtype
+    boundary_tensor: int          # this rank's rows of one [tokens, hidden] tensor in the compute dtype
     loss: int                     # the loss's backward transients (0 but on the last stage)
     has_embedding: bool
     has_head: bool
@@ -141,18 +142,19 @@ class StageFootprint:
 
 
 def stage_inputs(shape: ModelShape, micro_batch: int, seq_len: int, first: bool, device: torch.device,
-                 dtype: torch.dtype = GPU_COMPUTE_DTYPE
+                 dtype: torch.dtype = GPU_COMPUTE_DTYPE, tp: int = 1
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A packed micro-batch of `micro_batch` sequences of `seq_len`: the stage input (token ids on the
-    first stage, hidden states in `dtype` elsewhere), positions and cu_seqlens (real CPU tensors,
-    which rotary and attention read), and the targets."""
+    first stage, elsewhere TP rank 0's rows of the hidden states, in `dtype`), positions and
+    cu_seqlens (real CPU tensors, which rotary and attention read), and the targets."""
     tokens = micro_batch * seq_len
     cu_seqlens = torch.arange(0, tokens + 1, seq_len, dtype=torch.int32)
     positions = torch.arange(seq_len).repeat(micro_batch)
     if first:
         x = torch.zeros(tokens, dtype=torch.long, device=device)
     else:
-        x = torch.zeros(tokens, shape.hidden, dtype=dtype, device=device, requires_grad=True)
+        rows = sequence_rows(tokens, 0, tp)
+        x = torch.zeros(rows[1] - rows[0], shape.hidden, dtype=dtype, device=device, requires_grad=True)
     return x, positions, cu_seqlens, torch.zeros(tokens, dtype=torch.long, device=device)
 
 
@@ -193,16 +195,17 @@ def stage_footprint(shape: ModelShape, num_layers: int, *, has_embedding: bool, 
                         recompute=recompute)
     params = sum(p.untyped_storage().nbytes() for p in model.parameters())
     grads, adam = _adam_state_bytes(model)
-    x, positions, cu_seqlens, targets = stage_inputs(shape, micro_batch, seq_len, has_embedding, META)
+    x, positions, cu_seqlens, targets = stage_inputs(shape, micro_batch, seq_len, has_embedding, META, tp=tp)
     saved, working = saved_for_backward(model, x, positions, cu_seqlens, targets if has_head else None)
-    boundary = micro_batch * seq_len * shape.hidden * GPU_COMPUTE_DTYPE.itemsize
+    rows = sequence_rows(micro_batch * seq_len, 0, tp)     # a boundary tensor's rows on this rank
+    boundary = (rows[1] - rows[0]) * shape.hidden * GPU_COMPUTE_DTYPE.itemsize
     loss = loss_backward_bytes(shape.vocab // tp, micro_batch * seq_len, GPU_COMPUTE_DTYPE.itemsize) if has_head else 0
     recomputed = 0
     if recompute:
         # the forward saved each block's input (the checkpoint does, where the hooks see it); in
         # backward one block at a time saves what it always does
         one = build_stage(shape, 1, has_embedding=False, has_head=False, tp=tp)
-        x1, positions, cu_seqlens, _ = stage_inputs(shape, micro_batch, seq_len, False, META)
+        x1, positions, cu_seqlens, _ = stage_inputs(shape, micro_batch, seq_len, False, META, tp=tp)
         recomputed = saved_for_backward(one, x1, positions, cu_seqlens)[0]
     return StageFootprint(params, grads, adam, working.nbytes, saved, boundary, loss, has_embedding, has_head,
                           recomputed)

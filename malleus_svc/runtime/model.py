@@ -35,7 +35,7 @@ from malleus_svc.runtime.attention import Packing, RotaryTables, apply_rotary, v
 from malleus_svc.runtime.batch import IGNORE_INDEX
 from malleus_svc.runtime.precision import master_of, weight_grad
 from malleus_svc.runtime.tensor_parallel import (SINGLE, TensorParallel, gather_from_region, gather_from_sequence,
-                                                 gather_to_boundary, reduce_scatter_to_sequence, scatter_to_sequence)
+                                                 reduce_scatter_to_sequence)
 
 INIT_STD = 0.02
 
@@ -475,11 +475,13 @@ class StageModel(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cu_seqlens: torch.Tensor,
                 targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Tokens [T] (first stage) or hidden states [T, hidden] -> hidden states, or on the last stage
-        the logits, or with `targets` the summed cross-entropy against them (`LMHead.loss`)."""
+        """Tokens [T] (first stage) or this TP rank's rows of the hidden states -> its rows of the
+        hidden states, or on the last stage the logits of all T tokens, or with `targets` the summed
+        cross-entropy against them (`LMHead.loss`). Between TP regions, and across stage boundaries,
+        each rank holds its rows of the tokens (sequence parallelism: `geometry.sequence_rows`)."""
         tokens = positions.shape[0]
-        # between TP regions each rank holds its rows of the tokens (sequence parallelism)
-        x = self.embedding(x) if self.embedding is not None else scatter_to_sequence(x, self.tp)
+        if self.embedding is not None:
+            x = self.embedding(x)
         # what every layer's attention needs of the positions and the boundaries, made once, the
         # tables in the dtype rotary computes in (at least fp32) so that no layer casts them again
         packing = Packing(cu_seqlens, x.device)
@@ -493,7 +495,7 @@ class StageModel(nn.Module):
             else:
                 x = block(x, rope, packing)
         if self.head is None:
-            return gather_to_boundary(x, self.tp, tokens)      # the next stage's ranks each take theirs
+            return x
         x = self.final_norm(x)
         return self.head(x, tokens) if targets is None else self.head.loss(x, targets)
 

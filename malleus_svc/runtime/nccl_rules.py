@@ -40,7 +40,7 @@ import torch
 
 from malleus_svc.runtime.groups import PipelinePeers
 from malleus_svc.runtime.schedule import Post, stage_program
-from malleus_svc.runtime.transport import BatchedStageTransport, Message, PeerOp
+from malleus_svc.runtime.transport import BatchedStageTransport, Message, PeerOp, post_pieces
 
 
 class NcclRuleError(RuntimeError):
@@ -226,10 +226,11 @@ def run_programs(programs: Mapping[int, Program]) -> None:
             raise NcclRuleError("deadlock: every rank waits and no op can match\n" + m.describe(waiting))
 
 
-def pipeline_programs(stage_peers: Sequence[Mapping[int, PipelinePeers]], num_micro: int,
-                      shape: tuple[int, ...] = (1,)) -> dict[int, Program]:
+def pipeline_programs(stage_peers: Sequence[Mapping[int, PipelinePeers]], num_micro: int, tokens: int = 7,
+                      width: int = 1) -> dict[int, Program]:
     """Each rank's batches under `stage_program`: stage_peers[j] maps stage j's ranks to their peers.
-    Every tensor has `shape`; ops are labelled with what they carry, so a crossed pair is a mismatch."""
+    Every boundary tensor is `tokens` x `width`, of which each op carries the rows two ranks share
+    (`transport.post_pieces`); ops are labelled with what they carry, so a crossed pair is a mismatch."""
     programs: dict[int, Program] = {}
     n = len(stage_peers)
     for j, ranks in enumerate(stage_peers):
@@ -238,22 +239,12 @@ def pipeline_programs(stage_peers: Sequence[Mapping[int, PipelinePeers]], num_mi
             batches = []
             for ins in program:
                 if isinstance(ins, Post):
-                    ops = [Op(kind, peer, shape, "float32", f"{t.tensor} {t.micro}")
-                           for t, kind, peer in _expand(peers, ins)]
+                    ops = [Op(t.direction, peer, (b - a, width), "float32", f"{t.tensor} {t.micro} rows {a}:{b}")
+                           for t, peer, a, b in post_pieces(peers, ins, lambda _: tokens)]
                     if ops:
                         batches.append((ops, bool(ins.receives)))
             programs[rank] = batches
     return programs
-
-
-def _expand(peers: PipelinePeers, post: Post):
-    for t in post.transfers:
-        if t.direction == "recv":
-            src = peers.recv_activation_from if t.tensor == "activation" else peers.recv_gradient_from
-            yield t, "recv", src
-        else:
-            for dst in (peers.send_activation_to if t.tensor == "activation" else peers.send_gradient_to):
-                yield t, "send", dst
 
 
 # ---------------------------------------------------------------------------- live ranks

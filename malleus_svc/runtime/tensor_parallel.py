@@ -7,10 +7,9 @@ layer needs every row on every rank, so the region is entered by all-gathering t
 backward reduce-scatters the ranks' partial input gradients: `gather_from_sequence`, or the fused
 `model` linears that all-gather again in backward instead of keeping the whole input); a
 row-parallel layer's partial outputs are summed and cut into rows by one reduce-scatter
-(`reduce_scatter_to_sequence`, backward all-gather). Stage boundaries carry whole micro-batches, the
-same on every rank: a stage takes its rows of what it receives (`scatter_to_sequence`) and
-all-gathers its output (`gather_to_boundary`). A vocab-parallel head's logits leave the region
-whole with `gather_from_region` (all-gather along the last dim). With one rank all are no-ops.
+(`reduce_scatter_to_sequence`, backward all-gather). Stage boundaries carry rows too: each rank
+sends and receives its own (`transport`). A vocab-parallel head's logits leave the region whole
+with `gather_from_region` (all-gather along the last dim). With one rank all are no-ops.
 """
 from __future__ import annotations
 
@@ -134,30 +133,15 @@ class LocalShard(TensorParallel):
         return full[s:e].clone()
 
 
-class _ScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-        ctx.tp, ctx.tokens = tp, x.shape[0]
-        s, e = tp.rows(x.shape[0])
-        return x[s:e]
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return ctx.tp.gather_sequence(grad, ctx.tokens), None
-
-
 class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TensorParallel, tokens: int, partial: bool) -> torch.Tensor:
-        ctx.tp, ctx.partial = tp, partial
+    def forward(ctx, x: torch.Tensor, tp: TensorParallel, tokens: int) -> torch.Tensor:
+        ctx.tp = tp
         return tp.gather_sequence(x, tokens)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if ctx.partial:
-            return ctx.tp.reduce_scatter_sequence(grad), None, None, None
-        s, e = ctx.tp.rows(grad.shape[0])
-        return grad[s:e], None, None, None
+        return ctx.tp.reduce_scatter_sequence(grad), None, None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
@@ -182,22 +166,10 @@ class _GatherFromRegion(torch.autograd.Function):
         return grad.narrow(-1, ctx.tp.rank * ctx.width, ctx.width), None
 
 
-def scatter_to_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """A whole micro-batch, the same on every rank (received at a stage boundary): this rank's rows;
-    backward all-gathers the rows' gradients into the whole one (the same on every rank again)."""
-    return x if tp.size == 1 else _ScatterToSequence.apply(x, tp)
-
-
 def gather_from_sequence(x: torch.Tensor, tp: TensorParallel, tokens: int) -> torch.Tensor:
     """Enter a column-parallel region: every rank's rows; backward sums the ranks' partial
     gradients and hands each rank its rows (reduce-scatter)."""
-    return x if tp.size == 1 else _GatherFromSequence.apply(x, tp, tokens, True)
-
-
-def gather_to_boundary(x: torch.Tensor, tp: TensorParallel, tokens: int) -> torch.Tensor:
-    """A stage's output, whole on every rank for the next stage; backward takes this rank's rows of
-    the gradient that comes back (the same on every rank)."""
-    return x if tp.size == 1 else _GatherFromSequence.apply(x, tp, tokens, False)
+    return x if tp.size == 1 else _GatherFromSequence.apply(x, tp, tokens)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterator, Literal, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,8 +28,10 @@ class StageTransport(Protocol):
     comm_seconds: float
 
     def post(self, post: Post, sends: Mapping[Transfer, torch.Tensor],
-             recv_shapes: Mapping[Transfer, tuple[int, ...]]) -> dict[Transfer, torch.Tensor]:
-        """Issue the post as one batch; return its received tensors, once they have arrived."""
+             shapes: Mapping[Transfer, tuple[int, int]]) -> dict[Transfer, torch.Tensor]:
+        """Issue the post as one batch (each send this rank's rows of a micro-batch's boundary
+        tensor, whose whole shape, tokens x hidden, `shapes` gives for every transfer); return this
+        rank's rows of each tensor received, once they have arrived."""
         ...
 
     def finish(self) -> None:
@@ -46,8 +48,9 @@ def _tag(t: Transfer) -> int:
 
 
 class BatchedStageTransport:
-    """Turns a post into this rank's ops (a receive from its one source, a send to each of its
-    destinations, which may be none) and issues them as one batch; subclasses issue and wait.
+    """Turns a post into this rank's ops (for each transfer, one receive or send per rank of the
+    neighbouring stage that shares rows with this one: `PipelinePeers.pieces`) and issues them as
+    one batch; subclasses issue and wait. Received pieces are put together in row order.
 
     A post with receives is waited for at once (the next compute needs them); one with only sends
     stays in flight until a later wait or `finish()`. Tensors travel contiguous (gloo needs it) in
@@ -60,31 +63,26 @@ class BatchedStageTransport:
         self._in_flight: list[Any] = []   # handles of send-only batches, with their buffers
 
     def post(self, post: Post, sends: Mapping[Transfer, torch.Tensor],
-             recv_shapes: Mapping[Transfer, tuple[int, ...]]) -> dict[Transfer, torch.Tensor]:
+             shapes: Mapping[Transfer, tuple[int, int]]) -> dict[Transfer, torch.Tensor]:
         ops: list[PeerOp] = []
-        received: dict[Transfer, torch.Tensor] = {}
-        for t in post.transfers:
+        received: dict[Transfer, list[torch.Tensor]] = {t: [] for t in post.receives}
+        for t, peer, a, b in post_pieces(self.peers, post, lambda t: shapes[t][0]):
             if t.direction == "recv":
-                src = self.peers.recv_activation_from if t.tensor == "activation" else self.peers.recv_gradient_from
-                if src is None:
-                    raise RuntimeError(f"this stage has no peer to receive {t.tensor} {t.micro} from")
-                buf = torch.empty(recv_shapes[t], dtype=self.dtype, device=self.device)
-                ops.append((t, src, buf))
-                received[t] = buf
+                buf = torch.empty((b - a, shapes[t][1]), dtype=self.dtype, device=self.device)
+                received[t].append(buf)
             else:
-                buf = sends[t].detach().to(self.dtype).contiguous()
-                dsts = self.peers.send_activation_to if t.tensor == "activation" else self.peers.send_gradient_to
-                ops += [(t, dst, buf) for dst in dsts]
-        if not ops:
-            return received
-        start = time.perf_counter()
-        handle = self._issue(ops)
-        if received:
-            self._wait(handle)
-        else:
-            self._in_flight.append(handle)
-        self.comm_seconds += time.perf_counter() - start
-        return received
+                first = self.peers.rows(shapes[t][0])[0]
+                buf = sends[t].detach()[a - first:b - first].to(self.dtype).contiguous()
+            ops.append((t, peer, buf))
+        if ops:
+            start = time.perf_counter()
+            handle = self._issue(ops)
+            if received:
+                self._wait(handle)
+            else:
+                self._in_flight.append(handle)
+            self.comm_seconds += time.perf_counter() - start
+        return {t: _joined(bufs, shapes[t][1], self.dtype, self.device) for t, bufs in received.items()}
 
     def finish(self) -> None:
         start = time.perf_counter()
@@ -98,6 +96,27 @@ class BatchedStageTransport:
 
     def _wait(self, handle: Any) -> None:
         raise NotImplementedError
+
+
+def post_pieces(peers: PipelinePeers, post: Post, tokens: Callable[[Transfer], int]
+                ) -> Iterator[tuple[Transfer, int, int, int]]:
+    """(transfer, peer, start, end): every op of a post in order, each the rows [start, end) of a
+    micro-batch of `tokens(transfer)` tokens that this rank and one rank of the stage on the other
+    side both hold (activations come from the previous stage and go to the next, gradients the
+    other way)."""
+    for t in post.transfers:
+        other = peers.prev if (t.tensor == "activation") == (t.direction == "recv") else peers.next
+        if not other:
+            raise RuntimeError(f"this stage has no peer to {t.direction} {t.tensor} {t.micro} with")
+        for peer, a, b in peers.pieces(tokens(t), other):
+            yield t, peer, a, b
+
+
+def _joined(pieces: list[torch.Tensor], width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Received pieces of rows, in row order, as one tensor (none: a rank holding no rows)."""
+    if len(pieces) == 1:
+        return pieces[0]
+    return torch.cat(pieces) if pieces else torch.empty((0, width), dtype=dtype, device=device)
 
 
 class P2PTransport(BatchedStageTransport):
