@@ -313,6 +313,21 @@ def test_training_continues_as_if_started_under_the_new_plan(group, migrated):
     assert report.buckets == len(plan_migration(PLAN_B, PLAN_A, _tiny()).flows())
     _assert_bitwise(group.full_state(), migrated_full)
 
+    # To A with recomputation on the TP-2 stages: nothing moves, and the next step is the one A's
+    # engines take (a recomputed block trains bitwise like a stored one).
+    recomputing = dataclasses.replace(PLAN_A, pipelines=tuple(
+        dataclasses.replace(p, stages=tuple(dataclasses.replace(st, recompute="full" if st.tp == 2 else "none")
+                                            for st in p.stages)) for p in PLAN_A.pipelines))
+    report = group.migrate(recomputing)
+    assert report.moved_bytes == 0 and report.reused_bytes > 0
+    _assert_bitwise(group.full_state(), migrated_full)
+    extra = sampler.next_global_batch()
+    recomputed_loss, recomputed_full = group.step(extra).loss, group.full_state()
+    group.apply_plan(PLAN_A, _tiny(), seed=99, optim=_optim())
+    group.load_full_state(migrated_full)
+    assert group.step(extra).loss == recomputed_loss
+    _assert_bitwise(group.full_state(), recomputed_full)
+
     # The optimizer sharded (each piece's Adam moments split among its holders): the same state
     # exports whole (gathered), migrates live to B, where the chunks fall elsewhere, and trains on as
     # the replicated optimizer does, up to the order of the gradient sums.
