@@ -122,7 +122,8 @@ import numpy as np
 from malleus_svc.config.limits import MAX_SECONDS
 from malleus_svc.config.options import number_option
 from malleus_svc.config.presets import ModelShape, preset
-from malleus_svc.costmodel.analytic import MB, DeviceSpec, _allreduce_seconds, block_seconds, comm_costs
+from malleus_svc.costmodel.analytic import (MB, TP_ALLREDUCES_PER_BLOCK, DeviceSpec, _allreduce_seconds, block_seconds,
+                                           comm_costs)
 from malleus_svc.lengths import (Coeffs, LengthCost, PipelineSpec, StageSpec, analytic_bytes_per_token_per_layer,
                                  dispatch, first_fit_decreasing, max_tokens_per_stage, pack, predicted_time)
 
@@ -165,7 +166,7 @@ def analytic_coeffs(shape: ModelShape, tp: int, device: DeviceSpec = DEVICE, *, 
     b_fl = f1 - a_fl
     factor = RECOMPUTE_FACTOR if recompute else 1.0
     if collectives is None:
-        collectives = COLLECTIVES_PER_LAYER if recompute else 4
+        collectives = COLLECTIVES_PER_LAYER if recompute else TP_ALLREDUCES_PER_BLOCK
     comm_per_token = collectives * _allreduce_seconds(shape.hidden * device.act_bytes, tp, device.intra_node_gbps)
     c = kernels * launch_s + (collectives * collective_latency_s if tp > 1 else 0.0)
     return Coeffs(a=factor * a_fl / flops, b=factor * b_fl / flops + comm_per_token, c=c, d=0.0)

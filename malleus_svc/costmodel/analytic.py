@@ -36,12 +36,16 @@ def _allreduce_seconds(nbytes: float, ranks: int, gbps: float) -> float:
     return 2.0 * (ranks - 1) / ranks * nbytes / (gbps * 1e9)
 
 
+# A block's TP traffic in all-reduces of its hidden state, under sequence parallelism: each of its
+# two regions all-gathers the hidden state and reduce-scatters it forward, the reverse backward,
+# and all-gathers its input again in backward (kept as rows, not whole). An all-gather or a
+# reduce-scatter moves half an all-reduce.
+TP_ALLREDUCES_PER_BLOCK = 5
+
+
 def tp_comm_seconds_per_token(hidden: int, tp: int, act_bytes: float, gbps: float) -> float:
-    """A block's TP collectives per token, under sequence parallelism: each of its two regions
-    all-gathers the hidden state and reduce-scatters it forward, the reverse backward, and
-    all-gathers its input again in backward (kept as rows, not whole). An all-gather or a
-    reduce-scatter moves half an all-reduce: five all-reduces' worth in all."""
-    return 5.0 * _allreduce_seconds(hidden * act_bytes, tp, gbps)
+    """A block's TP collectives per token (`TP_ALLREDUCES_PER_BLOCK`)."""
+    return TP_ALLREDUCES_PER_BLOCK * _allreduce_seconds(hidden * act_bytes, tp, gbps)
 
 
 def block_seconds(shape: ModelShape, tp: int, micro_batch: int, device: DeviceSpec,
