@@ -357,6 +357,21 @@ PP2 = Plan(num_devices=2, num_layers=TINY.layers, micro_batch_size=2,
            pipelines=(Pipeline((Stage((0,), (0, 2)), Stage((1,), (2, TINY.layers))), micro_batches=3),))
 
 
+# A later stage at TP 2, its devices out of id order: its rehearsal takes its rows of the tokens.
+LATER_TP2 = Plan(num_devices=3, num_layers=TINY.layers, micro_batch_size=2,
+                 pipelines=(Pipeline((Stage((0,), (0, 2)), Stage((2, 1), (2, TINY.layers))), micro_batches=2),))
+
+
+def _rehearsed_flops(rank: int, world: int) -> float:
+    engine = Engine(TINY, LATER_TP2, rank, seed=SEED, optim=OptimConfig(lr=1e-3), clock=PacedClock())
+    engine.rehearse(13)       # odd: the two ranks hold 6 and 7 rows
+    return engine.clock.host.flops
+
+
+def test_every_stage_rehearses_on_the_rows_its_ranks_hold():
+    assert all(f > 0 for f in run_on_gloo(_rehearsed_flops, 3))
+
+
 def _shared_pace(engine: Engine, batches, utilization: float = 0.4) -> Pace:
     """One pace for every rank: rehearsed on each at the batches' mean micro-batch size, sized for
     the costliest rank (as WorkerGroup.pace does), with a wide margin: the suite may run beside

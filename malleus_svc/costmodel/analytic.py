@@ -104,12 +104,12 @@ def memory_profile(shape: ModelShape, tp: int, pp: int, micro_batch: int, gpu_me
     moments and a bf16 working copy (`TRAIN_STATE_BYTES_PER_PARAM`), split over the group but for
     its norms, plus its activations per micro-batch in flight. The embedding and the head are split
     by vocabulary rows, and so is the loss's backward (`geometry.loss_backward_bytes` of the
-    device's rows); whole on each member are the first stage's embedding output per micro-batch in
-    flight, and the last stage's final norm with its input and output of its one micro-batch. With
+    device's rows), as are the first stage's embedding output per micro-batch in flight and the
+    last stage's final-norm input and 1/rms (a device keeps its rows); whole on each member are the
+    final norm's weight and the output the loss gathers, with each token's fp32 log-sum-exp. With
     `shard_optimizer`, the fp32 masters and Adam moments of the split part of a block and of the
-    embedding or head (the smaller: the saving the model can promise either end) are what the plan's
-    pipelines split among themselves. A stage that recomputes keeps each block's input (its rows of
-    it) in place of its activations."""
+    embedding or head are what the plan's pipelines split among themselves. A stage that recomputes
+    keeps each block's input (its rows of it) in place of its activations."""
     tokens = micro_batch * shape.seq_len
     norms = 2 * shape.hidden
     state_split = (shape.block_params() - norms) * TRAIN_STATE_BYTES_PER_PARAM / tp / MB
@@ -119,18 +119,20 @@ def memory_profile(shape: ModelShape, tp: int, pp: int, micro_batch: int, gpu_me
     layer_mb = tuple(state_split + state_kept + d * (act_split + act_kept) for d in depths)
     kept_mb = tuple(state_kept + d * act_kept for d in depths)
     vocab_rows = shape.vocab * shape.hidden     # the embedding's, or the head's without its norm
-    first_kept = max(pp, 2) * tokens * shape.hidden * device.act_bytes / MB
-    last_kept = (shape.hidden * TRAIN_STATE_BYTES_PER_PARAM + tokens * (2 * shape.hidden * device.act_bytes + 4)) / MB
+    hidden_rows = tokens * shape.hidden * device.act_bytes / tp / MB     # a device's rows of a hidden state
     state = vocab_rows * TRAIN_STATE_BYTES_PER_PARAM / tp / MB
-    loss = loss_backward_bytes(shape.vocab // tp, tokens, device.act_bytes) / MB
+    first = state + max(pp, 2) * hidden_rows
+    last_kept = (shape.hidden * TRAIN_STATE_BYTES_PER_PARAM + tokens * (shape.hidden * device.act_bytes + 4)) / MB
+    last = (state + loss_backward_bytes(shape.vocab // tp, tokens, device.act_bytes) / MB
+            + hidden_rows + tokens * 4 / tp / MB + last_kept)
     sharded = SHARDED_BYTES_PER_PARAM / MB if shard_optimizer else 0.0
-    return MemoryProfile(layer_mb=layer_mb, embedding_mb=state + first_kept, head_mb=state + loss + last_kept,
+    return MemoryProfile(layer_mb=layer_mb, embedding_mb=first, head_mb=last,
                          reserved_mb=reserved_mb, safety_margin_mb=safety_margin_mb, gpu_memory_mb=gpu_memory_mb,
-                         replicated_layer_mb=kept_mb, replicated_embedding_mb=first_kept, replicated_head_mb=last_kept,
+                         replicated_layer_mb=kept_mb, replicated_head_mb=last_kept,
                          sharded_layer_mb=(shape.block_params() - norms) / tp * sharded,
                          sharded_embedding_mb=vocab_rows / tp * sharded,
                          activation_mb=act_split + act_kept, replicated_activation_mb=act_kept,
-                         recompute_input_mb=tokens * shape.hidden * device.act_bytes / tp / MB)
+                         recompute_input_mb=hidden_rows)
 
 
 def comm_costs(shape: ModelShape, tp: int, dp: int, micro_batch: int, device: DeviceSpec) -> CommCosts:

@@ -280,10 +280,11 @@ class Engine:
             positions = torch.arange(size).to(self.device)
             with self.model.first_block_only() if one_block else contextlib.nullcontext():
                 flops, blocks = self.model.forward_flops(cu_seqlens), len(self.model.blocks)
+                rows = self.groups.tp.rows(size)     # a later stage takes this rank's rows of the tokens
                 for _ in range(repeats):
                     x = (torch.randint(self.shape.vocab, (size,), generator=g).to(self.device) if self.role.is_first
-                         else torch.randn(size, self.shape.hidden, generator=g).to(self.device, self.working.dtype)
-                         .requires_grad_(True))
+                         else torch.randn(rows[1] - rows[0], self.shape.hidden, generator=g)
+                         .to(self.device, self.working.dtype).requires_grad_(True))
                     with self.clock.op("rehearse-forward", flops=flops, blocks=blocks):
                         out = self.working(self.model, x, positions, cu_seqlens)
                     with self.clock.op("rehearse-backward", flops=2 * flops + self.model.recompute_flops(cu_seqlens),

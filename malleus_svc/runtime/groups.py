@@ -109,7 +109,10 @@ def clear_group_cache() -> None:
 
 @dataclass(frozen=True)
 class Piece:
-    """Fraction [start, end) of every sharded tensor of `part`, and its one holder per pipeline."""
+    """Fraction [start, end) of every sharded tensor of `part` (or the whole of its replicated
+    ones), and the devices that reduce it: one holder per pipeline of a sharded piece; every device
+    of each holding stage of a replicated one; for the tied embedding and head, one holder per
+    stage holding either."""
 
     part: Part
     start: Fraction

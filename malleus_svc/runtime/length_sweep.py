@@ -21,7 +21,7 @@ that kernel, not of the model; the tiny preset itself trains on sequences of at 
 
 TP degrees. `run_sweep(tp=t)` with t > 1 runs the same sweep on a real TP group: t fresh
 processes in a gloo group, each holding its shard of the runtime's own Megatron-sharded blocks
-(`runtime.tensor_parallel`), fed the same replicated inputs; ranks start every mix together (a
+(`runtime.tensor_parallel`), each fed its rows of the same inputs; ranks start every mix together (a
 barrier outside the timed region). Each rank measures two parts: compute, its thread CPU time
 (gloo reduces on its own threads, so collectives are not in it), and communication, its wall
 time inside TP collectives. The group computes as slowly as its slowest rank (max over ranks),

@@ -24,8 +24,9 @@ min(stages - stage, micro_batches) at a stage):
 
 Attention is measured as flash-attn's varlen kernel, the GPU path, keeps it: q, k, v (k and v at
 their own kv heads), the output and an fp32 log-sum-exp [heads, tokens], O(tokens) and never the
-tokens x tokens scores (`FlashFootprint`). TP collectives are not run: a group's all-reduce is
-replaced by the copy the real one returns (`tensor_parallel.LocalShard`). Not counted: backward's
+tokens x tokens scores (`FlashFootprint`). TP collectives are not run: a group's all-reduce,
+all-gather and reduce-scatter are replaced by a tensor of the shape the real one returns
+(`tensor_parallel.LocalShard`). Not counted: backward's
 transient gradients (of activations, and each weight's fp32 gradient until autograd adds it into
 its master's), the CUDA context, allocator fragmentation and NCCL buffers, which the scenario's
 reserved memory and safety margin cover.

@@ -434,8 +434,9 @@ class StageModel(nn.Module):
         """FLOPs of this stage's forward over one micro-batch (its backward costs twice as much): 2 per
         weight per token for the matrix multiplies (the embedding is a lookup), and 4 per attended
         (query, key) pair per attention channel, causal and within each packed sequence. With
-        `model_share`, a matrix every rank of a TP group computes whole (the head) counts 1/t on
-        each: the rank's share of the model's FLOPs, which the group's ranks sum to (for MFU)."""
+        `model_share`, a replicated matrix (none in this model: the head is split by vocabulary
+        rows) would count 1/t on each rank: the rank's share of the model's FLOPs, which the group's
+        ranks sum to (for MFU)."""
         weights, share, _, _ = self._flop_counts
         return self._flops(cu_seqlens, share if model_share else weights)
 
