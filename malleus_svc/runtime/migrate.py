@@ -54,7 +54,7 @@ from fractions import Fraction
 from typing import Any, Iterable, Mapping
 
 from malleus_svc.config.presets import ModelShape
-from malleus_svc.geometry import (EMBEDDING, HEAD, Part, TensorSpec, model_parts, part_of, part_tensors,
+from malleus_svc.geometry import (Part, TensorSpec, model_parts, part_of, part_tensors,
                                   tensor_spec, tp_divisibility_error)
 from malleus_svc.plan import Plan, SliceMove, StateSizes
 
