@@ -52,8 +52,10 @@ def _finite(x: float | None) -> float | None:
 
 
 # Activation recomputation of a stage: "none" keeps what every block's forward saves for backward;
-# "full" keeps only each block's input and runs the block's forward again in backward.
-RECOMPUTE = ("none", "full")
+# "selective" recomputes in backward only the blocks' elementwise outputs (the norms', SwiGLU's
+# product); "full" keeps only each block's input and runs the block's forward again in backward.
+RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE_MARK = {"none": "", "selective": " s", "full": " r"}   # in tables, after a stage's block count
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ def job(name: str, ckpt: Path | None = None):
 
 def train(cfg, out: Path, **kwargs) -> tuple[int, list[dict]]:
     from malleus_svc.train import run_through_coordinator
-    rc = run_through_coordinator(cfg, None, STEPS, metrics_out=str(out), say=lambda m: None, static=True, **kwargs)
+    rc = run_through_coordinator(cfg, None, STEPS, metrics_out=str(out), say=mark, static=True, **kwargs)
     return rc, [json.loads(x) for x in out.read_text().splitlines()]
 
 
@@ -85,6 +85,24 @@ def start_job(cfg, out: Path, slow: bool = False) -> dict:
     return run
 
 
+def watch(run: dict) -> None:
+    """Until the job ends: its error events in full (the driver says their first lines only)."""
+    import ray
+
+    seen: set = set()
+    while run["thread"].is_alive():
+        try:
+            events = ray.get(run["handle"].status.remote(), timeout=10)["events"]
+        except Exception:  # noqa: BLE001 - the job ended and its coordinator with it
+            events = []
+        for ev in events:
+            if ev["kind"] == "error" and (ev["time"], ev["text"]) not in seen:
+                seen.add((ev["time"], ev["text"]))
+                mark(f"error event at step {ev['step']}:\n{ev['text']}")
+        time.sleep(0.2)
+    run["thread"].join()
+
+
 def grow(cluster, run: dict) -> dict:
     """Add a node while the job runs without some devices; wait for them to rejoin and the job to end."""
     import ray
@@ -116,7 +134,7 @@ def grow(cluster, run: dict) -> dict:
         time.sleep(0.1)
     out.update(rejoined=ray.get(h.status.remote()), history=hist)
     ray.get(h.emulate.remote({d: 1.0 for d in range(4)}))
-    run["thread"].join(300)      # the driver ends the job and its coordinator: read nothing from it after
+    watch(run)      # the driver ends the job and its coordinator: read nothing from it after
     out.update(rc=run.get("rc"), lines=run.get("lines"))
     return out
 

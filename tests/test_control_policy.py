@@ -172,6 +172,31 @@ def test_the_optimizer_step_is_priced_from_the_updates_the_devices_timed():
     assert m.optimizer_per_block(params) == pytest.approx(per_byte * UPDATE_BYTES_PER_PARAM * params / unit)
 
 
+def test_calibration_waits_for_a_measured_iteration_when_a_plan_change_forgot_every_device():
+    """A plan change at the warm-up's end (a node lost: every device's role changed) leaves nothing
+    to calibrate on when calibration falls due; it waits for the first iteration measured after."""
+    from malleus_svc.runtime.trainer import make_plan
+    from malleus_svc.control.workload import t0_flops
+
+    job = _job()
+    plan = make_plan(job)
+    flops = t0_flops(job.scenario, plan, job.data.seq_len)
+    m = Measurement()
+    m.begin_at(0)
+    due = m.skip + m.calibrate
+    reports = {d: {"compute_seconds": 0.02 * 10, "flops": 10 * flops} for d in plan.roles()}
+    for step in range(due + m.skip_after_migration + 1):
+        if step == due - 2:
+            m.restart_after(step, plan.roles())
+        if m.measures(step):
+            m.observe_step(plan, job, reports, [])
+        calibrated = m.calibrate_if_due(step + 1, [{"iteration_seconds": 1.0, "tokens": 100}])
+        assert calibrated == (step == due - 2 + m.skip_after_migration), step
+        assert m.calibrated == (step >= due - 2 + m.skip_after_migration)
+    assert m.estimator.healthy_unit_seconds == pytest.approx(0.02)
+    assert m.healthy_tokens_per_second == pytest.approx(100)
+
+
 # --------------------------------------------------------------------------- decide, without Ray
 
 

@@ -101,10 +101,16 @@ def _train_on_plan(rank: int, world: int, plan: Plan, batches: list[list[MicroBa
             "adam_elements": adam_elements, "param_elements": sum(p.numel() for p in engine.params.values())}
 
 
-# HETERO with its TP2 stage and a stage of the other pipeline recomputing their blocks in backward.
+# HETERO with its stages recomputing in backward: its TP2 stage and one of the other pipeline their
+# blocks, one of each pipeline their elementwise outputs.
 RECOMPUTED = dataclasses.replace(HETERO, pipelines=(
-    Pipeline((Stage((0, 1), (0, 1), "full"), Stage((2,), (1, 3)), Stage((3,), (3, 4))), micro_batches=3),
-    Pipeline((Stage((4,), (0, 2)), Stage((5,), (2, 4), "full")), micro_batches=2),
+    Pipeline((Stage((0, 1), (0, 1), "full"), Stage((2,), (1, 3), "selective"), Stage((3,), (3, 4))), micro_batches=3),
+    Pipeline((Stage((4,), (0, 2), "selective"), Stage((5,), (2, 4), "full")), micro_batches=2),
+))
+# ... and the other way round: the TP2 stage selective.
+SELECTIVE = dataclasses.replace(HETERO, pipelines=(
+    Pipeline((Stage((0, 1), (0, 1), "selective"), Stage((2,), (1, 3), "full"), Stage((3,), (3, 4))), micro_batches=3),
+    Pipeline((Stage((4,), (0, 2), "full"), Stage((5,), (2, 4), "selective")), micro_batches=2),
 ))
 
 
@@ -121,8 +127,8 @@ VOCAB_SPLIT = Plan(
 
 
 @pytest.mark.parametrize("plan, optim", [(HETERO, OPTIM), (HETERO, SHARDED), (RECOMPUTED, OPTIM),
-                                         (VOCAB_SPLIT, SHARDED)],
-                         ids=["replicated", "sharded", "recomputed", "vocab-split-sharded"])
+                                         (SELECTIVE, SHARDED), (VOCAB_SPLIT, SHARDED)],
+                         ids=["replicated", "sharded", "recomputed", "selective-sharded", "vocab-split-sharded"])
 def test_heterogeneous_plan_matches_single_process_training(plan, optim):
     # fp64 on both sides: in fp32 a handful of elements whose gradient nearly cancels (|g| ~ 1e-8)
     # have a rounding-level gradient difference that Adam's g / sqrt(v) normalisation blows up to
@@ -466,7 +472,7 @@ def test_a_step_reads_the_device_once_at_its_end(apply):
 # ---------------------------------------------------------------------------- packed sequences
 def _recompute_or_not(rank: int, world: int, batches, mixed: bool):
     out = {}
-    for recompute in ("none", "full"):
+    for recompute in ("none", "selective", "full"):
         plan = Plan(1, 4, 2, (Pipeline((Stage((0,), (0, 4), recompute),), micro_batches=3),))
         engine = Engine(TINY, plan, 0, seed=SEED, optim=OPTIM, dtype=torch.float32 if mixed else torch.float64,
                         compute_dtype=torch.bfloat16 if mixed else None)
@@ -487,11 +493,14 @@ def test_recomputed_blocks_train_bitwise_like_stored_ones_and_count_their_extra_
     batches = global_batches(steps=2, micro_batches=3, micro_batch_size=2)
     out = run_on_gloo(_recompute_or_not, 1, batches, mixed)[0]
     plain, rc = out["none"], out["full"]
-    assert rc["losses"] == plain["losses"] and rc["model_flops"] == plain["model_flops"]
-    for name, st in plain["state"].items():
-        assert torch.equal(st.param, rc["state"][name].param) and torch.equal(st.exp_avg, rc["state"][name].exp_avg)
+    for mode in ("selective", "full"):
+        assert out[mode]["losses"] == plain["losses"] and out[mode]["model_flops"] == plain["model_flops"]
+        for name, st in plain["state"].items():
+            got = out[mode]["state"][name]
+            assert torch.equal(st.param, got.param) and torch.equal(st.exp_avg, got.exp_avg), (mode, name)
     assert all(b > 0 for b in rc["blocks_forward"])
     assert [r - p for r, p in zip(rc["flops"], plain["flops"])] == pytest.approx(rc["blocks_forward"], rel=1e-12)
+    assert out["selective"]["flops"] == plain["flops"]    # elementwise work only: no FLOPs the clock paces
 
 
 def test_packed_model_equals_each_sequence_alone():

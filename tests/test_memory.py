@@ -49,15 +49,22 @@ def test_meta_measurement_equals_real_tensors(first, last, tp):
     assert seen[0][1] == 2 * sum(p.numel() for p in model.parameters())    # one bf16 copy of every weight
 
 
+@pytest.mark.parametrize("selective", [False, True])
 @pytest.mark.parametrize("shape,tp", [(GQA, 1), (GQA, 2), (preset("tiny"), 4), (preset("llama-70b"), 8)])
-def test_a_blocks_activations_are_what_the_analytic_model_counts(shape, tp):
+def test_a_blocks_activations_are_what_the_analytic_model_counts(shape, tp, selective):
     """The cost model's per-block activation bytes (replicated + split) are exactly what the runtime's
-    forward saves for backward, measured as the difference of a 2- and a 1-block middle stage."""
+    forward saves for backward, measured as the difference of a 2- and a 1-block middle stage, with
+    selective recomputation too."""
     seq_len = 8 if shape.seq_len > 64 else shape.seq_len
-    one, two = (stage_footprint(shape, n, has_embedding=False, has_head=False, tp=tp, micro_batch=2, seq_len=seq_len)
-                for n in (1, 2))
-    kept, split = analytic.block_activation_bytes(shape, tp, DeviceSpec())
+    mode = "selective" if selective else "none"
+    one, two = (stage_footprint(shape, n, has_embedding=False, has_head=False, tp=tp, micro_batch=2, seq_len=seq_len,
+                                recompute=mode) for n in (1, 2))
+    kept, split = analytic.block_activation_bytes(shape, tp, DeviceSpec(), selective)
     assert two.saved - one.saved == pytest.approx(2 * seq_len * (kept + split), rel=1e-9)
+    if selective:   # neither norm's output, nor silu(gate) and the product: its rows, its ffn columns
+        a = DeviceSpec().act_bytes
+        assert sum(analytic.block_activation_bytes(shape, tp, DeviceSpec())) - (kept + split) == \
+            2 * a * (shape.hidden + shape.ffn) / tp
 
 
 def test_depth_multiplies_what_each_micro_batch_keeps():
@@ -209,7 +216,8 @@ def test_a_recomputing_stage_keeps_its_blocks_inputs_and_one_blocks_activations(
     shape, layers, mb = preset("tiny"), 3, 2
 
     def measure(n: int, recompute: bool):
-        return stage_footprint(shape, n, has_embedding=first, has_head=last, tp=tp, micro_batch=mb, recompute=recompute)
+        return stage_footprint(shape, n, has_embedding=first, has_head=last, tp=tp, micro_batch=mb,
+                               recompute="full" if recompute else "none")
 
     plain, rc, rc_more = measure(layers, False), measure(layers, True), measure(layers + 1, True)
     one_block = stage_footprint(shape, 1, has_embedding=False, has_head=False, tp=tp, micro_batch=mb).saved
@@ -219,7 +227,7 @@ def test_a_recomputing_stage_keeps_its_blocks_inputs_and_one_blocks_activations(
     assert rc.at_depth(4).activations == 4 * rc.saved + one_block < plain.at_depth(4).activations / 2
     seen = []
     for device in (META, torch.device("cpu")):
-        model = build_stage(shape, layers, has_embedding=first, has_head=last, tp=tp, device=device, recompute=True)
+        model = build_stage(shape, layers, has_embedding=first, has_head=last, tp=tp, device=device, recompute="full")
         if device.type == "cpu":
             model.init_from_seed(0)
         x, positions, cu_seqlens, targets = stage_inputs(shape, mb, shape.seq_len, first, device, tp=tp)
@@ -228,11 +236,13 @@ def test_a_recomputing_stage_keeps_its_blocks_inputs_and_one_blocks_activations(
 
 
 def test_cli_prices_recomputing_stages_and_the_models_agree(capsys):
-    """A plan whose first pipeline recomputes: its stages keep a fraction of the activations, the
+    """A plan whose first pipeline recomputes its blocks and whose second recomputes selectively:
+    the first's stages keep a fraction of the activations, the second's a little over half, the
     others are as they were, and the planner's and analytic models follow within 3%."""
     plan = json.loads(open(_plan_file()).read())
-    for st in plan["pipelines"][0]["stages"]:
-        st["recompute"] = "full"
+    for i, mode in enumerate(("full", "selective")):
+        for st in plan["pipelines"][i]["stages"]:
+            st["recompute"] = mode
     del plan["plan_id"]
     import tempfile
     path = tempfile.mkdtemp() + "/rc.json"
@@ -244,11 +254,13 @@ def test_cli_prices_recomputing_stages_and_the_models_agree(capsys):
     assert main(["memory", "llama70b-64gpu", "--json", "--plan", path]) == 0
     out = capsys.readouterr().out
     rows = json.loads(out[out.index("\n["):])
-    assert "layers marked r: the stage recomputes its blocks" in out
+    assert "layers marked r: the stage recomputes its blocks" in out and "layers marked s:" in out
     for r, b in zip(rows, base):
-        assert r["recompute"] == (r["pipeline"] == 0)
-        if r["recompute"]:
+        assert r["recompute"] == {0: "full", 1: "selective"}.get(r["pipeline"], "none")
+        if r["recompute"] == "full":
             assert r["activations_mb"] < b["activations_mb"] / 4 and r["params_mb"] == b["params_mb"]
+        elif r["recompute"] == "selective":
+            assert 0.5 < r["activations_mb"] / b["activations_mb"] < 0.6 and r["params_mb"] == b["params_mb"]
         else:
             assert r["total_mb"] == b["total_mb"]
         assert abs(r["planner_gap"]) < 0.03 and abs(r["analytic_gap"]) < 0.03

@@ -313,10 +313,11 @@ def test_training_continues_as_if_started_under_the_new_plan(group, migrated):
     assert report.buckets == len(plan_migration(PLAN_B, PLAN_A, _tiny()).flows())
     _assert_bitwise(group.full_state(), migrated_full)
 
-    # To A with recomputation on the TP-2 stages: nothing moves, and the next step is the one A's
-    # engines take (a recomputed block trains bitwise like a stored one).
+    # To A with the TP-2 stages recomputing their blocks and the others their elementwise outputs:
+    # nothing moves, and the next step is the one A's engines take (a recomputed block trains
+    # bitwise like a stored one).
     recomputing = dataclasses.replace(PLAN_A, pipelines=tuple(
-        dataclasses.replace(p, stages=tuple(dataclasses.replace(st, recompute="full" if st.tp == 2 else "none")
+        dataclasses.replace(p, stages=tuple(dataclasses.replace(st, recompute="full" if st.tp == 2 else "selective")
                                             for st in p.stages)) for p in PLAN_A.pipelines))
     report = group.migrate(recomputing)
     assert report.moved_bytes == 0 and report.reused_bytes > 0

@@ -51,12 +51,14 @@ def outcome() -> dict:
     out.seek(0)
     err.seek(0)
     lines = [x for x in out.read().splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, err.read()[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    log = err.read()
+    assert proc.returncode == 0 and lines, log[-4000:]
+    # the scenario's progress and each job's own lines (its errors): shown where a job's verdict fails
+    return {**json.loads(lines[-1][len("RESULT "):]), "log": log[-12000:]}
 
 
 def test_survivors_carry_on_without_the_lost_node(outcome):
-    assert outcome["rc_ref"] == 0 and outcome["rc"] == 0
+    assert outcome["rc_ref"] == 0 and outcome["rc"] == 0, outcome["log"]
     lost = outcome["events"][0]["devices"]
     assert len(lost) == 2
     failure = outcome["shrunk"]["failures"][0]
@@ -83,7 +85,7 @@ def test_a_new_node_is_taken_back_into_the_plan(outcome):
     judged(outcome)
     lost = outcome["events"][0]["devices"]
     final = outcome["rejoined"]
-    assert final["gone"] == [] and outcome["rc"] == 0
+    assert final["gone"] == [] and outcome["rc"] == 0, outcome["log"]
     roles = {d for p in final["plan"]["pipelines"] for st in p["stages"] for d in st["devices"]}
     assert set(lost) <= roles, final["plan"]
     kinds = [(h["outcome"], h["reason"]) for h in outcome["history"]]
@@ -108,6 +110,7 @@ def _plan_segments(lines: list[dict]) -> int:
 
 
 def test_the_losses_continue_the_uninterrupted_curve(outcome):
+    assert outcome["rc"] == 0, outcome["log"]
     check_losses(outcome["lines"], outcome["reference"])
     judged(outcome)
     # before, without the node, with it again (one plan per rejoin): each plan change the history books
@@ -127,9 +130,10 @@ def test_a_job_starts_on_the_nodes_there_are_and_grows_when_one_joins(outcome):
     the other, and takes the late node in when it joins, losing nothing."""
     start, grown = outcome["grow_start"], outcome["grow"]
     assert start["gone"] == [2, 3] and set(start["plan"]["excluded"]) >= {2, 3}, start
+    assert grown["rc"] == 0, outcome["log"]
     check_losses(grown["lines"], outcome["reference"])
     judged(grown)
-    assert grown["rc"] == 0 and grown["rejoined"]["gone"] == []
+    assert grown["rejoined"]["gone"] == []
     roles = {d for p in grown["rejoined"]["plan"]["pipelines"] for st in p["stages"] for d in st["devices"]}
     assert roles == {0, 1, 2, 3}, grown["rejoined"]["plan"]
     assert grown["history"][0]["outcome"] == "initial" and _rejoins(grown["history"][1:]), grown["history"]

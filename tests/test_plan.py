@@ -49,7 +49,7 @@ def test_roles_and_holders():
     (lambda d: d.pop("num_layers"), "missing the field 'num_layers'"),
     (lambda d: d.update(global_batch=65), "disagrees"),
     (lambda d: d["pipelines"][0]["stages"][-1].update(layers=[16, 31]), "cover layers [0, 31)"),
-    (lambda d: d["pipelines"][0]["stages"][0].update(recompute="some"), "recompute must be one of none, full"),
+    (lambda d: d["pipelines"][0]["stages"][0].update(recompute="some"), "recompute must be one of none, selective, full"),
 ])
 def test_invalid_plans_are_refused_with_the_reason(mutate, message):
     d = PLAN_1.to_dict()

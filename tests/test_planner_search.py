@@ -526,11 +526,12 @@ def _example_64gb(gpu_memory_gb: int) -> PlannerProblem:
 
 def test_a_recomputing_memory_model_is_the_stored_one_less_what_recomputation_frees():
     mem = _example_64gb(64).memory
-    rc = mem.recomputing(8.0)
+    rc, sel = mem.recomputing(8.0), mem.selective()
     for h in (1.0, 2.0, 8.0):
         for d in (1, 3, 9):     # 9: beyond the listed depths, extrapolated alike
-            assert rc.block_mb(h, d) == pytest.approx(mem.block_mb(h, d, recompute=True), rel=1e-12)
-            assert rc.block_mb(h, d) < mem.block_mb(h, d)
+            assert rc.block_mb(h, d) == pytest.approx(mem.block_mb(h, d, "full"), rel=1e-12)
+            assert sel.block_mb(h, d) == pytest.approx(mem.block_mb(h, d, "selective"), rel=1e-12)
+            assert rc.block_mb(h, d) < sel.block_mb(h, d) < mem.block_mb(h, d)
     assert rc.reserved_mb == pytest.approx(mem.reserved_mb + mem.activations_mb(8.0))
     assert replace(mem, activation_mb=0.0).recomputing(8.0).layer_mb == mem.layer_mb   # unknown: priced as none
 

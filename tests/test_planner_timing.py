@@ -7,7 +7,7 @@ from benchmarks.ranks import spearman
 from malleus_svc.costmodel.profile import CommCosts
 from malleus_svc.planner import evaluate, plan
 from malleus_svc.planner.build import build_problem
-from malleus_svc.planner.timing import BACKWARD_SHARE, PipelineTimes, fill_drain, iteration_time, pipeline_time
+from malleus_svc.planner.timing import PipelineTimes, backward_share, fill_drain, iteration_time, pipeline_time
 from malleus_svc.simulate import simulate
 from malleus_svc.simulate.scenarios import paper_scenario
 
@@ -35,14 +35,14 @@ def test_one_pipeline_has_no_gradient_reduction():
 
 def test_reductions_hide_behind_the_last_backward_and_the_drain():
     # Two identical pipelines of 2 stages (t = 2, m = 4), TP 8. The last backward of a stage passes
-    # a block every BACKWARD_SHARE · t / blocks; each block reduces in g / 8 once passed.
+    # a block every backward_share() · t / blocks; each block reduces in g / 8 once passed.
     p = _problem(grad=1.0)
     w = pipeline_time(4, (2.0, 2.0))
-    beta = BACKWARD_SHARE * 2.0 / 4
+    beta = backward_share() * 2.0 / 4
     # 4 blocks a stage, reductions (1/8) shorter than a block's backward (1/3): only stage 0's first
     # block's is left after w
     assert iteration_time(p, [PipelineTimes(4, (2.0, 2.0), (4, 4), (8, 8))] * 2) == pytest.approx(w + 1 / 8)
-    # Stage 1 holds 7 blocks and finishes BACKWARD_SHARE · t before w; its reductions keep pace with
+    # Stage 1 holds 7 blocks and finishes backward_share() · t before w; its reductions keep pace with
     # its backward and end one reduction later, hidden behind stage 0's drain (1 block, done at w + 1/8)
     late = [PipelineTimes(4, (2.0, 2.0), (1, 7), (8, 8))] * 2
     assert iteration_time(p, late) == pytest.approx(w + 1 / 8)

@@ -300,7 +300,11 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
             self._recover(e, before)     # the batch is given back to the sampler and the step redone
             return
         rec.step = step
-        probe_res = probes()
+        try:
+            probe_res = probes()
+        except WorkerGroupError as e:    # the idle devices go unmeasured this once; a lost one fails the next step
+            probe_res = []
+            self._event("error", f"probes after step {step}: {str(e).splitlines()[0]}")
         batch_lengths = LengthView.of_batch(group, ids)
         if self.measurement.measures(step):
             self._measure(plan, rec, probe_res, batch_lengths)
@@ -330,11 +334,12 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
             elif action == "refit":
                 old, pace = self.measurement.device_pace, self.group.refit_pace()
                 if pace != old:
+                    with self._lock:     # the workers run on it now, whatever follows
+                        self.measurement.device_pace = pace
+                        self._pace_event(pace, "refitted on the warm-up's ops: ")
                     baselines = probe_baselines(self.group, self.group.live, rounds=5)
                     with self._lock:
-                        self.measurement.device_pace = pace
                         self.measurement.set_probe_baselines(baselines)
-                        self._pace_event(pace, "refitted on the warm-up's ops: ")
         except WorkerGroupError as e:   # the step fails on it too, and recovers; the pace stays
             self._event("error", f"pace {action} failed: {str(e).splitlines()[0]}")
 

@@ -287,12 +287,13 @@ class Measurement:
         """Freeze the healthy unit time once the calibrating iterations were measured, from the
         devices measured (all of them if none was: a host too busy for its pace then leaves every rate low,
         and unused until measured), and the healthy throughput over them (`records`: metrics
-        lines); True when it did."""
-        if self.calibrated or next_step != self._start_step + self.skip + self.calibrate:
+        lines); True when it did. Where nothing was measured yet (a failure or a plan change at the
+        warm-up's end restarted it and forgot the devices' history), at the first step that was."""
+        if self.calibrated or next_step < self._start_step + self.skip + self.calibrate:
             return False
         unmeasured = set(self.pace.unmeasured())
-        if self.estimator.calibrate(exclude=unmeasured) is None:
-            self.estimator.calibrate()
+        if self.estimator.calibrate(exclude=unmeasured) is None and self.estimator.calibrate() is None:
+            return False
         per_byte = [statistics.median(v) for d, v in self._update_per_byte.items() if v and d not in unmeasured]
         self.update_seconds_per_byte = statistics.median(per_byte) if per_byte else None
         self.calibrated = True

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from malleus_svc.plan import Plan
+from malleus_svc.runtime.cluster import WorkerGroupError
 
 from .failure import Restore
 from .state import RequestKind
@@ -99,7 +100,11 @@ class Membership:
         back = self.group.rejoin(ready, plan_or_keep)
         if not back:
             return
-        baselines = probe_baselines(self.group, back, rounds=5)   # fresh processes: their own probe baselines
+        try:
+            baselines = probe_baselines(self.group, back, rounds=5)   # fresh processes: their own probe baselines
+        except WorkerGroupError as e:   # measured by their work alone until then; a lost one fails the next step
+            baselines = {}
+            self._event("error", f"probe baselines of rejoined devices {back}: {str(e).splitlines()[0]}")
         with self._lock:
             self.hooks.emulation.forget(back)          # emulation (tests) re-applies to the fresh workers
             self.measurement.set_probe_baselines(baselines)

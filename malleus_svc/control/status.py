@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from malleus_svc.plan import Plan
+from malleus_svc.plan import RECOMPUTE_MARK, Plan
 from malleus_svc.runtime.device_clock import host_cores
 
 
@@ -20,7 +20,7 @@ def describe_plan(plan: Plan | dict) -> str:
     pipes = []
     for p in d["pipelines"]:
         st = " > ".join(f"{','.join(map(str, s['devices']))}[{s['layers'][0]}:{s['layers'][1]}]"
-                        f"{'r' if s.get('recompute', 'none') != 'none' else ''}" for s in p["stages"])
+                        f"{RECOMPUTE_MARK[s.get('recompute', 'none')].strip()}" for s in p["stages"])
         pipes.append(f"({st})x{p['micro_batches']}")
     extra = f" susp {list(d.get('suspended') or [])}" if d.get("suspended") else ""
     extra += f" excl {list(d.get('excluded') or [])}" if d.get("excluded") else ""

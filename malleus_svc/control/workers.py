@@ -9,7 +9,7 @@ import statistics
 from typing import Any, Callable, Protocol, Sequence
 
 from malleus_svc.plan import Plan
-from malleus_svc.runtime.cluster import WorkerGroup
+from malleus_svc.runtime.cluster import WorkerGroup, WorkerGroupError
 
 from .workload import busy_seconds
 
@@ -50,10 +50,18 @@ class WorkerGroupLike(Protocol):
 
 class RayWorkers(WorkerGroup):
     def probe(self, devices: Sequence[int]) -> Callable[[], list[dict]]:
-        """Start a fixed probe on each device; the returned function waits for their results."""
+        """Start a fixed probe on each device; the returned function waits for their results
+        (WorkerGroupError: one did not answer within the collective timeout, or its worker died)."""
         import ray
         refs = [self.workers[d].probe.remote() for d in devices]
-        return lambda: ray.get(refs, timeout=self.timeout_s) if refs else []
+
+        def results() -> list[dict]:
+            try:
+                return ray.get(refs, timeout=self.timeout_s) if refs else []
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as e:
+                raise WorkerGroupError(f"the probes of devices {list(devices)} did not return: "
+                                       f"{str(e).splitlines()[0]}") from None
+        return results
 
 
 def ray_workers(job, control, cpus_per_worker: float | None) -> RayWorkers:

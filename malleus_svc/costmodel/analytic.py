@@ -82,17 +82,21 @@ def activation_mb(shape: ModelShape, tp: int, micro_batch: int, device: DeviceSp
     return sbh * (10.0 + 24.0 / tp) * (device.act_bytes / 2.0) / MB
 
 
-def block_activation_bytes(shape: ModelShape, tp: int, device: DeviceSpec) -> tuple[float, float]:
+def block_activation_bytes(shape: ModelShape, tp: int, device: DeviceSpec, selective: bool = False
+                           ) -> tuple[float, float]:
     """Bytes per token one block of this runtime keeps for backward (flash attention, compute in
-    `act_bytes`, no recomputation): (replicated in the TP group, this device's share of the split part).
+    `act_bytes`): (replicated in the TP group, this device's share of the split part).
     With sequence parallelism nothing is replicated. Between the TP regions a device keeps its rows
     of both norms' inputs and outputs (the outputs enter the regions, which all-gather them again in
     backward) and their fp32 1/rms (rotary's fp32 tables are the stage's, shared by its blocks);
     inside them, its heads' rotated q and k, v, attention output and flash's fp32 log-sum-exp, and
-    its ffn rows of SwiGLU's gate, up, silu(gate) and their product."""
+    its ffn rows of SwiGLU's gate, up, silu(gate) and their product. `selective` recomputation
+    keeps neither the norms' outputs nor silu(gate) and the product."""
     a, d = device.act_bytes, shape.head_dim
     kv = shape.n_kv_heads * d
-    return 0.0, (4 * a * shape.hidden + 2 * 4 + a * (2 * shape.hidden + 2 * kv + 4 * shape.ffn) + 4 * shape.heads) / tp
+    norms, swiglu = (2, 2) if selective else (4, 4)
+    return 0.0, (norms * a * shape.hidden + 2 * 4 + a * (2 * shape.hidden + 2 * kv + swiglu * shape.ffn)
+                 + 4 * shape.heads) / tp
 
 
 def memory_profile(shape: ModelShape, tp: int, pp: int, micro_batch: int, gpu_memory_mb: float,
@@ -109,7 +113,8 @@ def memory_profile(shape: ModelShape, tp: int, pp: int, micro_batch: int, gpu_me
     final norm's weight and the output the loss gathers, with each token's fp32 log-sum-exp. With
     `shard_optimizer`, the fp32 masters and Adam moments of the split part of a block and of the
     embedding or head are what the plan's pipelines split among themselves. A stage that recomputes
-    keeps each block's input (its rows of it) in place of its activations."""
+    keeps each block's input (its rows of it) in place of its activations; one that recomputes
+    selectively, its activations less the norms' outputs and SwiGLU's elementwise ones."""
     tokens = micro_batch * shape.seq_len
     norms = 2 * shape.hidden
     state_split = (shape.block_params() - norms) * TRAIN_STATE_BYTES_PER_PARAM / tp / MB
@@ -132,7 +137,8 @@ def memory_profile(shape: ModelShape, tp: int, pp: int, micro_batch: int, gpu_me
                          sharded_layer_mb=(shape.block_params() - norms) / tp * sharded,
                          sharded_embedding_mb=vocab_rows / tp * sharded,
                          activation_mb=act_split + act_kept, replicated_activation_mb=act_kept,
-                         recompute_input_mb=hidden_rows)
+                         recompute_input_mb=hidden_rows,
+                         selective_freed_mb=act_split - tokens * block_activation_bytes(shape, tp, device, True)[1] / MB)
 
 
 def comm_costs(shape: ModelShape, tp: int, dp: int, micro_batch: int, device: DeviceSpec) -> CommCosts:

@@ -5,8 +5,19 @@ import dataclasses
 from dataclasses import dataclass
 
 BACKWARD_RATIO = 2.0   # a block's backward time / its forward time (weights and inputs: twice the work)
-# A block's forward + backward time when its stage recomputes it: one more forward in the backward.
-RECOMPUTE_TIME_FACTOR = 1.0 + 1.0 / (1.0 + BACKWARD_RATIO)
+# How much of a block's forward its backward runs again, by the stage's recompute mode
+# (`plan.RECOMPUTE`). "selective" redoes elementwise passes only (both norms, SwiGLU's product):
+# at 70B TP 8 about 30 KB of memory traffic a token against 214 MFLOP of GEMMs, 4% of the
+# forward at an H100's peak (less at the MFU GEMMs reach, more at smaller hidden sizes): priced at 5%.
+RECOMPUTED_FORWARD = {"none": 0.0, "selective": 0.05, "full": 1.0}
+
+
+def recompute_time_factor(mode: str) -> float:
+    """A block's forward + backward time in a stage of recompute `mode`, over its time in one of "none"."""
+    return 1.0 + RECOMPUTED_FORWARD[mode] / (1.0 + BACKWARD_RATIO)
+
+
+RECOMPUTE_TIME_FACTOR = recompute_time_factor("full")
 
 
 @dataclass(frozen=True)
@@ -31,7 +42,8 @@ class MemoryProfile:
     A stage that recomputes its blocks (`Stage.recompute == "full"`) keeps per block and micro-batch
     in flight its input, `recompute_input_mb` (split by the group: each member keeps its rows), instead of the
     `activation_mb` a block saves (`replicated_activation_mb` of it not split by a smaller group),
-    and holds one block's activations once, while that block is recomputed. Left at 0 (a scenario's
+    and holds one block's activations once, while that block is recomputed. One that recomputes
+    selectively keeps `selective_freed_mb` less of them (split by the group). Left at 0 (a scenario's
     own K gives no split of it), recomputation is priced as saving nothing.
     """
 
@@ -50,6 +62,7 @@ class MemoryProfile:
     activation_mb: float = 0.0
     replicated_activation_mb: float = 0.0
     recompute_input_mb: float = 0.0
+    selective_freed_mb: float = 0.0
 
     @property
     def sharded(self) -> bool:
@@ -67,13 +80,23 @@ class MemoryProfile:
         """K[d]; beyond the listed depths, extrapolate linearly (the authors' code raised IndexError)."""
         return _at_depth(self.layer_mb, in_flight)
 
-    def block_mb(self, h: float, in_flight: int, recompute: bool = False) -> float:
-        """One block on a device of a group h = tp/|g| times smaller than full, `in_flight` deep."""
+    def block_mb(self, h: float, in_flight: int, recompute: str = "none") -> float:
+        """One block on a device of a group h = tp/|g| times smaller than full, `in_flight` deep, in a
+        stage of recompute mode `recompute`."""
         kept = _at_depth(self.replicated_layer_mb, in_flight) if self.replicated_layer_mb else 0.0
         base = h * (self.per_layer_mb(in_flight) - kept - self.sharded_layer_mb * self._unsharded) + kept
-        if recompute and self.activation_mb:
+        if recompute == "full" and self.activation_mb:
             base -= in_flight * (self.activations_mb(h) - h * self.recompute_input_mb)
+        elif recompute == "selective":
+            base -= in_flight * h * self.selective_freed_mb
         return base
+
+    def selective(self) -> "MemoryProfile":
+        """This model for stages that all recompute selectively."""
+        depths = range(len(self.layer_mb), 0, -1)     # layer_mb lists depths len..1
+        freed = self.selective_freed_mb
+        return dataclasses.replace(self, layer_mb=tuple(k - d * freed for k, d in zip(self.layer_mb, depths)),
+                                   activation_mb=self.activation_mb - freed, selective_freed_mb=0.0)
 
     def recomputing(self, largest_h: float) -> "MemoryProfile":
         """This model for stages that all recompute their blocks: each block keeps its input in place
@@ -89,7 +112,7 @@ class MemoryProfile:
             self, layer_mb=tuple(k - d * saved for k, d in zip(self.layer_mb, depths)),
             replicated_layer_mb=tuple(k - d * kept for k, d in zip(self.replicated_layer_mb, depths)),
             reserved_mb=self.reserved_mb + self.activations_mb(largest_h),
-            activation_mb=0.0, replicated_activation_mb=0.0, recompute_input_mb=0.0)
+            activation_mb=0.0, replicated_activation_mb=0.0, recompute_input_mb=0.0, selective_freed_mb=0.0)
 
     def activations_mb(self, h: float) -> float:
         """What one block saves for backward per micro-batch on such a device (0: not known)."""

@@ -35,7 +35,8 @@ def scenario_costs(sc: Scenario) -> ScenarioCosts:
                                          embedding_mb=memory.embedding_mb if emb is None else emb,
                                          head_mb=memory.head_mb if emb is None else None,   # one E: the paper's
                                          replicated_layer_mb=(), replicated_embedding_mb=0.0, replicated_head_mb=0.0,
-                                         activation_mb=0.0, replicated_activation_mb=0.0, recompute_input_mb=0.0)
+                                         activation_mb=0.0, replicated_activation_mb=0.0, recompute_input_mb=0.0,
+                                         selective_freed_mb=0.0)
     else:
         memory = MemoryProfile(layer_mb=tuple(layer_mb), embedding_mb=emb, reserved_mb=prof.reserved_memory_mb,
                                safety_margin_mb=prof.safety_margin_mb, gpu_memory_mb=sc.gpu_memory_mb)

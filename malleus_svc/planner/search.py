@@ -42,6 +42,7 @@ ILPs.
 """
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import math
@@ -49,7 +50,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
-from ..plan import Pipeline, Plan, PlanError, Stage
+from ..plan import RECOMPUTE, Pipeline, Plan, PlanError, Stage
 from .budget import NEVER, Deadline
 from .grouping import WIDE_DEVICES, Group, NodeOption, group_rate, make_group, node_options, slowest_first
 from .lower import bottleneck, lay_out, layer_caps, solve_micro_batches
@@ -59,7 +60,7 @@ from ..config.scenario import OBJECTIVES
 from .problem import PlannerProblem
 from .anneal import Anneal, irregular_nodes
 from .timing import PipelineTimes, fill_drain, iteration_time
-from ..costmodel.profile import RECOMPUTE_TIME_FACTOR
+from ..costmodel.profile import RECOMPUTE_TIME_FACTOR, recompute_time_factor
 
 NEAR_OPTIMAL = 0.005        # plans within 0.5% of the best compete on migration bytes
 DFS_BUDGET = 4000           # DFS visits per (combination, P) before switching to the greedy generator
@@ -117,8 +118,9 @@ def plan(problem: PlannerProblem, previous: Plan | None = None,
 
     Where memory binds (no plan fits, or the plan fills a stage to its memory cap) and the memory
     model knows what a block saves for backward, the search runs again as if every stage recomputed
-    its blocks (less memory, a third more compute). Recomputation is then chosen stage by stage on
-    that plan and on the one without it (`_relaid`), and the fastest of them is returned.
+    its blocks (less memory, a third more compute). A recompute mode (none, selective, full) is then
+    chosen stage by stage on that plan and on the one without it (`_relaid`), and the fastest of
+    them is returned.
     """
     recomputing = _recomputing(problem)
     try:
@@ -148,11 +150,11 @@ def _recomputing(problem: PlannerProblem) -> PlannerProblem | None:
                                 grad_sync_per_block=c.grad_sync_per_block / f))
 
 
-def _caps(problem: PlannerProblem, plan: Plan, pipe: Pipeline, recompute: bool = False) -> tuple[int, ...]:
-    """Each stage's memory cap on blocks in `plan`, storing its activations or recomputing them."""
+def _caps(problem: PlannerProblem, plan: Plan, pipe: Pipeline, recompute: str = "none") -> tuple[int, ...]:
+    """Each stage's memory cap on blocks in `plan` were it of recompute mode `recompute`."""
     memory = problem.memory.over(len(plan.pipelines))
-    return layer_caps([problem.tp / s.tp for s in pipe.stages], problem.num_layers,
-                      memory.recomputing(problem.tp) if recompute else memory)
+    memory = {"none": memory, "selective": memory.selective(), "full": memory.recomputing(problem.tp)}[recompute]
+    return layer_caps([problem.tp / s.tp for s in pipe.stages], problem.num_layers, memory)
 
 
 def _fills_a_stage(problem: PlannerProblem, plan: Plan) -> bool:
@@ -165,45 +167,48 @@ def _recomputed(problem: PlannerProblem, result: PlannerResult) -> PlannerResult
     """The result's plan with each stage's recomputation and blocks chosen again (`_relaid`)."""
     chosen = result.plan
     pipes = tuple(_relaid(problem, chosen, pipe) for pipe in chosen.pipelines)
-    recomputed = sum(s.recompute == "full" for pipe in pipes for s in pipe.stages)
+    modes = collections.Counter(s.recompute for pipe in pipes for s in pipe.stages)
     chosen = replace(chosen, pipelines=pipes)
     ideal = min(ideal_objective(problem), evaluate(_healthy(problem), chosen))
     chosen = _finish(problem, chosen, ideal, result.solve_seconds,
-                     {**chosen.inputs, "recomputing_stages": recomputed})
-    note = f"memory binds: {recomputed} stage(s) recompute their blocks in backward"
+                     {**chosen.inputs, "recomputing_stages": modes["full"], "selective_stages": modes["selective"]})
+    note = (f"memory binds: {modes['full']} stage(s) recompute their blocks in backward, {modes['selective']} "
+            "their elementwise outputs")
     return replace(result, plan=chosen, objective=chosen.objective_value, ideal_objective=ideal,
                    notes=[*result.notes, note])
 
 
 def _relaid(problem: PlannerProblem, plan: Plan, pipe: Pipeline) -> Pipeline:
-    """The pipeline's blocks laid out again (ILP-1's min-max) with a recomputation choice per stage:
-    starting from none (or where its blocks need it), flip the stage whose flip lowers the bottleneck
-    most, while one does. A recomputing stage holds more blocks and takes a third longer on each."""
+    """The pipeline's blocks laid out again (ILP-1's min-max) with a recompute mode per stage
+    (`plan.RECOMPUTE`): starting from the least that holds its blocks, change the stage whose change
+    lowers the bottleneck most, while one does. Selective recomputation frees part of a stage's
+    activations for a few elementwise passes; full, nearly all of them for a third longer blocks."""
     stages = pipe.stages
     rates = [group_rate(problem, s.devices) for s in stages]
     extra = list(p2p_extras(problem, [plan.node_of(s.devices[0]) for s in stages])
                  if problem.objective == "full" else [0.0] * len(stages))
-    caps = (_caps(problem, plan, pipe), _caps(problem, plan, pipe, recompute=True))
+    caps = {m: _caps(problem, plan, pipe, m) for m in RECOMPUTE}
 
-    def lay(flags: list[bool]) -> tuple[float, list[int]] | None:
-        a = [y * (RECOMPUTE_TIME_FACTOR if f else 1.0) for y, f in zip(rates, flags)]
-        hi = [caps[f][j] for j, f in enumerate(flags)]
+    def lay(modes: list[str]) -> tuple[float, list[int]] | None:
+        a = [y * recompute_time_factor(m) for y, m in zip(rates, modes)]
+        hi = [caps[m][j] for j, m in enumerate(modes)]
         z = bottleneck(a, hi, problem.num_layers, extra, min_layers=1)
         return None if z is None else (z, lay_out(a, extra, hi, z, problem.num_layers, min_layers=1))
 
-    flags = [s.num_layers > c for s, c in zip(stages, caps[0])]
-    best = lay(flags)
+    modes = [next((m for m in RECOMPUTE if caps[m][j] >= s.num_layers), "full") for j, s in enumerate(stages)]
+    best = lay(modes)
     while best is not None:
-        tries = [(lay(f), f) for f in ([*flags[:j], not flags[j], *flags[j + 1:]] for j in range(len(flags)))]
-        got, f = min(((t, f) for t, f in tries if t is not None), key=lambda tf: tf[0][0], default=(None, None))
+        tries = [(lay(t), t) for t in ([*modes[:j], m, *modes[j + 1:]] for j in range(len(modes))
+                                       for m in RECOMPUTE if m != modes[j])]
+        got, t = min(((z, t) for z, t in tries if z is not None), key=lambda zt: zt[0][0], default=(None, None))
         if got is None or got[0] >= best[0] * (1 - 1e-9):
             break
-        best, flags = got, f
+        best, modes = got, t
     if best is None:
         return pipe
     bounds = [0, *itertools.accumulate(best[1])]
-    return replace(pipe, stages=tuple(replace(s, layers=(a, b), recompute="full" if f else "none")
-                                      for s, a, b, f in zip(stages, bounds, bounds[1:], flags)))
+    return replace(pipe, stages=tuple(replace(s, layers=(a, b), recompute=m)
+                                      for s, a, b, m in zip(stages, bounds, bounds[1:], modes)))
 
 
 def _plan_once(problem: PlannerProblem, previous: Plan | None,
@@ -287,7 +292,7 @@ def evaluate(problem: PlannerProblem, plan: Plan) -> float:
     if problem.objective == "full":
         return iteration_time(problem, [PipelineTimes(p.micro_batches, t, tuple(s.num_layers for s in p.stages),
                                                       tuple(s.tp for s in p.stages),
-                                                      tuple(s.recompute == "full" for s in p.stages),
+                                                      tuple(s.recompute for s in p.stages),
                                                       tuple(group_rate(problem, s.devices) for s in p.stages))
                                         for p, t in zip(plan.pipelines, times)])
     if problem.objective == "paper":
@@ -324,7 +329,7 @@ def _stage_times(problem: PlannerProblem, plan: Plan, pipe: Pipeline) -> tuple[f
     """t0 per micro-batch of each stage: blocks × group rate, plus its p2p under 'full'."""
     nodes = [plan.node_of(s.devices[0]) for s in pipe.stages]
     ex = p2p_extras(problem, nodes) if problem.objective == "full" else (0.0,) * len(nodes)
-    return tuple(group_rate(problem, s.devices) * s.num_layers * (RECOMPUTE_TIME_FACTOR if s.recompute == "full" else 1.0)
+    return tuple(group_rate(problem, s.devices) * s.num_layers * recompute_time_factor(s.recompute)
                  + e for s, e in zip(pipe.stages, ex))
 
 
@@ -332,9 +337,9 @@ def memory_violations(problem: PlannerProblem, plan: Plan) -> list[str]:
     """Stages whose blocks exceed the memory cap of the Malleus memory model (empty = the plan fits)."""
     out = []
     for i, pipe in enumerate(plan.pipelines):
-        stored, recomputing = _caps(problem, plan, pipe), _caps(problem, plan, pipe, recompute=True)
+        caps = {m: _caps(problem, plan, pipe, m) for m in {s.recompute for s in pipe.stages}}
         for j, s in enumerate(pipe.stages):
-            c = recomputing[j] if s.recompute == "full" else stored[j]
+            c = caps[s.recompute][j]
             if s.num_layers > c:
                 out.append(f"pipeline {i} stage {j}: {s.num_layers} blocks at TP {s.tp}, memory allows {c}")
     return out

@@ -25,12 +25,14 @@ import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..costmodel.profile import BACKWARD_RATIO
+from ..costmodel.profile import BACKWARD_RATIO, RECOMPUTED_FORWARD
 from .problem import PlannerProblem
 
-BACKWARD_SHARE = BACKWARD_RATIO / (1 + BACKWARD_RATIO)   # of a stage's fwd+bwd time per micro-batch
-# ... of a stage that recomputes its blocks: its backward runs the forward again
-RECOMPUTE_BACKWARD_SHARE = (1 + BACKWARD_RATIO) / (2 + BACKWARD_RATIO)
+def backward_share(recompute: str = "none") -> float:
+    """A stage's backward share of its fwd+bwd time per micro-batch, with what its backward runs of
+    the forward again (recompute mode `recompute`)."""
+    again = RECOMPUTED_FORWARD[recompute]
+    return (BACKWARD_RATIO + again) / (1 + BACKWARD_RATIO + again)
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ class PipelineTimes:
     times: tuple[float, ...]     # t_ij, t0 per micro-batch
     layers: tuple[int, ...]      # blocks per stage, in order
     sizes: tuple[int, ...]       # TP group size per stage
-    recompute: tuple[bool, ...] = ()   # per stage: it recomputes its blocks (none: no stage does)
+    recompute: tuple[str, ...] = ()    # per stage: its recompute mode (none: no stage recomputes)
     rates: tuple[float, ...] = ()      # per stage: its group rate y (none: healthy groups)
 
 
@@ -81,9 +83,9 @@ def iteration_time(problem: PlannerProblem, pipes: Sequence[PipelineTimes]) -> f
     for (p, count), w in zip(copies.items(), ends):
         k, start, finish = 0, 0, w
         n_st = len(p.times)
-        for t, n, size, rc, y in zip(p.times, p.layers, p.sizes, p.recompute or (False,) * n_st,
+        for t, n, size, rc, y in zip(p.times, p.layers, p.sizes, p.recompute or ("none",) * n_st,
                                      p.rates or (1.0,) * n_st):
-            backward = (RECOMPUTE_BACKWARD_SHARE if rc else BACKWARD_SHARE) * t
+            backward = backward_share(rc) * t
             first, per_block = k, backward / n
             while k < len(runs) and runs[k][1] <= start + n:
                 a, b = runs[k]

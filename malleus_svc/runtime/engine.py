@@ -168,7 +168,7 @@ class Engine:
         self.model = build_stage_model(shape, self.role.layers, has_embedding=self.role.is_first,
                                        has_head=self.role.is_last, tp=self.groups.tp, device=self.device,
                                        seed=seed if init else None,
-                                       recompute=stage.recompute == "full").to(dtype=dtype)
+                                       recompute=stage.recompute).to(dtype=dtype)
         if optim.compiles_on(self.device):
             compile_blocks(self.model)
         self.params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())

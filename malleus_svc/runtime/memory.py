@@ -160,7 +160,7 @@ def stage_inputs(shape: ModelShape, micro_batch: int, seq_len: int, first: bool,
 
 
 def build_stage(shape: ModelShape, num_layers: int, *, has_embedding: bool, has_head: bool, tp: int,
-                device: torch.device = META, recompute: bool = False) -> StageModel:
+                device: torch.device = META, recompute: str = "none") -> StageModel:
     """A stage of `num_layers` blocks, as TP rank 0 of a group of `tp` builds it, with attention
     measured as flash-attn's (`flash_footprint`). Uninitialised on real devices."""
     group = SINGLE if tp == 1 else LocalShard(size=tp, rank=0)
@@ -189,7 +189,7 @@ def _adam_state_bytes(model: StageModel) -> tuple[int, int]:
 
 
 def stage_footprint(shape: ModelShape, num_layers: int, *, has_embedding: bool, has_head: bool, tp: int,
-                    micro_batch: int, seq_len: int | None = None, recompute: bool = False) -> StageFootprint:
+                    micro_batch: int, seq_len: int | None = None, recompute: str = "none") -> StageFootprint:
     """Measure one stage (TP rank 0's share; every rank of a group holds the same bytes) on meta."""
     seq_len = seq_len or shape.seq_len
     model = build_stage(shape, num_layers, has_embedding=has_embedding, has_head=has_head, tp=tp,
@@ -202,7 +202,7 @@ def stage_footprint(shape: ModelShape, num_layers: int, *, has_embedding: bool, 
     boundary = (rows[1] - rows[0]) * shape.hidden * GPU_COMPUTE_DTYPE.itemsize
     loss = loss_backward_bytes(shape.vocab // tp, micro_batch * seq_len, GPU_COMPUTE_DTYPE.itemsize) if has_head else 0
     recomputed = 0
-    if recompute:
+    if recompute == "full":
         # the forward saved each block's input (the checkpoint does, where the hooks see it); in
         # backward one block at a time saves what it always does
         one = build_stage(shape, 1, has_embedding=False, has_head=False, tp=tp)

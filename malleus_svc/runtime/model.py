@@ -29,6 +29,7 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
 from malleus_svc.config.presets import ModelShape
+from malleus_svc.plan import RECOMPUTE
 from malleus_svc.geometry import (EMBEDDING, HEAD, TIED, Part, TensorSpec, loss_chunk_tokens, part_tensors, shard_rows,
                                   split_dim, tp_divisibility_error)
 from malleus_svc.runtime.attention import Packing, RotaryTables, apply_rotary, varlen_causal_attention
@@ -124,12 +125,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight) if master is None else _MasterGradLinear.apply(x, weight, master)
 
 
+def _linears_backward(grads, whole: torch.Tensor, weights, dtypes) -> tuple[torch.Tensor, list, list]:
+    """(the input's gradient summed over the linears, the weights' gradients, their masters'): a
+    weight with a master (`linear`) gives its gradient to the master, in the master's dtype."""
+    # summed last linear first, as autograd sums the input gradients of separate linears: the same bits
+    grad_whole = sum(g @ w for g, w in reversed(list(zip(grads, weights))))
+    to_weights = [weight_grad(g, whole, w.dtype) if d is None else None for g, w, d in zip(grads, weights, dtypes)]
+    to_masters = [None if d is None else weight_grad(g, whole, d) for g, d in zip(grads, dtypes)]
+    return grad_whole, to_weights, to_masters
+
+
 class _GatheredLinears(torch.autograd.Function):
     """F.linear(every rank's rows of x, w) for each weight, this rank holding rows `x`: the entry of
     column-parallel layers under sequence parallelism. One all-gather serves all the weights;
     backward keeps only this rank's rows and all-gathers them again (Megatron's sequence
-    parallelism), and reduce-scatters the input's gradient. A weight with a master (`linear`) gives
-    its gradient to the master, in the master's dtype."""
+    parallelism), and reduce-scatters the input's gradient."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, tp: TensorParallel, tokens: int, *weights_then_masters) -> tuple[torch.Tensor, ...]:
@@ -143,12 +153,39 @@ class _GatheredLinears(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         x, *weights = ctx.saved_tensors
-        whole = ctx.tp.gather_sequence(x, ctx.tokens)
-        grad_x = ctx.tp.reduce_scatter_sequence(sum(g @ w for g, w in zip(grads, weights)))
-        to_weights = [weight_grad(g, whole, w.dtype) if d is None else None
-                      for g, w, d in zip(grads, weights, ctx.dtypes)]
-        to_masters = [None if d is None else weight_grad(g, whole, d) for g, d in zip(grads, ctx.dtypes)]
-        return grad_x, None, None, *to_weights, *to_masters
+        grad_whole, to_weights, to_masters = _linears_backward(grads, ctx.tp.gather_sequence(x, ctx.tokens),
+                                                               weights, ctx.dtypes)
+        return ctx.tp.reduce_scatter_sequence(grad_whole), None, None, *to_weights, *to_masters
+
+
+class _NormedLinears(torch.autograd.Function):
+    """F.linear(rmsnorm(x), w) for each column-parallel weight (every rank's rows of it under
+    sequence parallelism), keeping for backward only x and its 1/rms: backward normalises x again
+    (selective recomputation: a norm's output is as large as its input and costs no GEMM to redo)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, norm_master: torch.Tensor | None,
+                tp: TensorParallel, tokens: int, *weights_then_masters) -> tuple[torch.Tensor, ...]:
+        n = len(weights_then_masters) // 2
+        weights, masters = weights_then_masters[:n], weights_then_masters[n:]
+        normed, rstd = _rms_norm(x, norm_weight, eps)
+        ctx.save_for_backward(x, norm_weight, rstd, *weights)
+        ctx.tp, ctx.tokens, ctx.norm_to_master = tp, tokens, norm_master is not None
+        ctx.dtypes = [None if m is None else m.dtype for m in masters]
+        whole = normed if tp.size == 1 else tp.gather_sequence(normed, tokens)
+        return tuple(F.linear(whole, w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        x, norm_weight, rstd, *weights = ctx.saved_tensors
+        tp = ctx.tp
+        normed = (x.to(rstd.dtype) * rstd * norm_weight).to(x.dtype)
+        whole = normed if tp.size == 1 else tp.gather_sequence(normed, ctx.tokens)
+        grad_whole, to_weights, to_masters = _linears_backward(grads, whole, weights, ctx.dtypes)
+        grad_normed = grad_whole if tp.size == 1 else tp.reduce_scatter_sequence(grad_whole)
+        grad_x, grad_norm = _rms_norm_backward(grad_normed, x, norm_weight, rstd)
+        to_norm, to_norm_master = _to_weight_or_master(grad_norm, norm_weight, ctx.norm_to_master)
+        return grad_x, to_norm, None, to_norm_master, None, None, *to_weights, *to_masters
 
 
 def column_parallel(x: torch.Tensor, tp: TensorParallel, tokens: int, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -156,6 +193,36 @@ def column_parallel(x: torch.Tensor, tp: TensorParallel, tokens: int, *weights: 
     if tp.size == 1:
         return tuple(linear(x, w) for w in weights)
     return _GatheredLinears.apply(x, tp, tokens, *weights, *(master_of(w) for w in weights))
+
+
+def normed_column_parallel(x: torch.Tensor, norm: "RMSNorm", tp: TensorParallel, tokens: int, *weights: torch.Tensor,
+                           selective: bool = False) -> tuple[torch.Tensor, ...]:
+    """`column_parallel(norm(x), ...)`; `selective`: the norm's output recomputed in backward."""
+    if not selective:
+        return column_parallel(norm(x), tp, tokens, *weights)
+    return _NormedLinears.apply(x, norm.weight, norm.eps, master_of(norm.weight), tp, tokens, *weights,
+                                *(master_of(w) for w in weights))
+
+
+class _SwiGLUDown(torch.autograd.Function):
+    """F.linear(silu(gate) * up, w_down), keeping for backward gate and up only: backward forms
+    silu(gate) * up again (selective recomputation: elementwise, as large as gate itself)."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, master: torch.Tensor | None):
+        ctx.save_for_backward(gate, up, weight)
+        ctx.dtype = None if master is None else master.dtype
+        return F.linear(F.silu(gate) * up, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up, weight = ctx.saved_tensors
+        silu = F.silu(gate)
+        grad_w = weight_grad(grad, silu * up, ctx.dtype or weight.dtype)
+        grad_h = grad @ weight
+        # the ops autograd runs through silu(gate) * up, so that stored and recomputed agree bitwise
+        grad_gate = torch.ops.aten.silu_backward(grad_h * up, gate)
+        return grad_gate, grad_h * silu, *((grad_w, None) if ctx.dtype is None else (None, grad_w))
 
 
 def row_parallel(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -180,6 +247,28 @@ class _MasterGradEmbedding(torch.autograd.Function):
         return None, None, dense
 
 
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x / rms(x) * weight in x's dtype, 1/rms per token in at least fp32)."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * rstd * weight).to(x.dtype), rstd
+
+
+def _rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the input's gradient in x's dtype, the weight's in at least fp32)."""
+    xhat = x.to(rstd.dtype) * rstd
+    g = grad.to(rstd.dtype)
+    grad_weight = (g * xhat).reshape(-1, x.shape[-1]).sum(0)
+    gx = g * weight
+    return (rstd * (gx - xhat * (gx * xhat).mean(-1, keepdim=True))).to(x.dtype), grad_weight
+
+
+def _to_weight_or_master(grad: torch.Tensor, weight: torch.Tensor, to_master: bool):
+    """A replicated weight's gradient: to its master unrounded, else to the weight in its dtype."""
+    return (None, grad) if to_master else (grad.to(weight.dtype), None)
+
+
 class _RMSNormFunction(torch.autograd.Function):
     """x / rms(x) * weight with statistics in at least fp32, keeping for backward only the input (in
     its own dtype) and one reciprocal rms per token, as fused kernels do: autograd over the plain
@@ -187,23 +276,17 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, master: torch.Tensor | None) -> torch.Tensor:
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        out, rstd = _rms_norm(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         ctx.to_master = master is not None
-        return (xf * rstd * weight).to(x.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
-        xhat = x.to(rstd.dtype) * rstd
-        g = grad.to(rstd.dtype)
-        grad_weight = (g * xhat).reshape(-1, x.shape[-1]).sum(0)    # in at least fp32
-        gx = g * weight
-        grad_x = rstd * (gx - xhat * (gx * xhat).mean(-1, keepdim=True))
-        if ctx.to_master:       # a working weight: its master takes the gradient, unrounded
-            return grad_x.to(x.dtype), None, None, grad_weight
-        return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None, None
+        grad_x, grad_weight = _rms_norm_backward(grad, x, weight, rstd)
+        to_weight, to_master = _to_weight_or_master(grad_weight, weight, ctx.to_master)
+        return grad_x, to_weight, None, to_master
 
 
 class RMSNorm(nn.Module):
@@ -224,9 +307,12 @@ class Attention(nn.Module):
         for name in ("wq", "wk", "wv", "wo"):
             setattr(self, name, _parameter(specs[f"attn.{name}"], tp))
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], packing: Packing) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: RMSNorm, rope: tuple[torch.Tensor, torch.Tensor], packing: Packing,
+                selective: bool = False) -> torch.Tensor:
+        """Attention over norm(x), `selective`: the norm's output recomputed in backward."""
         tokens, d = packing.num_tokens, self.head_dim
-        q, k, v = (t.view(tokens, -1, d) for t in column_parallel(x, self.tp, tokens, self.wq, self.wk, self.wv))
+        q, k, v = (t.view(tokens, -1, d) for t in
+                   normed_column_parallel(x, norm, self.tp, tokens, self.wq, self.wk, self.wv, selective=selective))
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         o = self.attend(q, k, v, packing).reshape(tokens, -1)
         return row_parallel(o, self.wo, self.tp)
@@ -239,23 +325,30 @@ class SwiGLU(nn.Module):
         for name in ("w_gate", "w_up", "w_down"):
             setattr(self, name, _parameter(specs[f"mlp.{name}"], tp))
 
-    def forward(self, x: torch.Tensor, tokens: int) -> torch.Tensor:
-        gate, up = column_parallel(x, self.tp, tokens, self.w_gate, self.w_up)
+    def forward(self, x: torch.Tensor, norm: RMSNorm, tokens: int, selective: bool = False) -> torch.Tensor:
+        """The MLP over norm(x), `selective`: the norm's output and silu(gate) * up recomputed in backward."""
+        gate, up = normed_column_parallel(x, norm, self.tp, tokens, self.w_gate, self.w_up, selective=selective)
+        if selective:
+            return reduce_scatter_to_sequence(_SwiGLUDown.apply(gate, up, self.w_down, master_of(self.w_down)), self.tp)
         return row_parallel(F.silu(gate) * up, self.w_down, self.tp)
 
 
 class Block(nn.Module):
-    def __init__(self, shape: ModelShape, tp: TensorParallel):
+    """`selective`: backward recomputes both norms' outputs and SwiGLU's product instead of keeping
+    them (no GEMM, no collective redone): about 45% less kept per token for a few elementwise passes."""
+
+    def __init__(self, shape: ModelShape, tp: TensorParallel, selective: bool = False):
         super().__init__()
         specs = _by_local_name(shape, 0)   # every block has the same tensors; names say which block
+        self.selective = selective
         self.attn_norm = RMSNorm(specs["attn_norm.weight"], shape.norm_eps)
         self.attn = Attention(shape, tp, specs)
         self.mlp_norm = RMSNorm(specs["mlp_norm.weight"], shape.norm_eps)
         self.mlp = SwiGLU(tp, specs)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], packing: Packing) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, packing)
-        return x + self.mlp(self.mlp_norm(x), packing.num_tokens)
+        x = x + self.attn(x, self.attn_norm, rope, packing, self.selective)
+        return x + self.mlp(x, self.mlp_norm, packing.num_tokens, self.selective)
 
 
 class Embedding(nn.Module):
@@ -387,20 +480,23 @@ class StageModel(nn.Module):
     """The parts one device holds: optionally the embedding, blocks [start, end), optionally the head.
 
     `named_parameters()` yields full-model names (``blocks.3.attn.wq``), holding this TP rank's shard.
-    With `recompute` a block keeps only its input for backward and runs its forward again there
-    (non-reentrant activation checkpointing; the blocks draw no random numbers).
+    `recompute` (`plan.RECOMPUTE`): "full", a block keeps only its input for backward and runs its
+    forward again there (non-reentrant activation checkpointing; the blocks draw no random numbers);
+    "selective", it recomputes only its norms' outputs and SwiGLU's product (`Block`).
     """
 
     def __init__(self, shape: ModelShape, layers: tuple[int, int], *, has_embedding: bool,
-                 has_head: bool, tp: TensorParallel = SINGLE, recompute: bool = False):
+                 has_head: bool, tp: TensorParallel = SINGLE, recompute: str = "none"):
         super().__init__()
         err = tp_divisibility_error(shape, tp.size)
         if err:
             raise ValueError(err)
-        self.shape, self.tp, self.layers, self.recompute = shape, tp, layers, recompute
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+        self.shape, self.tp, self.layers, self.recompute = shape, tp, layers, recompute == "full"
         self.rotary = RotaryTables(shape.head_dim, shape.rope_theta, shape.rope_scaling)
         self.embedding = Embedding(_by_local_name(shape, EMBEDDING)["embedding.weight"], tp) if has_embedding else None
-        self.blocks = nn.ModuleDict({str(i): Block(shape, tp) for i in range(*layers)})
+        self.blocks = nn.ModuleDict({str(i): Block(shape, tp, recompute == "selective") for i in range(*layers)})
         head = _by_local_name(shape, HEAD) if has_head else None
         self.final_norm = RMSNorm(head["final_norm.weight"], shape.norm_eps) if head else None
         self.head = LMHead(head["head.weight"], tp) if head else None
@@ -518,7 +614,7 @@ def compile_blocks(model: StageModel) -> StageModel:
 
 def build_stage_model(shape: ModelShape, layers: tuple[int, int], *, has_embedding: bool, has_head: bool,
                       tp: TensorParallel = SINGLE, device: torch.device | str = "cpu",
-                      seed: int | None = None, recompute: bool = False) -> StageModel:
+                      seed: int | None = None, recompute: str = "none") -> StageModel:
     """A stage built on the meta device, then only its own shards allocated on `device`; filled from
     `seed`, or left uninitialised (seed None) when state is about to be loaded into it."""
     with torch.device("meta"):

@@ -17,7 +17,7 @@ from malleus_svc.config import ConfigError
 from malleus_svc.config.presets import ModelShape
 from malleus_svc.config.scenario import Scenario
 from malleus_svc.costmodel import analytic
-from malleus_svc.plan import Plan, PlanError
+from malleus_svc.plan import RECOMPUTE_MARK, Plan, PlanError
 from malleus_svc.planner.build import build_problem
 from malleus_svc.planner.describe import ranges
 from malleus_svc.planner.problem import PlannerProblem
@@ -45,7 +45,7 @@ class StageReport:
     analytic_mb: float
     capacity_mb: float
     unsharded: int           # the fp32 masters' and Adam moments' bytes were the optimizer not sharded
-    recompute: bool = False  # the stage recomputes its blocks in backward
+    recompute: str = "none"  # the stage's recompute mode (`plan.RECOMPUTE`)
 
     @property
     def total_mb(self) -> float:
@@ -94,7 +94,7 @@ def plan_memory(sc: Scenario, plan: Plan) -> list[StageReport]:
         for j, st in enumerate(pipe.stages):
             depth = min(len(pipe.stages) - j, pipe.micro_batches)
             ends = (j == 0, j == last)
-            recompute = st.recompute == "full"
+            recompute = st.recompute
             measured = _footprint(sc.shape, st.num_layers, j == 0, j == last, st.tp, sc.micro_batch,
                                   recompute).at_depth(depth)
             rows.append(StageReport(
@@ -108,7 +108,7 @@ def plan_memory(sc: Scenario, plan: Plan) -> list[StageReport]:
 
 @lru_cache(maxsize=64)
 def _footprint(shape: ModelShape, layers: int, first: bool, last: bool, tp: int, micro_batch: int,
-               recompute: bool = False) -> StageFootprint:
+               recompute: str = "none") -> StageFootprint:
     return stage_footprint(shape, layers, has_embedding=first, has_head=last, tp=tp, micro_batch=micro_batch,
                            recompute=recompute)
 
@@ -123,7 +123,7 @@ def memory_table(rows: list[StageReport]) -> str:
     for r in rows:
         terms = dict(r.measured.terms())
         table.append((str(r.pipeline) if r.stage == 0 else "", str(r.stage), ranges(r.devices),
-                      f"{r.layers}{' r' if r.recompute else ''}",
+                      f"{r.layers}{RECOMPUTE_MARK[r.recompute]}",
                       str(r.tp), str(r.in_flight), *(f"{terms[t] / GB:.1f}" for t in _TERMS),
                       f"{r.reserved_mb * MB / GB:.1f}", f"{r.total_mb * MB / GB:.1f}",
                       f"{r.planner_mb * MB / GB:.1f}", f"{100 * r.gap(r.planner_mb):+.0f}%",
@@ -184,7 +184,10 @@ def print_memory(sc: Scenario, plan: Plan, as_json: bool = False) -> int:
     print(f"memory of plan {plan.plan_id} for {sc.name}: micro-batch {sc.micro_batch} x {sc.shape.seq_len} tokens; "
           f"GB per device (2^30 bytes); gap = planner / measured - 1")
     print(memory_table(rows))
-    if any(r.recompute for r in rows):
+    if any(r.recompute == "selective" for r in rows):
+        print("layers marked s: the stage recomputes its blocks' norm and SwiGLU outputs in backward (it keeps "
+              "neither)")
+    if any(r.recompute == "full" for r in rows):
         print("layers marked r: the stage recomputes its blocks in backward (it keeps each block's input, "
               "and one block's activations while it is recomputed)")
     if sc.shard_optimizer:

@@ -36,15 +36,15 @@ class StageMemory:
 
 
 def device_peak_mb(problem: PlannerProblem, tp_size: int, blocks: int, in_flight: int, ends: tuple[bool, bool],
-                   pipelines: int = 1, recompute: bool = False) -> float:
+                   pipelines: int = 1, recompute: str = "none") -> float:
     """Peak MB on one device of a group of `tp_size` holding `blocks` blocks with `in_flight` micro-batches
     alive, its stage the (first, last) of its pipeline or neither (`ends`), in a plan of `pipelines`
-    pipelines (they share a sharded optimizer's state); with `recompute`, the stage recomputes its
-    blocks in backward."""
+    pipelines (they share a sharded optimizer's state), the stage of recompute mode `recompute`."""
     mem = problem.memory.over(pipelines)
     h = problem.tp / tp_size
     per_block = mem.block_mb(h, max(1, in_flight), recompute)   # every stage runs >= 1 micro-batch
-    once = mem.activations_mb(h) if recompute and mem.activation_mb else 0.0   # the block being recomputed
+    # the block being recomputed
+    once = mem.activations_mb(h) if recompute == "full" and mem.activation_mb else 0.0
     return per_block * blocks + once + mem.ends_mb(h, *ends) + mem.reserved_mb
 
 
@@ -54,7 +54,7 @@ def stage_memory(plan: Plan, problem: PlannerProblem, sim: SimResult) -> list[St
         last = len(pipe.stages) - 1
         for j, (st, sres) in enumerate(zip(pipe.stages, pres.stages)):
             peak = device_peak_mb(problem, st.tp, st.num_layers, sres.max_in_flight, (j == 0, j == last), len(plan.pipelines),
-                                  st.recompute == "full")
+                                  st.recompute)
             out.append(StageMemory(i, j, st.devices, st.num_layers, sres.max_in_flight, peak))
     return out
 

@@ -66,7 +66,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Mapping, Sequence
 
-from ..costmodel.profile import BACKWARD_RATIO
+from ..costmodel.profile import BACKWARD_RATIO, RECOMPUTED_FORWARD
 from ..geometry import one_f_one_b
 from ..plan import Plan
 from ..planner.problem import PlannerProblem
@@ -359,8 +359,9 @@ def simulate(plan: Plan, problem: PlannerProblem, rates: Sequence[float] | Mappi
             first, end = pipe.stages[j].layers
             split = overlapped(pipe.stages[j])
             for kind, k in one_f_one_b(S, j, m):
-                # a recomputing stage runs the forward again in each backward
-                part = fwd_share if kind == "F" else 1 - fwd_share + fwd_share * (pipe.stages[j].recompute == "full")
+                # a recomputing stage runs (some of) the forward again in each backward
+                part = fwd_share if kind == "F" else \
+                    1 - fwd_share + fwd_share * RECOMPUTED_FORWARD[pipe.stages[j].recompute]
                 dur = c * work[i][k] * part
                 # 1F1B's backwards run in micro-batch order: the last one finalises the gradients, block
                 # by block, where an overlapped reduction needs to see it
