@@ -385,13 +385,13 @@ def test_a_sharded_optimizer_on_working_weights_keeps_one_chunk_of_the_masters()
 
 # ---------------------------------------------------------------------------- compiled blocks
 @pytest.mark.parametrize("compute, recompute", [(torch.float32, "none"), (torch.bfloat16, "none"),
-                                               (torch.bfloat16, "full")])
+                                               (torch.bfloat16, "full"), (torch.bfloat16, "selective")])
 def test_compiled_blocks_train_like_eager_ones(compute, recompute):
     """Regional compile (the default on CUDA) changes kernels, not the computation: losses and every
     gradient as the eager engine's within the rounding of the compute dtype (fused kernels sum in
     another order: fp32 rtol 1e-5; bf16 activations rtol 2e-2 on the loss, gradients to 2e-2 of
     their largest entry), and the parameters keep their checkpoint names. Compiled blocks that are
-    recomputed in backward too (against eager ones that are not)."""
+    recomputed in backward, whole or selectively, too (against eager ones that are not)."""
     batches = global_batches(steps=2, micro_batches=2, micro_batch_size=2, seed=7)
     runs = {}
     for compiled in (False, True):

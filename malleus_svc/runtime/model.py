@@ -29,9 +29,9 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
 from malleus_svc.config.presets import ModelShape
-from malleus_svc.plan import RECOMPUTE
 from malleus_svc.geometry import (EMBEDDING, HEAD, TIED, Part, TensorSpec, loss_chunk_tokens, part_tensors, shard_rows,
                                   split_dim, tp_divisibility_error)
+from malleus_svc.plan import RECOMPUTE
 from malleus_svc.runtime.attention import Packing, RotaryTables, apply_rotary, varlen_causal_attention
 from malleus_svc.runtime.batch import IGNORE_INDEX
 from malleus_svc.runtime.precision import master_of, weight_grad
@@ -125,6 +125,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight) if master is None else _MasterGradLinear.apply(x, weight, master)
 
 
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x / rms(x) * weight in x's dtype, 1/rms per token in at least fp32)."""
+    rstd = torch.rsqrt(x.to(torch.promote_types(x.dtype, torch.float32)).pow(2).mean(-1, keepdim=True) + eps)
+    return _normalized(x, weight, rstd), rstd
+
+
+def _normalized(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """The norm's output from its input and 1/rms (forward, and a backward that recomputes it)."""
+    return (x.to(rstd.dtype) * rstd * weight).to(x.dtype)
+
+
+def _rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the input's gradient in x's dtype, the weight's in at least fp32)."""
+    xhat = x.to(rstd.dtype) * rstd
+    g = grad.to(rstd.dtype)
+    grad_weight = (g * xhat).reshape(-1, x.shape[-1]).sum(0)
+    gx = g * weight
+    return (rstd * (gx - xhat * (gx * xhat).mean(-1, keepdim=True))).to(x.dtype), grad_weight
+
+
+def _to_weight_or_master(grad: torch.Tensor, weight: torch.Tensor, to_master: bool):
+    """A replicated weight's gradient: to its master unrounded, else to the weight in its dtype."""
+    return (None, grad) if to_master else (grad.to(weight.dtype), None)
+
+
 def _linears_backward(grads, whole: torch.Tensor, weights, dtypes) -> tuple[torch.Tensor, list, list]:
     """(the input's gradient summed over the linears, the weights' gradients, their masters'): a
     weight with a master (`linear`) gives its gradient to the master, in the master's dtype."""
@@ -179,7 +205,7 @@ class _NormedLinears(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         x, norm_weight, rstd, *weights = ctx.saved_tensors
         tp = ctx.tp
-        normed = (x.to(rstd.dtype) * rstd * norm_weight).to(x.dtype)
+        normed = _normalized(x, norm_weight, rstd)
         whole = normed if tp.size == 1 else tp.gather_sequence(normed, ctx.tokens)
         grad_whole, to_weights, to_masters = _linears_backward(grads, whole, weights, ctx.dtypes)
         grad_normed = grad_whole if tp.size == 1 else tp.reduce_scatter_sequence(grad_whole)
@@ -245,28 +271,6 @@ class _MasterGradEmbedding(torch.autograd.Function):
         (tokens,) = ctx.saved_tensors
         dense = torch.ops.aten.embedding_dense_backward(grad.to(ctx.dtype), tokens, ctx.rows, -1, False)
         return None, None, dense
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x / rms(x) * weight in x's dtype, 1/rms per token in at least fp32)."""
-    xf = x.to(torch.promote_types(x.dtype, torch.float32))
-    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * rstd * weight).to(x.dtype), rstd
-
-
-def _rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the input's gradient in x's dtype, the weight's in at least fp32)."""
-    xhat = x.to(rstd.dtype) * rstd
-    g = grad.to(rstd.dtype)
-    grad_weight = (g * xhat).reshape(-1, x.shape[-1]).sum(0)
-    gx = g * weight
-    return (rstd * (gx - xhat * (gx * xhat).mean(-1, keepdim=True))).to(x.dtype), grad_weight
-
-
-def _to_weight_or_master(grad: torch.Tensor, weight: torch.Tensor, to_master: bool):
-    """A replicated weight's gradient: to its master unrounded, else to the weight in its dtype."""
-    return (None, grad) if to_master else (grad.to(weight.dtype), None)
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -493,7 +497,7 @@ class StageModel(nn.Module):
             raise ValueError(err)
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
-        self.shape, self.tp, self.layers, self.recompute = shape, tp, layers, recompute == "full"
+        self.shape, self.tp, self.layers, self.recompute = shape, tp, layers, recompute
         self.rotary = RotaryTables(shape.head_dim, shape.rope_theta, shape.rope_scaling)
         self.embedding = Embedding(_by_local_name(shape, EMBEDDING)["embedding.weight"], tp) if has_embedding else None
         self.blocks = nn.ModuleDict({str(i): Block(shape, tp, recompute == "selective") for i in range(*layers)})
@@ -537,8 +541,8 @@ class StageModel(nn.Module):
         return self._flops(cu_seqlens, share if model_share else weights)
 
     def recompute_flops(self, cu_seqlens: torch.Tensor) -> float:
-        """FLOPs the backward adds by running the blocks' forward again (0 without `recompute`)."""
-        return self._flops(cu_seqlens, self._flop_counts[3]) if self.recompute else 0.0
+        """FLOPs the backward adds by running the blocks' forward again (0 unless `recompute` is "full")."""
+        return self._flops(cu_seqlens, self._flop_counts[3]) if self.recompute == "full" else 0.0
 
     def _flops(self, cu_seqlens: torch.Tensor, weights: float) -> float:
         bounds = cu_seqlens.tolist()
@@ -584,7 +588,7 @@ class StageModel(nn.Module):
         packing = Packing(cu_seqlens, x.device)
         rope = self.rotary(positions, packing.max_len, x.device, torch.promote_types(x.dtype, torch.float32))
         for block in self.blocks.values():
-            if self.recompute and torch.is_grad_enabled():
+            if self.recompute == "full" and torch.is_grad_enabled():
                 # recomputed on the weights it runs on now (a working copy is bound only for this call);
                 # x a top-level argument, which the checkpoint saves for backward
                 x = checkpoint(_run_block, x, block, dict(block.named_parameters()), rope, packing,
