@@ -686,3 +686,28 @@ def test_each_shard_draws_only_its_own_tiles_and_equals_the_full_init(tp, monkey
         assert own <= sum(drawn) <= own * (1 if tp == 1 else 2), (sum(drawn), own)
     uninit = build_stage_model(shape, (0, 1), has_embedding=False, has_head=False, seed=None)
     assert all(p.device.type == "cpu" for p in uninit.parameters())
+
+
+def test_only_the_stages_holding_the_embedding_or_the_head_need_the_vocabulary_to_split():
+    """A vocabulary no TP size divides (GPT-2's 50257 is odd): a middle stage still splits its blocks
+    three ways, while a stage holding the embedding or the head at TP 3 is refused, saying what to do."""
+    from malleus_svc.runtime.engine import validate_plan_for_model
+    from malleus_svc.runtime.migrate import MigrationError, plan_migration
+    from malleus_svc.runtime.tensor_parallel import LocalShard
+
+    odd = ModelShape(layers=3, hidden=96, heads=6, ffn=192, vocab=85, seq_len=32, kv_heads=3)
+
+    def plan(*stages):
+        return Plan(5, 3, 1, (Pipeline(tuple(Stage(d, l) for d, l in stages), micro_batches=2),))
+    middle = plan(((0,), (0, 1)), ((1, 2, 3), (1, 2)), ((4,), (2, 3)))
+    swapped = plan(((4,), (0, 1)), ((1, 2, 3), (1, 2)), ((0,), (2, 3)))
+    ends = plan(((0, 1, 2), (0, 1)), ((3,), (1, 2)), ((4,), (2, 3)))
+    validate_plan_for_model(odd, middle)
+    StageModel(odd, (1, 2), has_embedding=False, has_head=False, tp=LocalShard(3, 0))
+    assert plan_migration(middle, swapped, odd).flows()
+    with pytest.raises(ValueError, match="pipeline 0 stage 0 .*vocab=85.*pad it to a multiple of 128"):
+        validate_plan_for_model(odd, ends)
+    with pytest.raises(ValueError, match="vocab=85"):
+        StageModel(odd, (0, 1), has_embedding=True, has_head=False, tp=LocalShard(3, 0))
+    with pytest.raises(MigrationError, match="new plan pipeline 0 stage 0"):
+        plan_migration(middle, ends, odd)

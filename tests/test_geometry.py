@@ -80,9 +80,10 @@ def test_tp_sizes_must_split_heads_kv_heads_ffn_and_vocab():
     assert tp_divisibility_error(GQA, 3) is None
     assert "TP size 2 does not divide kv_heads=3" in tp_divisibility_error(GQA, 2)
     assert "1, 3" in tp_divisibility_error(GQA, 2)
-    odd = dataclasses.replace(GQA, vocab=85)      # the vocabulary's rows are split too
+    odd = dataclasses.replace(GQA, vocab=85)      # the vocabulary's rows are split too, where a stage holds them
     assert "TP size 3 does not divide vocab=85" in tp_divisibility_error(odd, 3)
-    assert "pad the vocabulary" in tp_divisibility_error(odd, 3)
+    assert "pad it to a multiple of 128" in tp_divisibility_error(odd, 3)
+    assert tp_divisibility_error(odd, 3, vocab=False) is None
 
 
 def test_plan_diff_moves_replicated_block_state_whole_and_only_to_devices_without_a_shard():

@@ -154,15 +154,16 @@ def tensor_spec(shape: ModelShape, name: str) -> TensorSpec:
     return TensorSpec(name, full(shape), dim)
 
 
-def tp_divisibility_error(shape: ModelShape, tp: int) -> str | None:
-    """Why a TP group of size `tp` cannot split this model (by whole heads, ffn rows and vocabulary
-    rows), or None if it can."""
-    dims = {"heads": shape.heads, "kv_heads": shape.n_kv_heads, "ffn": shape.ffn, "vocab": shape.vocab}
+def tp_divisibility_error(shape: ModelShape, tp: int, vocab: bool = True) -> str | None:
+    """Why a TP group of size `tp` cannot split this model (by whole heads, ffn rows and, with
+    `vocab` (a stage holding the embedding or the head), vocabulary rows), or None if it can."""
+    dims = {"heads": shape.heads, "kv_heads": shape.n_kv_heads, "ffn": shape.ffn, **({"vocab": shape.vocab} if vocab else {})}
     bad = [f"{k}={v}" for k, v in dims.items() if v % tp]
     if not bad:
         return None
     ok = [d for d in range(1, shape.heads + 1) if all(v % d == 0 for v in dims.values())]
-    pad = (" (the embedding and head are split by vocabulary rows: pad the vocabulary to a multiple of 128, "
-           "as Megatron does, to split it up to TP 128)" if "vocab" in ", ".join(bad) else "")
-    return (f"TP size {tp} does not divide {', '.join(bad)}; sizes that divide heads={shape.heads}, "
-            f"kv_heads={shape.n_kv_heads}, ffn={shape.ffn} and vocab={shape.vocab}: {', '.join(map(str, ok))}{pad}")
+    pad = (" (only the stages holding the embedding or the head split the vocabulary, by rows: pad it to a "
+           "multiple of 128, as Megatron does, or give those stages a TP size that divides it)"
+           if shape.vocab % tp and vocab else "")
+    return (f"TP size {tp} does not divide {', '.join(bad)}; sizes that divide "
+            f"{', '.join(f'{k}={v}' for k, v in dims.items())}: {', '.join(map(str, ok))}{pad}")

@@ -492,7 +492,7 @@ class StageModel(nn.Module):
     def __init__(self, shape: ModelShape, layers: tuple[int, int], *, has_embedding: bool,
                  has_head: bool, tp: TensorParallel = SINGLE, recompute: str = "none"):
         super().__init__()
-        err = tp_divisibility_error(shape, tp.size)
+        err = tp_divisibility_error(shape, tp.size, vocab=has_embedding or has_head)
         if err:
             raise ValueError(err)
         if recompute not in RECOMPUTE:
