@@ -470,6 +470,25 @@ def test_stage_order_moves_a_split_group_where_memory_holds_its_blocks():
     assert Scorer(problem(loose)).stage_order(given) == given
 
 
+def test_a_score_asked_below_a_bound_is_none_above_it_and_the_memo_keeps_the_true_one():
+    """The local search asks only whether a candidate beats the best so far: under 'full' a candidate
+    whose pipelines' ends alone reach it is refused without walking its reductions, and a later
+    question without the bound still gets the candidate's own objective."""
+    from malleus_svc.planner.organize import Scorer
+
+    p = PlannerProblem(num_nodes=2, gpus_per_node=4, num_layers=12, dp=2, tp=4, pp=2, num_micro_batches=16,
+                       micro_batch_size=1, rates=(1.0,) * 8, tp_alpha=(1.0, 1.6, 3.5),
+                       memory=replace(SMALL_MEMORY, gpu_memory_mb=1e9), objective="full", comm=CommCosts(0.01, 0.05, 0.02))
+    pipes, extras, sizes = [[(1.0, 1), (1.6, 2)], [(1.0, 1)]], [[0.01, 0.01], [0.0]], [[4, 2], [4]]
+    true = Scorer(p).score(pipes, extras, sizes)
+    assert true is not None
+    scorer = Scorer(p)
+    assert scorer.score(pipes, extras, sizes, below=true.objective * 0.5) is None
+    assert scorer.score(pipes, extras, sizes, below=true.objective) is None       # not below: equal
+    assert scorer.score(pipes, extras, sizes) == true
+    assert scorer.score(pipes, extras, sizes, below=true.objective * 2) == true
+
+
 def test_small_clusters_get_every_grouping_of_a_node_large_ones_the_tail_family():
     """8 devices, tp 4, a bad straggler and a mild one: the healthy devices may form TP2 groups
     beside each straggler alone (the organisation may leave the bad one idle), which no tail split

@@ -74,6 +74,7 @@ tolerance (1e-6 absolute + REL_TOL, widened by mip_gap when one is set); it retu
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import numbers
@@ -132,6 +133,11 @@ def position_caps(mem_factor: float, stages: int, num_layers: int, memory: Memor
 
 def _stage_caps(mem_factors: Sequence[float], num_layers: int, memory: MemoryProfile) -> list[int]:
     """As `layer_caps`, but -1 for a stage whose memory row fails even with 0 blocks."""
+    return list(_stage_caps_of(tuple(mem_factors), num_layers, memory))
+
+
+@functools.lru_cache(maxsize=4096)    # a search asks for the same few pipelines' caps thousands of times
+def _stage_caps_of(mem_factors: tuple[float, ...], num_layers: int, memory: MemoryProfile) -> tuple[int, ...]:
     h = _floats("mem_factors", mem_factors, positive=True)
     if not h:
         raise ValueError("mem_factors is empty: a pipeline needs at least one stage")
@@ -158,7 +164,7 @@ def _stage_caps(mem_factors: Sequence[float], num_layers: int, memory: MemoryPro
         while n > 0 and not fits(n):
             n -= 1
         caps.append(n)
-    return caps
+    return tuple(caps)
 
 
 def solve_layers(rates: Sequence[float], mem_factors: Sequence[float], num_layers: int, memory: MemoryProfile,

@@ -56,6 +56,9 @@ class Score:
     micro_batches: tuple[int, ...]
 
 
+_NOT_BELOW = object()   # `Scorer._score`: the organisation's objective is not below the bound asked
+
+
 class Scorer:
     """The lower level for a fixed organisation, with ILP-1 memoised across templates.
 
@@ -180,20 +183,26 @@ class Scorer:
               extras: Sequence[Sequence[float]] | None = None,
               sizes: Sequence[Sequence[int]] | None = None,
               prefer_layers: Sequence[Sequence[int] | None] | None = None,
-              prefer_micro_batches: Sequence[int] | None = None) -> Score | None:
-        """Objective of an organisation given per pipeline its stages' (y, h); None = infeasible.
-        Memoised when nothing is preferred: templates of different groupings repeat organisations."""
+              prefer_micro_batches: Sequence[int] | None = None, below: float = math.inf) -> Score | None:
+        """Objective of an organisation given per pipeline its stages' (y, h); None = infeasible,
+        or (where `below` is given) not below it. Memoised when nothing is preferred: templates of
+        different groupings repeat organisations."""
         scorer = self.for_pipelines(len(pipelines))
         if scorer is not self:
-            return scorer.score(pipelines, extras, sizes, prefer_layers, prefer_micro_batches)
+            return scorer.score(pipelines, extras, sizes, prefer_layers, prefer_micro_batches, below)
         if prefer_layers is not None or prefer_micro_batches is not None:
             return self._score(pipelines, extras, sizes, prefer_layers, prefer_micro_batches)
         key = tuple(tuple(p) for p in pipelines), _frozen(extras), _frozen(sizes)
         if key not in self._scores:
-            self._scores[key] = self._score(pipelines, extras, sizes, None, None)
-        return self._scores[key]
+            s = self._score(pipelines, extras, sizes, None, None, below)
+            if s is _NOT_BELOW:
+                return None
+            self._scores[key] = s
+        s = self._scores[key]
+        return s if s is None or s.objective < below else None
 
-    def _score(self, pipelines, extras, sizes, prefer_layers, prefer_micro_batches) -> Score | None:
+    def _score(self, pipelines, extras, sizes, prefer_layers, prefer_micro_batches, below: float = math.inf
+               ) -> Score | None:
         sols = []
         for i, pipe in enumerate(pipelines):
             ex = extras[i] if extras is not None else None
@@ -217,6 +226,10 @@ class Scorer:
         layers = tuple(s.layers for s in sols)
         obj = data.w
         if full and sizes is not None:
+            # the pipelines' ends bound the iteration from below: past `below`, the reductions and
+            # the optimizer steps need not be walked (most of a local search's candidates)
+            if data.w >= below * (1 + 1e-9):
+                return _NOT_BELOW
             obj = iteration_time(p, [PipelineTimes(m, t, tuple(l for l in ls if l > 0),
                                                    tuple(g for g, l in zip(ss, ls) if l > 0),
                                                    rates=tuple(y for (y, _), l in zip(pipe, ls) if l > 0))
@@ -250,12 +263,13 @@ def template_classes(template: Template, specials: Sequence[Group]) -> list[list
     return [[specials[g].cls if g != NORMAL else NORMAL_CLASS for g in pipe] for pipe in template]
 
 
-def score_template(scorer: Scorer, template: Template, specials: Sequence[Group], tp: int) -> Score | None:
+def score_template(scorer: Scorer, template: Template, specials: Sequence[Group], tp: int,
+                   below: float = math.inf) -> Score | None:
     full = scorer.objective == "full"
     extras = [scorer.p2p(tuple(specials[g].node if g != NORMAL else None for g in pipe))
               for pipe in template] if full else None
     sizes = [[specials[g].size if g != NORMAL else tp for g in pipe] for pipe in template] if full else None
-    return scorer.score(template_classes(template, specials), extras, sizes)
+    return scorer.score(template_classes(template, specials), extras, sizes, below=below)
 
 
 def reorder_stages(scorer: Scorer, template: Template, specials: Sequence[Group]) -> Template:
@@ -510,7 +524,7 @@ def improve(template: Template, specials: Sequence[Group], scorer: Scorer, tp: i
             new[b][new[b].index(y)] = x
             cand = canon(new) if arrange is None else arrange(canon(new))
             evals += 1
-            s = score_template(scorer, cand, specials, tp)
+            s = score_template(scorer, cand, specials, tp, below=math.inf if best is None else best.objective - 1e-9)
             if s is not None and (best is None or s.objective < best.objective - 1e-9):
                 template, best, improved = cand, s, True
                 break
