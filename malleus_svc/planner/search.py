@@ -206,6 +206,9 @@ def _relaid(problem: PlannerProblem, plan: Plan, pipe: Pipeline) -> Pipeline:
         best, modes = got, t
     if best is None:
         return pipe
+    # the layout found, each stage in the least mode that holds its blocks (a stage off the
+    # bottleneck may need less than the mode it started in; under 'full' its time still counts)
+    modes = [next(m for m in RECOMPUTE if caps[m][j] >= n) for j, n in enumerate(best[1])]
     bounds = [0, *itertools.accumulate(best[1])]
     return replace(pipe, stages=tuple(replace(s, layers=(a, b), recompute=m)
                                       for s, a, b, m in zip(stages, bounds, bounds[1:], modes)))

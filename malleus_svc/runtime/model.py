@@ -610,9 +610,12 @@ def compile_blocks(model: StageModel) -> StageModel:
     """Regional compilation: each block compiled on its own, in place (parameter names unchanged), so
     that its norms, rotary and SwiGLU fuse into a few kernels while the stage's Python (pipeline,
     transport, collectives between blocks) stays eager. One compilation serves every block of the
-    same shape; a new micro-batch length makes the compiled code dynamic in it (once)."""
+    same shape; a new micro-batch length makes the compiled code dynamic in it (once). A block that
+    recomputes selectively stays eager: the compiler's partitioner picks for itself what a block keeps
+    for backward and keeps the very outputs selective recomputation frees."""
     for block in model.blocks.values():
-        block.compile()
+        if not block.selective:
+            block.compile()
     return model
 
 
