@@ -58,7 +58,7 @@ class RayWorkers(WorkerGroup):
         def results() -> list[dict]:
             try:
                 return ray.get(refs, timeout=self.timeout_s) if refs else []
-            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as e:
+            except ray.exceptions.RayError as e:   # a timeout (GetTimeoutError) or a dead worker
                 raise WorkerGroupError(f"the probes of devices {list(devices)} did not return: "
                                        f"{str(e).splitlines()[0]}") from None
         return results

@@ -153,7 +153,10 @@ def _recomputing(problem: PlannerProblem) -> PlannerProblem | None:
 def _caps(problem: PlannerProblem, plan: Plan, pipe: Pipeline, recompute: str = "none") -> tuple[int, ...]:
     """Each stage's memory cap on blocks in `plan` were it of recompute mode `recompute`."""
     memory = problem.memory.over(len(plan.pipelines))
-    memory = {"none": memory, "selective": memory.selective(), "full": memory.recomputing(problem.tp)}[recompute]
+    if recompute == "selective":
+        memory = memory.selective()
+    elif recompute == "full":
+        memory = memory.recomputing(problem.tp)
     return layer_caps([problem.tp / s.tp for s in pipe.stages], problem.num_layers, memory)
 
 
