@@ -2,6 +2,7 @@
 length distribution, and `planner.build.build_problem(scenario, lengths=...)` taking it (planner integration)."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -11,6 +12,7 @@ from malleus_svc.config import ConfigError, Scenario
 from malleus_svc.lengths import LengthCost, LengthError, LengthHistogram, LengthProfile, expected_micro_batch
 from malleus_svc.lengths.expected import analytic_cost
 from malleus_svc.planner import evaluate, plan
+from malleus_svc.plan import RECOMPUTE
 from malleus_svc.planner.problem import CommCosts, MemoryProfile, PlannerProblem
 from malleus_svc.simulate.scenarios import paper_scenario
 from malleus_svc.planner.build import build_problem, length_profile
@@ -143,9 +145,9 @@ def test_few_tokens_per_iteration_lower_the_memory_rows():
     """32 samples per iteration, 8 per micro-batch (a budget of 8·L tokens). Quarter-length samples
     fill 4 whole micro-batches: memory as planned. Samples of L/32 all fit in one micro-batch of L
     tokens: every stage needs an eighth of the activation memory, and can hold more blocks."""
-    sc = Scenario.from_dict({"cluster": {"nodes": 1, "gpus_per_node": 8, "gpu_memory_mb": 81252},
-                             "model": "llama-32b", "parallel": {"dp": 1, "tp": 2, "pp": 4},
-                             "batch": {"global": 32, "micro": 8}})
+    spec = {"cluster": {"nodes": 1, "gpus_per_node": 8, "gpu_memory_mb": 81252},
+            "model": "llama-32b", "parallel": {"dp": 1, "tp": 2, "pp": 4}, "batch": {"global": 32, "micro": 8}}
+    sc = Scenario.from_dict(spec)
     L = sc.shape.seq_len
     assert length_profile(sc, [L // 4] * 32).memory_ratio == 1.0
     prof = length_profile(sc, [L // 32] * 32)
@@ -156,3 +158,9 @@ def test_few_tokens_per_iteration_lower_the_memory_rows():
     from malleus_svc.planner.lower import layer_caps
     caps = [sum(layer_caps([1.0] * 4, sc.num_layers, p.memory)) for p in (base, lt)]
     assert caps[1] > caps[0], caps
+    # An eighth of the tokens is what a micro-batch of one sample holds: each recompute mode prices a
+    # block as that micro-batch's model does (what recomputation frees shrinks with the activations).
+    one = build_problem(Scenario.from_dict({**spec, "batch": {"global": 32, "micro": 1}}))
+    for mode in RECOMPUTE:
+        for h, d in itertools.product((1, 2), range(1, 5)):
+            assert lt.memory.block_mb(h, d, mode) == pytest.approx(one.memory.block_mb(h, d, mode)), (mode, h, d)

@@ -78,8 +78,10 @@ class LengthProfile:
           the update weigh more in the objective;
         * the activation part of each per-layer memory K[d] × memory_ratio, with K[d] = state + d · act
           fitted through the profile's end points (exact for the analytic profile), and likewise its
-          replicated part; K stays as it is when it lists one depth only. The embedding/head term
-          is left as it is (conservative).
+          replicated part; K stays as it is when it lists one depth only. So do what recomputation
+          frees or keeps of them (a block's activations, its input, what selective frees): they
+          follow the tokens too, and left whole they would free more than K now holds. The
+          embedding/head term is left as it is (conservative).
         tp_alpha is left as it is."""
         if self.is_fixed:
             return problem
@@ -88,8 +90,13 @@ class LengthProfile:
                                    p2p_inter_node=c.p2p_inter_node * self.token_ratio / w,
                                    grad_sync_per_block=c.grad_sync_per_block / w)
         if len(mem.layer_mb) >= 2 and self.memory_ratio != 1.0:
+            r = self.memory_ratio
             mem = dataclasses.replace(mem, layer_mb=self._scale_activations(mem.layer_mb),
-                                      replicated_layer_mb=self._scale_activations(mem.replicated_layer_mb))
+                                      replicated_layer_mb=self._scale_activations(mem.replicated_layer_mb),
+                                      activation_mb=mem.activation_mb * r,
+                                      replicated_activation_mb=mem.replicated_activation_mb * r,
+                                      recompute_input_mb=mem.recompute_input_mb * r,
+                                      selective_freed_mb=mem.selective_freed_mb * r)
         return dataclasses.replace(problem, t0_seconds=problem.t0_seconds * w, comm=comm, memory=mem,
                                    optimizer_per_block=problem.optimizer_per_block / w)
 
