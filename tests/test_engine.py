@@ -6,6 +6,7 @@ each); `_mp.run_on_gloo` hands each process's return value back to the test.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import traceback
 from dataclasses import asdict
 
@@ -21,7 +22,9 @@ from malleus_svc.plan import Pipeline, Plan, Stage
 from malleus_svc.runtime.batch import IGNORE_INDEX, MicroBatch
 from malleus_svc.runtime.engine import STEP, Engine, OptimConfig, assemble_full, full_shard_states
 from malleus_svc.runtime.gradient_sync import GRAD_BUCKET_BYTES, _buckets
-from malleus_svc.runtime.model import Block, StageModel, full_model, init_part, take_shard
+from malleus_svc.runtime.memory import saved_for_backward
+from malleus_svc.runtime.model import (Block, StageModel, build_stage_model, compile_blocks, full_model, init_part,
+                                     take_shard)
 from malleus_svc.runtime.reference import reference_loss, reference_train
 from malleus_svc.runtime.tensor_parallel import TensorParallel
 
@@ -412,6 +415,27 @@ def test_compiled_blocks_train_like_eager_ones(compute, recompute):
     for n, g in eager_grads.items():
         assert float((grads[n] - g).abs().max()) <= rtol * float(g.abs().max()) + 1e-12, n
     assert OptimConfig().compiles_on(torch.device("cuda", 0)) and not OptimConfig().compiles_on(torch.device("cpu"))
+
+
+def test_a_compiled_selective_block_keeps_less_than_an_eager_one():
+    """The compiler's partitioner picks what a compiled block keeps for backward; a selective block
+    is compiled under a checkpoint policy it obeys (GEMM and attention outputs kept, the rest
+    recomputed), so it keeps less than the eager selective block the memory model measures (which
+    also keeps each norm's 1/rms), and less than a compiled storing block. Counted as `malleus memory` counts: the storages autograd
+    saves in one forward on bf16 working weights, here on CPU for real."""
+    gen = torch.Generator().manual_seed(4)
+    cu = torch.tensor([0, 40, 64])
+    positions = MicroBatch(torch.zeros(64, dtype=torch.long), torch.zeros(64, dtype=torch.long), cu, (0,)).positions()
+    x = torch.randn(64, TINY.hidden, generator=gen, dtype=torch.bfloat16).requires_grad_()
+    kept = {}
+    for recompute, compiled in itertools.product(("none", "selective"), (False, True)):
+        model = build_stage_model(TINY, (0, 2), has_embedding=False, has_head=False, seed=SEED, recompute=recompute)
+        if compiled:
+            compile_blocks(model)
+        kept[recompute, compiled], _ = saved_for_backward(model, x, positions, cu, compute_dtype=torch.bfloat16)
+    # strictly less than eager: it is compiled (fused norms keep no 1/rms), and the policy holds
+    assert kept["selective", True] < kept["selective", False] < kept["none", False], kept
+    assert kept["selective", True] < kept["none", True], kept
 
 
 def _tp2_losses(rank: int, world: int, compiled: bool):

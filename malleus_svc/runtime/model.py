@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from malleus_svc.config.presets import ModelShape
 from malleus_svc.geometry import (EMBEDDING, HEAD, TIED, Part, TensorSpec, loss_chunk_tokens, part_tensors, shard_rows,
@@ -339,20 +339,51 @@ class SwiGLU(nn.Module):
 
 class Block(nn.Module):
     """`selective`: backward recomputes both norms' outputs and SwiGLU's product instead of keeping
-    them (no GEMM, no collective redone): about 45% less kept per token for a few elementwise passes."""
+    them (no GEMM, no collective redone): about 45% less kept per token for a few elementwise passes.
+    Eagerly the autograd functions above do it; a compiled block follows `selective_policy` instead
+    (`compile_blocks`)."""
 
     def __init__(self, shape: ModelShape, tp: TensorParallel, selective: bool = False):
         super().__init__()
         specs = _by_local_name(shape, 0)   # every block has the same tensors; names say which block
         self.selective = selective
+        self.by_policy = False
         self.attn_norm = RMSNorm(specs["attn_norm.weight"], shape.norm_eps)
         self.attn = Attention(shape, tp, specs)
         self.mlp_norm = RMSNorm(specs["mlp_norm.weight"], shape.norm_eps)
         self.mlp = SwiGLU(tp, specs)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], packing: Packing) -> torch.Tensor:
-        x = x + self.attn(x, self.attn_norm, rope, packing, self.selective)
-        return x + self.mlp(x, self.mlp_norm, packing.num_tokens, self.selective)
+        if self.by_policy and torch.is_grad_enabled():
+            return checkpoint(self._layers, x, rope, packing, False, use_reentrant=False, preserve_rng_state=False,
+                              context_fn=_selective_contexts)
+        return self._layers(x, rope, packing, self.selective)
+
+    def _layers(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], packing: Packing,
+                selective: bool) -> torch.Tensor:
+        x = x + self.attn(x, self.attn_norm, rope, packing, selective)
+        return x + self.mlp(x, self.mlp_norm, packing.num_tokens, selective)
+
+
+# The ops whose outputs selective recomputation keeps, by name (the attention kernels' own ops are
+# registered only where their libraries are imported): the GEMMs and attention. Whatever else a block
+# computes is elementwise or a norm's reduction, cheap to redo.
+_KEPT_OPS = frozenset({
+    "aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention", "aten::_flash_attention_forward",
+    "aten::_efficient_attention_forward", "flash_attn::_flash_attn_varlen_forward", "torch_attn::_varlen_attn"})
+
+
+def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective recomputation as a checkpoint policy, which the compiler's partitioner obeys where
+    it would otherwise choose for itself what a block keeps for backward."""
+    kept = getattr(op, "name", None) and op.name() in _KEPT_OPS
+    return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(selective_policy)
 
 
 class Embedding(nn.Module):
@@ -610,12 +641,18 @@ def compile_blocks(model: StageModel) -> StageModel:
     """Regional compilation: each block compiled on its own, in place (parameter names unchanged), so
     that its norms, rotary and SwiGLU fuse into a few kernels while the stage's Python (pipeline,
     transport, collectives between blocks) stays eager. One compilation serves every block of the
-    same shape; a new micro-batch length makes the compiled code dynamic in it (once). A block that
-    recomputes selectively stays eager: the compiler's partitioner picks for itself what a block keeps
-    for backward and keeps the very outputs selective recomputation frees."""
+    same shape; a new micro-batch length makes the compiled code dynamic in it (once).
+
+    The compiler's partitioner picks for itself what a compiled block keeps for backward, and keeps
+    the very outputs the selective autograd functions free; so a selective block is compiled as a
+    checkpoint under `selective_policy`, which it obeys. That needs the whole block in one graph: a
+    TP group's collectives break it, and a checkpoint broken into pieces runs eagerly and issues its
+    collectives again in backward, so a selective block of a TP group stays eager."""
     for block in model.blocks.values():
-        if not block.selective:
-            block.compile()
+        if block.selective and model.tp.size > 1:
+            continue
+        block.by_policy = block.selective
+        block.compile()
     return model
 
 
