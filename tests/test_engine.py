@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from _mp import run_on_gloo
 from malleus_svc.config.presets import ModelShape, preset
+from malleus_svc.costmodel.profile import RECOMPUTED_FORWARD
 from malleus_svc.geometry import one_f_one_b, split_dim
 from malleus_svc.plan import Pipeline, Plan, Stage
 from malleus_svc.runtime.batch import IGNORE_INDEX, MicroBatch
@@ -513,7 +514,7 @@ def test_recomputed_blocks_train_bitwise_like_stored_ones_and_count_their_extra_
     """A stage that recomputes its blocks in backward: the same losses and state bit for bit (the
     forward runs again on the same inputs and, in mixed precision, the same working weights), one
     more forward of its blocks in the FLOPs it ran (the device clock paces them), none in the
-    model's FLOPs (MFU)."""
+    model's FLOPs (MFU). A selective stage: the same, with selective's share of a forward."""
     batches = global_batches(steps=2, micro_batches=3, micro_batch_size=2)
     out = run_on_gloo(_recompute_or_not, 1, batches, mixed)[0]
     plain, rc = out["none"], out["full"]
@@ -523,8 +524,11 @@ def test_recomputed_blocks_train_bitwise_like_stored_ones_and_count_their_extra_
             got = out[mode]["state"][name]
             assert torch.equal(st.param, got.param) and torch.equal(st.exp_avg, got.exp_avg), (mode, name)
     assert all(b > 0 for b in rc["blocks_forward"])
-    assert [r - p for r, p in zip(rc["flops"], plain["flops"])] == pytest.approx(rc["blocks_forward"], rel=1e-12)
-    assert out["selective"]["flops"] == plain["flops"]    # elementwise work only: no FLOPs the clock paces
+    # the work the device reports (and the clock paces) is the planner's price of the mode: all of
+    # the blocks' forward again, or selective's share of it
+    for mode in ("selective", "full"):
+        extra = [RECOMPUTED_FORWARD[mode] * b for b in rc["blocks_forward"]]
+        assert [r - p for r, p in zip(out[mode]["flops"], plain["flops"])] == pytest.approx(extra, rel=1e-12)
 
 
 def test_packed_model_equals_each_sequence_alone():

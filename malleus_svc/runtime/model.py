@@ -29,6 +29,7 @@ from torch.func import functional_call
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from malleus_svc.config.presets import ModelShape
+from malleus_svc.costmodel.profile import RECOMPUTED_FORWARD
 from malleus_svc.geometry import (EMBEDDING, HEAD, TIED, Part, TensorSpec, loss_chunk_tokens, part_tensors, shard_rows,
                                   split_dim, tp_divisibility_error)
 from malleus_svc.plan import RECOMPUTE
@@ -572,8 +573,13 @@ class StageModel(nn.Module):
         return self._flops(cu_seqlens, share if model_share else weights)
 
     def recompute_flops(self, cu_seqlens: torch.Tensor) -> float:
-        """FLOPs the backward adds by running the blocks' forward again (0 unless `recompute` is "full")."""
-        return self._flops(cu_seqlens, self._flop_counts[3]) if self.recompute == "full" else 0.0
+        """Work the backward adds by running the blocks' forward again, in FLOPs: all of it under
+        "full"; under "selective" elementwise passes that run no GEMM, counted as the share of the
+        forward the cost model prices them at (`RECOMPUTED_FORWARD`). A device's measured rate is
+        its time over this work, and the planner prices the mode with the same share: one source
+        for it, so that the rate does not count the recomputation the planner adds again."""
+        share = RECOMPUTED_FORWARD[self.recompute]
+        return share * self._flops(cu_seqlens, self._flop_counts[3]) if share else 0.0
 
     def _flops(self, cu_seqlens: torch.Tensor, weights: float) -> float:
         bounds = cu_seqlens.tolist()
