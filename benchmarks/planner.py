@@ -12,7 +12,9 @@ with ratios to the ideal and planning times; then per scenario the objective and
 iteration time (the 1F1B event simulator, t0 units) of ours, of the authors' plan and of the
 reference, the exhaustive search's optimum where the cluster has at most 16 devices, with the
 ratio ours / reference. `--small N` adds N random small scenarios per objective
-(benchmarks/small_problems.py) against exhaustive search. Results are printed as markdown tables,
+(benchmarks/small_problems.py) against exhaustive search. `--replan S` adds, per case, the re-plan a
+running job makes when one more device slows down (3x, from the plan it runs), unbounded and with
+the search's budget at S seconds: time and objective of each. Results are printed as markdown tables,
 written to BENCHMARKS.md between markers (--write) and plotted (--plot).
 """
 from __future__ import annotations
@@ -153,6 +155,32 @@ def small_table(count: int) -> str:
     return "\n".join(rows)
 
 
+def replan_table(sizes: list[int], seeds: int, objective: str, budget: float) -> str:
+    """Per case: the job's re-plan after one more device slows down to 3x, planned from the plan in
+    force, with no budget and with `budget` seconds (`planner.time_budget_s`)."""
+    from malleus_svc.planner import plan
+
+    rows = [f"| devices | seed | re-plan s | objective | re-plan s, {budget:g} s budget | objective | gap |",
+            "|---|---|---|---|---|---|---|"]
+    for n in sizes:
+        for seed in range(seeds):
+            rng = random.Random(seed)
+            rates = draw_rates(n, rng)
+            scenario = scenario_for(n, objective)
+            current = plan(build_problem(scenario, rates=rates)).plan
+            rates[rng.choice([d for d in range(n) if d not in rates])] = 3.0
+            problem = build_problem(scenario, rates=rates)
+            runs = []
+            for p in (problem, replace(problem, time_budget_s=budget)):
+                t = time.perf_counter()
+                result = plan(p, previous=current)
+                runs.append((time.perf_counter() - t, result))
+            (s0, a), (s1, b) = runs
+            rows.append(f"| {n} | {seed} | {s0:.2f} | {a.objective:.1f} | {s1:.2f} | {b.objective:.1f} | "
+                        f"{b.objective / a.objective - 1:+.2%} |")
+    return "\n".join(rows)
+
+
 def table(cases: list[Case]) -> str:
     head = ("| devices | cases | stragglers | ideal (t0) | " + " | ".join(f"{s} / ideal" for s in SYSTEMS)
             + " | malleus ≤ authors | malleus solve s (mean / max) | authors solve s (mean) |")
@@ -230,6 +258,8 @@ def main(argv: list[str]) -> int:
                          "another one writes a section of its own")
     ap.add_argument("--small", type=int, default=0, metavar="N",
                     help="also N random small scenarios per objective against exhaustive search")
+    ap.add_argument("--replan", type=float, default=None, metavar="S",
+                    help="also each case's re-plan after one more device slows down, unbounded and within S seconds")
     args = ap.parse_args(argv)
     sizes = parse_sizes(ap, args.sizes)
     cases = []
@@ -245,6 +275,9 @@ def main(argv: list[str]) -> int:
     if args.small:
         md += (f"\n\nRandom small scenarios (benchmarks/small_problems.py, {args.small} per objective), default "
                f"search against exhaustive search:\n\n" + small_table(args.small))
+    if args.replan is not None:
+        md += (f"\n\nA running job's re-plan (one more device at 3x, from the plan in force), with no budget "
+               f"and with {args.replan:g} s:\n\n" + replan_table(sizes, args.seeds, args.objective, args.replan))
     print(md)
     if args.plot:
         plot(cases, Path(args.plot))

@@ -592,3 +592,14 @@ def test_where_memory_does_not_bind_the_plan_is_the_same_and_recomputation_never
         assert r.objective <= alone.objective * (1 + 1e-9)
         if gb == 80:
             assert r.plan == alone.plan and all(s.recompute == "none" for pp in r.plan.pipelines for s in pp.stages)
+
+
+def test_the_bench_prices_a_running_jobs_replan_with_and_without_a_budget():
+    """`malleus bench planner --replan S`: a re-plan from the plan in force after one more device
+    slows down; with a budget the search never reaches, the same plan (the search is deterministic)."""
+    from benchmarks.planner import replan_table
+
+    rows = replan_table([16], 1, "full", 600.0).splitlines()
+    assert len(rows) == 3 and rows[2].startswith("| 16 | 0 |")
+    cells = [c.strip() for c in rows[2].strip("|").split("|")]
+    assert cells[3] == cells[5] and cells[6] == "+0.00%", rows[2]
