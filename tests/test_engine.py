@@ -418,39 +418,56 @@ def test_compiled_blocks_train_like_eager_ones(compute, recompute):
     assert OptimConfig().compiles_on(torch.device("cuda", 0)) and not OptimConfig().compiles_on(torch.device("cpu"))
 
 
-def test_a_compiled_selective_block_keeps_less_than_an_eager_one():
-    """The compiler's partitioner picks what a compiled block keeps for backward; a selective block
-    is compiled under a checkpoint policy it obeys (GEMM and attention outputs kept, the rest
-    recomputed), so it keeps less than the eager selective block the memory model measures (which
-    also keeps each norm's 1/rms), and less than a compiled storing block. Counted as `malleus memory` counts: the storages autograd
-    saves in one forward on bf16 working weights, here on CPU for real."""
+def _kept_for_backward(rank: int = 0, world: int = 1) -> dict:
+    """Bytes a stage of two blocks saves for backward in one forward on bf16 working weights, as
+    `malleus memory` counts them (here on CPU for real), eager and compiled, storing and selective;
+    under TP this rank's, with its rows of the input."""
+    tp = TensorParallel(world, rank, dist.group.WORLD) if world > 1 else TensorParallel()
     gen = torch.Generator().manual_seed(4)
     cu = torch.tensor([0, 40, 64])
     positions = MicroBatch(torch.zeros(64, dtype=torch.long), torch.zeros(64, dtype=torch.long), cu, (0,)).positions()
-    x = torch.randn(64, TINY.hidden, generator=gen, dtype=torch.bfloat16).requires_grad_()
+    rows = slice(*tp.rows(64))
+    x = torch.randn(64, TINY.hidden, generator=gen, dtype=torch.bfloat16)[rows].clone().requires_grad_()
     kept = {}
     for recompute, compiled in itertools.product(("none", "selective"), (False, True)):
-        model = build_stage_model(TINY, (0, 2), has_embedding=False, has_head=False, seed=SEED, recompute=recompute)
+        model = build_stage_model(TINY, (0, 2), has_embedding=False, has_head=False, seed=SEED, recompute=recompute,
+                                  tp=tp)
         if compiled:
             compile_blocks(model)
         kept[recompute, compiled], _ = saved_for_backward(model, x, positions, cu, compute_dtype=torch.bfloat16)
-    # strictly less than eager: it is compiled (fused norms keep no 1/rms), and the policy holds
+    return kept
+
+
+def test_a_compiled_selective_block_keeps_no_more_than_an_eager_one():
+    """The compiler's partitioner picks what a compiled block keeps for backward, and would keep the
+    outputs selective recomputation frees; a compiled selective block follows a checkpoint policy
+    it obeys (GEMM and attention outputs kept, the rest recomputed). Alone, the whole block is one
+    graph under the policy: it keeps less than the eager selective block the memory model measures
+    (strictly: its fused norms keep no 1/rms either) and than a compiled storing block. Under TP,
+    where the collectives break the graph, as much as the eager one, and less than storing."""
+    kept = _kept_for_backward()
     assert kept["selective", True] < kept["selective", False] < kept["none", False], kept
     assert kept["selective", True] < kept["none", True], kept
+    for kept in run_on_gloo(_kept_for_backward, 2):
+        assert kept["selective", True] <= kept["selective", False] < kept["none", False], kept
+        assert kept["selective", True] < kept["none", True], kept
 
 
-def _tp2_losses(rank: int, world: int, compiled: bool):
+def _tp2_losses(rank: int, world: int, compiled: bool, recompute: str = "none"):
     batches = global_batches(steps=2, micro_batches=2, micro_batch_size=2, seed=7)
-    engine = Engine(TINY, TP2, rank, seed=SEED, optim=dataclasses.replace(OPTIM, compile=compiled))
+    plan = dataclasses.replace(TP2, pipelines=(Pipeline((Stage((1, 0), (0, 4), recompute),), micro_batches=5),))
+    engine = Engine(TINY, plan, rank, seed=SEED, optim=dataclasses.replace(OPTIM, compile=compiled))
     losses = [engine.train_step(b, sum(mb.num_loss_tokens for mb in b)).global_loss for b in batches]
     return losses, engine.groups.tp.comm_seconds
 
 
-def test_compiled_blocks_under_tensor_parallelism_train_like_eager_ones_and_keep_collectives_timed():
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_compiled_blocks_under_tensor_parallelism_train_like_eager_ones_and_keep_collectives_timed(recompute):
     """A TP group's all-reduces inside compiled blocks run as they do eagerly (the graph breaks there),
-    so their time is still measured and left out of the device's compute."""
+    so their time is still measured and left out of the device's compute. Selective blocks too
+    (against eager storing ones)."""
     (eager, _), _ = run_on_gloo(_tp2_losses, 2, False)
-    (compiled, comm), _ = run_on_gloo(_tp2_losses, 2, True)
+    (compiled, comm), _ = run_on_gloo(_tp2_losses, 2, True, recompute)
     assert compiled == pytest.approx(eager, rel=1e-5) and comm > 0
 
 

@@ -330,19 +330,30 @@ class SwiGLU(nn.Module):
         for name in ("w_gate", "w_up", "w_down"):
             setattr(self, name, _parameter(specs[f"mlp.{name}"], tp))
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm, tokens: int, selective: bool = False) -> torch.Tensor:
-        """The MLP over norm(x), `selective`: the norm's output and silu(gate) * up recomputed in backward."""
+    def forward(self, x: torch.Tensor, norm: RMSNorm, tokens: int, selective: bool = False,
+                by_policy: bool = False) -> torch.Tensor:
+        """The MLP over norm(x), `selective`: the norm's output and silu(gate) * up recomputed in
+        backward; `by_policy` (compiled): the product under `selective_policy`, which the compiler obeys."""
         gate, up = normed_column_parallel(x, norm, self.tp, tokens, self.w_gate, self.w_up, selective=selective)
-        if selective:
-            return reduce_scatter_to_sequence(_SwiGLUDown.apply(gate, up, self.w_down, master_of(self.w_down)), self.tp)
-        return row_parallel(F.silu(gate) * up, self.w_down, self.tp)
+        if not selective:
+            return row_parallel(F.silu(gate) * up, self.w_down, self.tp)
+        if by_policy:
+            out = checkpoint(_swiglu_down, gate, up, self.w_down, use_reentrant=False, preserve_rng_state=False,
+                             context_fn=_selective_contexts)
+        else:
+            out = _SwiGLUDown.apply(gate, up, self.w_down, master_of(self.w_down))
+        return reduce_scatter_to_sequence(out, self.tp)
+
+
+def _swiglu_down(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return linear(F.silu(gate) * up, weight)
 
 
 class Block(nn.Module):
     """`selective`: backward recomputes both norms' outputs and SwiGLU's product instead of keeping
     them (no GEMM, no collective redone): about 45% less kept per token for a few elementwise passes.
-    Eagerly the autograd functions above do it; a compiled block follows `selective_policy` instead
-    (`compile_blocks`)."""
+    Eagerly the autograd functions above do it; compiled (`by_policy`, `compile_blocks`), the parts
+    the compiler traces follow `selective_policy` instead."""
 
     def __init__(self, shape: ModelShape, tp: TensorParallel, selective: bool = False):
         super().__init__()
@@ -355,7 +366,8 @@ class Block(nn.Module):
         self.mlp = SwiGLU(tp, specs)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], packing: Packing) -> torch.Tensor:
-        if self.by_policy and torch.is_grad_enabled():
+        if self.by_policy and self.attn.tp.size == 1 and torch.is_grad_enabled():
+            # one graph: the storing code, all of it under the policy
             return checkpoint(self._layers, x, rope, packing, False, use_reentrant=False, preserve_rng_state=False,
                               context_fn=_selective_contexts)
         return self._layers(x, rope, packing, self.selective)
@@ -363,7 +375,7 @@ class Block(nn.Module):
     def _layers(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], packing: Packing,
                 selective: bool) -> torch.Tensor:
         x = x + self.attn(x, self.attn_norm, rope, packing, selective)
-        return x + self.mlp(x, self.mlp_norm, packing.num_tokens, selective)
+        return x + self.mlp(x, self.mlp_norm, packing.num_tokens, selective, self.by_policy)
 
 
 # The ops whose outputs selective recomputation keeps, by name (the attention kernels' own ops are
@@ -650,13 +662,12 @@ def compile_blocks(model: StageModel) -> StageModel:
     same shape; a new micro-batch length makes the compiled code dynamic in it (once).
 
     The compiler's partitioner picks for itself what a compiled block keeps for backward, and keeps
-    the very outputs the selective autograd functions free; so a selective block is compiled as a
-    checkpoint under `selective_policy`, which it obeys. That needs the whole block in one graph: a
-    TP group's collectives break it, and a checkpoint broken into pieces runs eagerly and issues its
-    collectives again in backward, so a selective block of a TP group stays eager."""
+    the very outputs the selective autograd functions free; so a selective block is compiled under
+    `selective_policy`, which it obeys: the whole block as one checkpoint where it is one graph (TP
+    1). A TP group's collectives break the graph, and a checkpoint in pieces would run eagerly and
+    issue its collectives again in backward; there the norms' function, which holds the
+    all-gather, runs eagerly anyway, and only SwiGLU's product is recomputed under the policy."""
     for block in model.blocks.values():
-        if block.selective and model.tp.size > 1:
-            continue
         block.by_policy = block.selective
         block.compile()
     return model
