@@ -337,7 +337,7 @@ class SwiGLU(nn.Module):
         gate, up = normed_column_parallel(x, norm, self.tp, tokens, self.w_gate, self.w_up, selective=selective)
         if not selective:
             return row_parallel(F.silu(gate) * up, self.w_down, self.tp)
-        if by_policy:
+        if by_policy and torch.is_grad_enabled():
             out = checkpoint(_swiglu_down, gate, up, self.w_down, use_reentrant=False, preserve_rng_state=False,
                              context_fn=_selective_contexts)
         else:
