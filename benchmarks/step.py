@@ -15,6 +15,10 @@ per block (regional `torch.compile`) or not, alike.
 "host ms" is the host's time to issue one step with nothing queued on the device: near "step ms",
 the step is bound by the host (Python, launches), not by the device.
 
+`--recompute selective,full` adds our row for each of those recompute modes (`plan.RECOMPUTE`), with
+its step time over the storing row's beside what the planner prices the mode at
+(`costmodel.profile.recompute_time_factor`): what a GPU measures of the price of recomputation.
+
 Model FLOPs per micro-batch (forward; backward counts twice): 2 per block weight per token for the
 matrix multiplies, plus 4 x (query heads x head dim) per attended (query, key) pair, causal within
 each document: `StageModel.forward_flops`. MFU = model FLOP/s over the device's dense bf16 peak.
@@ -22,6 +26,7 @@ each document: `StageModel.forward_flops`. MFU = model FLOP/s over the device's 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import math
 import time
@@ -34,6 +39,8 @@ from typing import Callable
 import torch
 
 from malleus_svc.config.presets import ModelShape
+from malleus_svc.costmodel.profile import recompute_time_factor
+from malleus_svc.plan import RECOMPUTE
 from malleus_svc.runtime import attention
 from malleus_svc.runtime.batch import MicroBatch
 from malleus_svc.runtime.engine import to_device
@@ -140,9 +147,10 @@ def measure(name: str, step: Callable[[], None], device: torch.device, blocks: i
     return Row(name, tokens / seconds, flops / seconds / 1e12, peak, kernels, 1e3 * seconds, 1e3 * sorted(host)[1])
 
 
-def ours(shape: ModelShape, blocks: int, lengths: list[int], device: torch.device, compile: bool
-         ) -> Callable[[], None]:
-    model = build_stage_model(shape, (0, blocks), has_embedding=False, has_head=False, device=device, seed=0)
+def ours(shape: ModelShape, blocks: int, lengths: list[int], device: torch.device, compile: bool,
+         recompute: str = "none") -> Callable[[], None]:
+    model = build_stage_model(shape, (0, blocks), has_embedding=False, has_head=False, device=device, seed=0,
+                              recompute=recompute)
     if compile:
         compile_blocks(model)
     compute = GPU_COMPUTE_DTYPE if device.type == "cuda" else torch.float32
@@ -218,8 +226,13 @@ def format_table(rows: list[Row], peak: float | None) -> str:
         mem = f"{r.peak_gib:.1f}" if r.peak_gib is not None else "-"
         lines.append(f"| {r.name} | {r.tokens_per_s:,.0f} | {r.tflops:.1f} | {mfu} | {mem} | {r.kernels_per_block:.0f} | "
                      f"{r.step_ms:.1f} | {r.host_ms:.1f} |")
-    if len(rows) == 2:
-        lines.append(f"\nours / torchtitan tokens/s: {rows[0].tokens_per_s / rows[1].tokens_per_s:.3f}")
+    by_name = {r.name: r for r in rows}
+    if "torchtitan" in by_name:
+        lines.append(f"\nours / torchtitan tokens/s: {rows[0].tokens_per_s / by_name['torchtitan'].tokens_per_s:.3f}")
+    for mode in RECOMPUTE[1:]:
+        if f"malleus ({mode})" in by_name:
+            lines.append(f"\n{mode} / storing step time: {by_name[f'malleus ({mode})'].step_ms / rows[0].step_ms:.3f} "
+                         f"(the planner prices it at {recompute_time_factor(mode):.3f})")
     return "\n".join(lines)
 
 
@@ -253,10 +266,16 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--torchtitan", action=argparse.BooleanOptionalAction, default=True,
                     help="the torchtitan row (needs the `bench` extra)")
     ap.add_argument("--ops", action="store_true", help="also list, per block, the kernels (ops) whose counts differ")
+    ap.add_argument("--recompute", default="", metavar="MODES",
+                    help=f"also our row recomputing, in each of these modes (comma-separated: {', '.join(RECOMPUTE[1:])})")
     ap.add_argument("--write", metavar="MD", help="update this markdown file's bench:step section")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("malleus bench step: no CUDA device here; --device cpu runs the comparison on CPU")
+        return 2
+    modes = [m for m in args.recompute.split(",") if m]
+    if any(m not in RECOMPUTE[1:] for m in modes):
+        print(f"malleus bench step: --recompute takes {', '.join(RECOMPUTE[1:])} (comma-separated), got {args.recompute!r}")
         return 2
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     compile = args.compile if args.compile is not None else device.type == "cuda"
@@ -275,7 +294,8 @@ def main(argv: list[str]) -> int:
           f"{args.heads}/{args.kv_heads}, {args.seq_len} tokens in {len(lengths)} document(s), {args.blocks} blocks, "
           f"compile {'on' if compile else 'off'}, attention {attention.attention_backend(device)}, "
           f"{flops / 1e12:.2f} model TFLOP per step, peak {peak or '-'} TFLOP/s", flush=True)
-    makers = [("malleus", ours)] + ([("torchtitan", torchtitan_step)] if args.torchtitan else [])
+    makers = ([("malleus", ours)] + [(f"malleus ({m})", functools.partial(ours, recompute=m)) for m in modes]
+              + ([("torchtitan", torchtitan_step)] if args.torchtitan else []))
     rows = []
     for name, make in makers:
         print(f"{name} ...", flush=True)
@@ -289,8 +309,8 @@ def main(argv: list[str]) -> int:
         _release(device)
         print(f"  {rows[-1].tokens_per_s:,.0f} tokens/s", flush=True)
     md = format_table(rows, peak)
-    if args.ops and len(rows) == 2:
-        md += "\n\nKernels (ops) per block whose counts differ:\n\n" + format_kernel_difference(*rows)
+    if args.ops and rows[-1].name == "torchtitan":
+        md += "\n\nKernels (ops) per block whose counts differ:\n\n" + format_kernel_difference(rows[0], rows[-1])
     print(md)
     if args.write:
         cmd = "malleus bench step " + " ".join(argv)

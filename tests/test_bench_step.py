@@ -54,3 +54,15 @@ def test_packed_documents_fill_the_row_and_one_document_is_the_row():
     assert sum(lengths) == 8192 and len(lengths) > 1 and min(lengths[:-1]) >= 16
     assert step.document_lengths(8192, packed=False) == [8192]
     assert step.peak_tflops(torch.device("cpu")) is None
+
+
+def test_the_recomputing_rows_come_with_their_price_beside_the_planners(capsys):
+    assert main(["bench", "step", *SMALL, "--no-packed", "--no-torchtitan", "--recompute", "selective,full"]) == 0
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    assert {"malleus", "malleus (selective)", "malleus (full)"} <= set(rows)
+    for mode, price in (("selective", "1.017"), ("full", "1.333")):
+        line = next(l for l in out.splitlines() if l.startswith(f"{mode} / storing step time:"))
+        assert float(line.split(":")[1].split()[0]) > 0 and f"prices it at {price}" in line
+    assert main(["bench", "step", *SMALL, "--no-torchtitan", "--recompute", "partial"]) == 2
+    assert "--recompute takes selective, full" in capsys.readouterr().out
