@@ -29,6 +29,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from malleus_svc.config import Scenario
+from malleus_svc.config.limits import MAX_SECONDS
+from malleus_svc.config.options import number_option
 from malleus_svc.config.scenario import OBJECTIVES
 from malleus_svc.planner.build import build_problem
 from malleus_svc.simulate import simulate
@@ -258,8 +260,8 @@ def main(argv: list[str]) -> int:
                          "another one writes a section of its own")
     ap.add_argument("--small", type=int, default=0, metavar="N",
                     help="also N random small scenarios per objective against exhaustive search")
-    ap.add_argument("--replan", type=float, default=None, metavar="S",
-                    help="also each case's re-plan after one more device slows down, unbounded and within S seconds")
+    number_option(ap, "--replan", 0.001, MAX_SECONDS, default=None, metavar="S",
+                  help="also each case's re-plan after one more device slows down, unbounded and within S seconds")
     args = ap.parse_args(argv)
     sizes = parse_sizes(ap, args.sizes)
     cases = []
