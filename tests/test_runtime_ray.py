@@ -311,6 +311,31 @@ def test_a_straggler_is_a_rate_on_the_paced_device_clock(group):
         group.set_slowdown(0, 1.0)
 
 
+def test_a_step_slower_than_the_answer_deadline_is_waited_for_while_its_ops_finish(group, monkeypatch):
+    """A step's answer is due within the collective timeout and a margin; one that takes longer but
+    keeps finishing ops (a slow pace, the work of a lost pipeline) is waited for, not called lost:
+    here a deadline of 1 s against a step of about 4 s, each op well inside the 1 s window."""
+    from malleus_svc.runtime import cluster
+
+    spec = {"source": "synthetic", "seq_len": 64, "num_samples": 64, "vocab": 256, "seed": 0}
+    group.set_data(spec, "pad", 64)
+    group.apply_plan(SOLO, _shape(), seed=0)
+    if group.device_pace is None:
+        group.pace(SOLO.micro_batch_size * 64)
+    ids = list(range(SOLO.global_batch))
+    group.step(ids)
+    healthy = group.step(ids).devices[0]["compute_seconds"]
+    monkeypatch.setattr(cluster, "ANSWER_MARGIN_S", 0.0)
+    monkeypatch.setattr(group, "timeout_s", 1.0)
+    try:
+        group.set_slowdown(0, 4.0 / healthy)      # ~4 s a step, over 9 ops (4 forward, 4 backward, the update)
+        t0 = time.monotonic()
+        rec = group.step(ids).devices[0]
+        assert time.monotonic() - t0 > 2.0 and rec["compute_seconds"] > 2.0, rec
+    finally:
+        group.set_slowdown(0, 1.0)
+
+
 @pytest.mark.ray
 def test_train_entry_point_against_the_shared_cluster(ray_cluster, tmp_path):
     """The CLI against a running cluster: a metrics line per step, with the schedule's learning rate,

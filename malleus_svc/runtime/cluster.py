@@ -48,6 +48,8 @@ from .worker import WORKER
 log = logging.getLogger(__name__)
 
 HANG_MARGIN_S = 10.0   # past the collective timeout, a step that has neither returned nor failed hangs
+ANSWER_MARGIN_S = 30.0   # past the collective timeout, a call not answered is checked for progress
+PROGRESS_ANSWER_S = 5.0  # a live worker's control thread answers `progress` at once
 # The workers are the job: at Ray's default niceness (15) any other process on the host takes their
 # cores first, and a paced CPU worker misses its pace. A cluster of our own runs them at 0.
 LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
@@ -550,6 +552,9 @@ class WorkerGroup:
         deadline = self._inflight_since + self.timeout_s + HANG_MARGIN_S + 2 * self._longest_step_s
         done, stuck = (ray.wait(list(refs), num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
                        if refs else ([], []))
+        while stuck and self._working({r: refs[r] for r in stuck}):     # slow, not hung: its ops still finish
+            more, stuck = ray.wait(stuck, num_returns=len(stuck), timeout=0)
+            done = [*done, *more]
         lost = {refs[r] for r in stuck}
         for r in done:
             try:
@@ -587,7 +592,19 @@ class WorkerGroup:
         """`method(*args)` on each device: {device: result} of those that answered, and the set of those
         that failed or did not answer in time (during a recovery: lost as well)."""
         refs = {getattr(self.workers[d], method).remote(*args): d for d in devices}
-        return self._settle(refs, self.timeout_s + 30 if timeout is None else timeout)
+        return self._settle(refs, self.timeout_s + ANSWER_MARGIN_S if timeout is None else timeout)
+
+    def _working(self, calls: dict) -> bool:
+        """Whether the devices of these calls in flight ({ref: device}) still work: over one collective
+        timeout, some call returns or some device's clock finishes ops (read on its control thread,
+        which answers mid-step). A device hung, or stopped, finishes none and may not answer at all."""
+        devices = sorted(set(calls.values()))
+        before = self._answers("progress", devices, timeout=PROGRESS_ANSWER_S)[0]
+        if not before:
+            return False
+        ready, _ = ray.wait(list(calls), num_returns=len(calls), timeout=self.timeout_s)
+        after = self._answers("progress", sorted(before), timeout=PROGRESS_ANSWER_S)[0]
+        return bool(ready) or any(after.get(d, n) != n for d, n in before.items())
 
     @staticmethod
     def _settle(refs: dict, timeout: float) -> tuple[dict, set[int]]:
@@ -801,15 +818,20 @@ class WorkerGroup:
     # ------------------------------------------------------------------ helpers
     def _get(self, refs: list, what: str, devices: Sequence[int] | None = None) -> list:
         """ray.get that names the failing device and does not hang on the others (which would wait in
-        a collective for the failed one until the torch.distributed timeout)."""
+        a collective for the failed one until the torch.distributed timeout). Past the collective
+        timeout and a margin, a call still out fails only once its device stops working (`_working`):
+        a slow step is waited for."""
         devices = list(range(len(refs))) if devices is None else list(devices)
         index = {r: i for i, r in enumerate(refs)}
-        pending, deadline = list(refs), time.monotonic() + self.timeout_s + 30
+        pending, deadline = list(refs), time.monotonic() + self.timeout_s + ANSWER_MARGIN_S
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
+                if self._working({r: devices[index[r]] for r in pending}):
+                    deadline = time.monotonic()
+                    continue
                 raise WorkerGroupError(f"{what}: devices {[devices[index[r]] for r in pending]} did not answer "
-                                       f"within {self.timeout_s + 30:g} s")
+                                       f"within {self.timeout_s + ANSWER_MARGIN_S:g} s and finish no ops")
             try:
                 ray.get(ready[0])
             except Exception as e:

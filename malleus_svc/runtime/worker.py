@@ -12,7 +12,7 @@ Lifecycle, driven by `cluster.WorkerGroup`:
      waits until every device has finished the step); `export_state()` on demand.
 
 Concurrency: the actor declares a `control` concurrency group (one thread of its own) for
-`set_slowdown`, `ping` and `info`, so a driver can reach a worker while `train_step` holds the
+`set_slowdown`, `ping`, `progress` and `info`, so a driver can reach a worker while `train_step` holds the
 default group. Everything else runs in the default group with max_concurrency 1, so training
 calls stay strictly serial and never race each other. (A threaded actor with max_concurrency=2
 would also reach set_slowdown, but would let two train_steps overlap if a caller ever misbehaved.)
@@ -90,6 +90,12 @@ class DeviceWorker:
     @ray.method(concurrency_group="control")
     def ping(self) -> int:
         return self.device_id
+
+    @ray.method(concurrency_group="control")
+    def progress(self) -> int:
+        """Ops this device's clock has finished so far: while the count moves, a step is working,
+        however long it takes (a slow pace, more micro-batches after a device was lost)."""
+        return self.clock.finished()
 
     # ------------------------------------------------------------------ world
     def pick_port(self) -> tuple[str, int]:
