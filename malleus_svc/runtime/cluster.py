@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 HANG_MARGIN_S = 10.0   # past the collective timeout, a step that has neither returned nor failed hangs
 ANSWER_MARGIN_S = 30.0   # past the collective timeout, a call not answered is checked for progress
-PROGRESS_ANSWER_S = 5.0  # a live worker's control thread answers `progress` at once
+PROGRESS_ANSWER_S = 2.0  # a live worker's control thread answers `progress` at once
 # The workers are the job: at Ray's default niceness (15) any other process on the host takes their
 # cores first, and a paced CPU worker misses its pace. A cluster of our own runs them at 0.
 LOCAL_RAY_SYSTEM_CONFIG = {"worker_niceness": 0}
