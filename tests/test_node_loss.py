@@ -52,7 +52,7 @@ def outcome() -> dict:
     err.seek(0)
     lines = [x for x in out.read().splitlines() if x.startswith("RESULT ")]
     log = err.read()
-    assert proc.returncode == 0 and lines, log[-4000:]
+    assert proc.returncode == 0 and lines, log[-16000:]   # the jobs' progress lines before the failure too
     # the scenario's progress and each job's own lines (its errors): shown where a job's verdict fails
     return {**json.loads(lines[-1][len("RESULT "):]), "log": log[-12000:]}
 
