@@ -530,7 +530,8 @@ class StageModel(nn.Module):
     `named_parameters()` yields full-model names (``blocks.3.attn.wq``), holding this TP rank's shard.
     `recompute` (`plan.RECOMPUTE`): "full", a block keeps only its input for backward and runs its
     forward again there (non-reentrant activation checkpointing; the blocks draw no random numbers);
-    "selective", it recomputes only its norms' outputs and SwiGLU's product (`Block`).
+    "selective", it recomputes only its norms' outputs and SwiGLU's product (`Block`; compiled, what
+    `selective_policy` does not keep).
     """
 
     def __init__(self, shape: ModelShape, layers: tuple[int, int], *, has_embedding: bool,
