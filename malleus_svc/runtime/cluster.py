@@ -532,8 +532,8 @@ class WorkerGroup:
 
         Lost = a worker whose actor died (RayActorError), or whose step neither returned nor failed
         within the collective timeout and then stopped finishing ops (a hang: the device that did not
-        arrive; it is killed). The others are NOT restarted: they finish their failed step (a collective with a lost peer errors
-        out, at the latest at the timeout), leave the old world keeping their shards, and join a new
+        arrive; it is killed). The others are NOT restarted: they finish their failed step (a
+        collective with a lost peer errors out, at the latest at the timeout), leave the old world keeping their shards, and join a new
         one with a fresh actor in each lost device's bundle. A lost device whose bundle cannot host
         one (see the module docstring) is gone: then `plan_for(gone devices)` gives the plan to run
         on the rest. When every slice has a surviving copy (data parallelism keeps replicas), the
