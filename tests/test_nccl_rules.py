@@ -193,14 +193,14 @@ DEEP_PLAN = Plan(
 )
 
 
-def _train_under_rules(rank: int, world: int, plan: Plan, batches, hub):
+def _train_under_rules(rank: int, world: int, plan: Plan, batches, hub, shape: ModelShape):
     from malleus_svc.runtime.engine import Engine
     from malleus_svc.runtime.nccl_rules import RulesTransport
     from test_engine import OPTIM, SEED, _pipeline_share
 
     if rank not in plan.roles():
         return None      # suspended: builds nothing, posts nothing
-    engine = Engine(TINY, plan, rank, seed=SEED, optim=OPTIM, dtype=torch.float64,
+    engine = Engine(shape, plan, rank, seed=SEED, optim=OPTIM, dtype=torch.float64,
                     transport=functools.partial(RulesTransport, hub=hub, rank=rank))
     stats = []
     for batch in batches[:-1]:
@@ -213,21 +213,34 @@ def _train_under_rules(rank: int, world: int, plan: Plan, batches, hub):
     return {"role": engine.role, "stats": stats, "state": engine.export_state(), "eval": evaluated}
 
 
-@pytest.mark.parametrize("plan", [RULES_PLAN, DEEP_PLAN, PLAN_A], ids=["uneven-tp", "deep", "suspended-cross-node"])
+# a vocabulary no TP size divides, split by rows unevenly at both ends, against one pipeline that
+# holds it whole: the gradient reduction meets shards of 28, 28, 29 rows and one of 85
+ODD_VOCAB_PLAN = Plan(
+    num_devices=8, num_layers=3, micro_batch_size=2,
+    pipelines=(Pipeline((Stage((0, 1, 2), (0, 1)), Stage((3,), (1, 2)), Stage((4, 5, 6), (2, 3))), micro_batches=3),
+               Pipeline((Stage((7,), (0, 3)),), micro_batches=1)),
+)
+
+
+@pytest.mark.parametrize("plan", [RULES_PLAN, DEEP_PLAN, PLAN_A, ODD_VOCAB_PLAN],
+                         ids=["uneven-tp", "deep", "suspended-cross-node", "odd-vocab"])
 def test_engine_over_the_rules_transport_matches_the_reference(plan):
     from malleus_svc.runtime.engine import assemble_full
     from malleus_svc.runtime.nccl_rules import serve_hub
     from malleus_svc.runtime.reference import reference_loss, reference_train
-    from test_engine import OPTIM, SEED, global_batches
+    from test_engine import ODD_VOCAB, OPTIM, SEED, global_batches
 
-    batches = global_batches(steps=3, micro_batches=plan.num_micro_batches, micro_batch_size=plan.micro_batch_size)
+    shape = ODD_VOCAB if plan is ODD_VOCAB_PLAN else TINY
+    batches = global_batches(steps=3, micro_batches=plan.num_micro_batches, micro_batch_size=plan.micro_batch_size,
+                             vocab=shape.vocab)
     manager, hub = serve_hub(plan.num_devices, timeout=60)
     try:
-        results = [r for r in run_on_gloo(_train_under_rules, plan.num_devices, plan, batches, hub) if r is not None]
+        results = [r for r in run_on_gloo(_train_under_rules, plan.num_devices, plan, batches, hub, shape)
+                   if r is not None]
     finally:
         manager.shutdown()
-    ref_losses, ref_params, _ = reference_train(TINY, SEED, OPTIM, batches[:-1], torch.float64)
-    ref_eval = reference_loss(TINY, ref_params, batches[-1])
+    ref_losses, ref_params, _ = reference_train(shape, SEED, OPTIM, batches[:-1], torch.float64)
+    ref_eval = reference_loss(shape, ref_params, batches[-1])
     for r in results:
         assert [s["global_loss"] for s in r["stats"]] == pytest.approx(ref_losses, rel=1e-9)
         assert r["eval"] == pytest.approx(ref_eval, rel=1e-9)
@@ -280,6 +293,18 @@ def test_migration_exchanges_pass_the_rules_tiny(bucket_bytes):
 def test_migration_exchanges_pass_the_rules_worked_example():
     _migrate_under_rules(BASELINE, PLAN_1, SHAPE_32)
     _migrate_under_rules(BASELINE, PLAN_1, SHAPE_32, unavailable=[5])
+
+
+def test_migration_of_an_odd_vocabulary_between_tp_degrees_passes_the_rules():
+    """Uneven row shards of the vocabulary (85 rows) move between TP 3, TP 1 and back: every row
+    arrives once, where the new plan holds it."""
+    from test_engine import ODD_VOCAB
+
+    whole = Plan(8, 3, 2, (Pipeline((Stage((7,), (0, 3)),), micro_batches=1),
+                           Pipeline((Stage((3,), (0, 1)), Stage((0, 1, 2), (1, 2)), Stage((4,), (2, 3))),
+                                    micro_batches=3)), suspended=(5, 6))
+    _migrate_under_rules(ODD_VOCAB_PLAN, whole, ODD_VOCAB)
+    _migrate_under_rules(whole, ODD_VOCAB_PLAN, ODD_VOCAB)
 
 
 def test_migration_exchanges_pass_the_rules_random_plans():

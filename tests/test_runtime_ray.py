@@ -311,18 +311,23 @@ def test_a_straggler_is_a_rate_on_the_paced_device_clock(group):
         group.set_slowdown(0, 1.0)
 
 
+def _solo_on_pace(group) -> list[int]:
+    """One device training a synthetic set on the paced clock; the ids of one global batch."""
+    spec = {"source": "synthetic", "seq_len": 64, "num_samples": 64, "vocab": 256, "seed": 0}
+    group.set_data(spec, "pad", 64)
+    group.apply_plan(SOLO, _shape(), seed=0)
+    if group.device_pace is None:
+        group.pace(SOLO.micro_batch_size * 64)
+    return list(range(SOLO.global_batch))
+
+
 def test_a_step_slower_than_the_answer_deadline_is_waited_for_while_its_ops_finish(group, monkeypatch):
     """A step's answer is due within the collective timeout and a margin; one that takes longer but
     keeps finishing ops (a slow pace, the work of a lost pipeline) is waited for, not called lost:
     here a deadline of 1 s against a step of about 4 s, each op well inside the 1 s window."""
     from malleus_svc.runtime import cluster
 
-    spec = {"source": "synthetic", "seq_len": 64, "num_samples": 64, "vocab": 256, "seed": 0}
-    group.set_data(spec, "pad", 64)
-    group.apply_plan(SOLO, _shape(), seed=0)
-    if group.device_pace is None:
-        group.pace(SOLO.micro_batch_size * 64)
-    ids = list(range(SOLO.global_batch))
+    ids = _solo_on_pace(group)
     group.step(ids)
     healthy = group.step(ids).devices[0]["compute_seconds"]
     monkeypatch.setattr(cluster, "ANSWER_MARGIN_S", 0.0)
@@ -334,6 +339,32 @@ def test_a_step_slower_than_the_answer_deadline_is_waited_for_while_its_ops_fini
         assert time.monotonic() - t0 > 2.0 and rec["compute_seconds"] > 2.0, rec
     finally:
         group.set_slowdown(0, 1.0)
+
+
+def test_a_step_whose_live_device_finishes_no_op_is_not_waited_for(group, monkeypatch):
+    """The other side of the slow step: a device that answers on its control thread but finishes no
+    op within the window (here one op paced to last about 8 s against a 1 s window) stops the wait,
+    and the error says what the device showed."""
+    import ray
+
+    from malleus_svc.runtime import cluster
+
+    ids = _solo_on_pace(group)
+    healthy = group.step(ids).devices[0]["compute_seconds"]
+    mbs = [ids[i:i + SOLO.micro_batch_size] for i in range(0, len(ids), SOLO.micro_batch_size)]
+    monkeypatch.setattr(cluster, "ANSWER_MARGIN_S", 0.0)
+    monkeypatch.setattr(group, "timeout_s", 1.0)
+    group.set_slowdown(0, 8.0 / (healthy / 9))      # the step's first op: ~8 s (9 ops a step)
+    ref = group.workers[0].train_step.remote(mbs, group.count_tokens(ids)[1])
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(cluster.WorkerGroupError, match=r"train_step: devices \[0\] have not answered after "
+                                                            r"\d+ s: device 0 finished no op in 1 s"):
+            group._get([ref], "train_step", devices=[0], step=True)
+        assert time.monotonic() - t0 < 8.0
+    finally:   # the group is shared: device 0 healthy again, its step run out
+        ray.get(group.workers[0].set_slowdown.remote(1.0), timeout=30)
+        ray.get(ref, timeout=120)
 
 
 @pytest.mark.ray

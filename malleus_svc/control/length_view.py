@@ -85,7 +85,7 @@ class LengthView:
 
         from .assign import Lookahead
         shape, sc = self.job.shape, self.job.scenario
-        tps = sorted(t for t in sc.tp_sizes if tp_divisibility_error(shape, t, vocab=False) is None)   # blocks only
+        tps = sorted(t for t in sc.tp_sizes if tp_divisibility_error(shape, t) is None)
         if group.use_gpu:
             self.cost, reports = group.length_sweep(shape, tps, self.job.data.seq_len, sc.device.intra_node_gbps)
         else:

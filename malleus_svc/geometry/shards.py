@@ -3,7 +3,10 @@
 A TP group is the tuple of its devices. Device r of a group of t holds the fraction
 [r/t, (r+1)/t) of every sharded tensor along the tensor's split dim (Megatron: contiguous, in
 rank order) and the whole of every replicated tensor. Fractions are exact, so groups of any sizes
-compare without knowing the model; `rows_of` turns a fraction into rows of one tensor.
+compare without knowing the model; `rows_of` turns a fraction into rows of one tensor, rounding
+each bound down: a dim the group's size does not divide (an odd vocabulary, a micro-batch's tokens)
+splits into sizes one row apart at most, and the rows of two groups' fractions meet as the
+fractions do (rounding down keeps their order).
 """
 from __future__ import annotations
 
@@ -23,23 +26,24 @@ def shard_of(tp_rank: int, tp_size: int) -> Span:
 
 
 def rows_of(span: Span, size: int) -> tuple[int, int]:
-    """Rows [start, end) of a dim of `size` rows that the fraction `span` covers."""
-    start, end = span[0] * size, span[1] * size
-    if start.denominator != 1 or end.denominator != 1:
-        raise ValueError(f"the fraction [{span[0]}, {span[1]}) of {size} rows is not a whole number of rows")
-    return int(start), int(end)
+    """Rows [start, end) of a dim of `size` rows that the fraction `span` covers, bounds rounded down
+    (in integers: `size` may be a compiled graph's symbolic token count)."""
+    return tuple(f.numerator * size // f.denominator for f in span)
 
 
 def shard_rows(size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
-    """Rows [start, end) of a split dim of `size` rows that TP rank `tp_rank` of `tp_size` holds."""
-    return rows_of(shard_of(tp_rank, tp_size), size)
+    """Rows [start, end) of a split dim of `size` rows that TP rank `tp_rank` of `tp_size` holds:
+    `rows_of(shard_of(tp_rank, tp_size), size)`, without building fractions."""
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"TP rank {tp_rank} is outside a group of size {tp_size}")
+    return size * tp_rank // tp_size, size * (tp_rank + 1) // tp_size
 
 
 def sequence_rows(tokens: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
     """Rows [start, end) of a micro-batch of `tokens` tokens that TP rank `tp_rank` of `tp_size`
-    holds between TP regions (sequence parallelism): in rank order, sizes one row apart at most
-    (micro-batches of packed documents have any number of tokens)."""
-    return tokens * tp_rank // tp_size, tokens * (tp_rank + 1) // tp_size
+    holds between TP regions (sequence parallelism): split as a tensor's rows are (micro-batches of
+    packed documents have any number of tokens)."""
+    return shard_rows(tokens, tp_rank, tp_size)
 
 
 def shard_map(groups: Iterable[Sequence[int]], *, sharded: bool = True,

@@ -77,8 +77,9 @@ class TensorSpec:
         """Rows that TP rank `tp_rank` of a group of `tp_size` holds (all of them if replicated)."""
         return self.rows(WHOLE if self.split_dim is None else shard_of(tp_rank, tp_size))
 
-    def shard_shape(self, tp_size: int) -> tuple[int, ...]:
-        start, end = self.held_rows(0, tp_size)
+    def shard_shape(self, tp_size: int, tp_rank: int = 0) -> tuple[int, ...]:
+        """The shape TP rank `tp_rank` holds (rank 0 holds the fewest rows where the size does not divide)."""
+        start, end = self.held_rows(tp_rank, tp_size)
         return tuple(end - start if k == self.axis else n for k, n in enumerate(self.shape))
 
 
@@ -154,16 +155,13 @@ def tensor_spec(shape: ModelShape, name: str) -> TensorSpec:
     return TensorSpec(name, full(shape), dim)
 
 
-def tp_divisibility_error(shape: ModelShape, tp: int, vocab: bool = True) -> str | None:
-    """Why a TP group of size `tp` cannot split this model (by whole heads, ffn rows and, with
-    `vocab` (a stage holding the embedding or the head), vocabulary rows), or None if it can."""
-    dims = {"heads": shape.heads, "kv_heads": shape.n_kv_heads, "ffn": shape.ffn, **({"vocab": shape.vocab} if vocab else {})}
+def tp_divisibility_error(shape: ModelShape, tp: int) -> str | None:
+    """Why a TP group of size `tp` cannot split this model's blocks (by whole heads and ffn rows),
+    or None if it can. The vocabulary splits by rows whatever its size (`geometry.rows_of`)."""
+    dims = {"heads": shape.heads, "kv_heads": shape.n_kv_heads, "ffn": shape.ffn}
     bad = [f"{k}={v}" for k, v in dims.items() if v % tp]
     if not bad:
         return None
     ok = [d for d in range(1, shape.heads + 1) if all(v % d == 0 for v in dims.values())]
-    pad = (" (only the stages holding the embedding or the head split the vocabulary, by rows: pad it to a "
-           "multiple of 128, as Megatron does, or give those stages a TP size that divides it)"
-           if shape.vocab % tp and vocab else "")
     return (f"TP size {tp} does not divide {', '.join(bad)}; sizes that divide "
-            f"{', '.join(f'{k}={v}' for k, v in dims.items())}: {', '.join(map(str, ok))}{pad}")
+            f"{', '.join(f'{k}={v}' for k, v in dims.items())}: {', '.join(map(str, ok))}")

@@ -469,7 +469,7 @@ class WorkerGroup:
         devices = sorted(roles)
         refs = [self.workers[d].train_step.remote(splits[roles[d].pipeline], loss_tokens) for d in devices]
         self._inflight, self._inflight_since = dict(zip(refs, devices)), time.monotonic()
-        per = {r["device"]: r for r in self._get(refs, f"train_step {self._step}", devices=devices)}
+        per = {r["device"]: r for r in self._get(refs, f"train_step {self._step}", devices=devices, step=True)}
         # Each worker ran the last step's update before this step (below): part of this iteration.
         for d, u in self._take_updates().items():
             if d in per:
@@ -498,13 +498,13 @@ class WorkerGroup:
         for ids in batches:
             splits = split_for_plan(ids, plan)
             refs = [self.workers[d].eval_step.remote(splits[roles[d].pipeline], loss_tokens) for d in devices]
-            total += self._get(refs, "eval_step", devices=devices)[0]["loss"]
+            total += self._get(refs, "eval_step", devices=devices, step=True)[0]["loss"]
         return total
 
     def _take_updates(self) -> dict[int, dict]:
         """The answers of the last step's apply_update calls, {device: answer}; a failure is left for
         `recover` to find."""
-        answers = self._get(list(self._updates), "apply_update", devices=list(self._updates.values()))
+        answers = self._get(list(self._updates), "apply_update", devices=list(self._updates.values()), step=True)
         out, self._updates = dict(zip(self._updates.values(), answers)), {}
         return out
 
@@ -552,7 +552,7 @@ class WorkerGroup:
         deadline = self._inflight_since + self.timeout_s + HANG_MARGIN_S + 2 * self._longest_step_s
         done, stuck = (ray.wait(list(refs), num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
                        if refs else ([], []))
-        while stuck and self._working({r: refs[r] for r in stuck}):     # slow, not hung: its ops still finish
+        while stuck and self._stall({r: refs[r] for r in stuck}) is None:   # slow, not hung: its ops still finish
             more, stuck = ray.wait(stuck, num_returns=len(stuck), timeout=0)
             done = [*done, *more]
         lost = {refs[r] for r in stuck}
@@ -594,17 +594,20 @@ class WorkerGroup:
         refs = {getattr(self.workers[d], method).remote(*args): d for d in devices}
         return self._settle(refs, self.timeout_s + ANSWER_MARGIN_S if timeout is None else timeout)
 
-    def _working(self, calls: dict) -> bool:
-        """Whether the devices of these calls in flight ({ref: device}) still work: over one collective
-        timeout, some call returns or some device's clock finishes ops (read on its control thread,
-        which answers mid-step). A device hung, or stopped, finishes none and may not answer at all."""
+    def _stall(self, calls: dict) -> str | None:
+        """Why the devices of these calls in flight ({ref: device}) have stopped working, or None while
+        they work: within one collective timeout some call returns, or some device's clock finishes
+        ops (read on its control thread, which answers mid-step). A device that answers only one of
+        the two reads may be late on a loaded host, not stopped: it counts as working. One hung,
+        stopped or dead answers neither."""
         devices = sorted(set(calls.values()))
         before = self._answers("progress", devices, timeout=PROGRESS_ANSWER_S)[0]
-        if not before:
-            return False
-        ready, _ = ray.wait(list(calls), num_returns=len(calls), timeout=self.timeout_s)
-        after = self._answers("progress", sorted(before), timeout=PROGRESS_ANSWER_S)[0]
-        return bool(ready) or any(after.get(d, n) != n for d, n in before.items())
+        ready, _ = ray.wait(list(calls), num_returns=1, timeout=self.timeout_s)
+        after = self._answers("progress", devices, timeout=PROGRESS_ANSWER_S)[0]
+        if ready or any(after.get(d) != before.get(d) for d in devices):
+            return None
+        return "; ".join(f"device {d} finished no op in {self.timeout_s:g} s" if d in after else
+                         f"device {d} does not answer (hung, stopped or dead)" for d in devices)
 
     @staticmethod
     def _settle(refs: dict, timeout: float) -> tuple[dict, set[int]]:
@@ -816,22 +819,25 @@ class WorkerGroup:
                 timeout=self.timeout_s)
 
     # ------------------------------------------------------------------ helpers
-    def _get(self, refs: list, what: str, devices: Sequence[int] | None = None) -> list:
+    def _get(self, refs: list, what: str, devices: Sequence[int] | None = None, step: bool = False) -> list:
         """ray.get that names the failing device and does not hang on the others (which would wait in
-        a collective for the failed one until the torch.distributed timeout). Past the collective
-        timeout and a margin, a call still out fails only once its device stops working (`_working`):
-        a slow step is waited for."""
+        a collective for the failed one until the torch.distributed timeout). A call still out past
+        the collective timeout and a margin fails; a `step`'s (train, eval, update) only once its
+        device stops working (`_stall`): a slow step is waited for."""
         devices = list(range(len(refs))) if devices is None else list(devices)
         index = {r: i for i, r in enumerate(refs)}
-        pending, deadline = list(refs), time.monotonic() + self.timeout_s + ANSWER_MARGIN_S
+        start = time.monotonic()
+        pending, deadline = list(refs), start + self.timeout_s + ANSWER_MARGIN_S
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                if self._working({r: devices[index[r]] for r in pending}):
+                late = [devices[index[r]] for r in pending]
+                why = self._stall({r: devices[index[r]] for r in pending}) if step else "no answer"
+                if why is None:
                     deadline = time.monotonic()
                     continue
-                raise WorkerGroupError(f"{what}: devices {[devices[index[r]] for r in pending]} did not answer "
-                                       f"within {self.timeout_s + ANSWER_MARGIN_S:g} s and finish no ops")
+                raise WorkerGroupError(f"{what}: devices {late} have not answered after "
+                                       f"{time.monotonic() - start:.0f} s: {why}")
             try:
                 ray.get(ready[0])
             except Exception as e:

@@ -116,7 +116,7 @@ def validate_plan_for_model(shape: ModelShape, plan: Plan) -> None:
         raise ValueError(f"plan {plan.plan_id} has {plan.num_layers} layers, the model has {shape.layers}")
     for i, pipe in enumerate(plan.pipelines):
         for j, st in enumerate(pipe.stages):
-            err = tp_divisibility_error(shape, st.tp, vocab=j in (0, len(pipe.stages) - 1))
+            err = tp_divisibility_error(shape, st.tp)
             if err:
                 raise ValueError(f"pipeline {i} stage {j} (devices {list(st.devices)}): {err}")
 

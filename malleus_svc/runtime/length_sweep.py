@@ -188,9 +188,8 @@ def _timed_parts(mixes, shape, layers, repeats, warmup, seed, threads, stat, clo
     stat = _stat_for(stat, clock)
     if stat not in _STATS:
         raise LengthError("stat", stat, f"one of {sorted(_STATS)}")
-    # the sweep times blocks: the vocabulary is not split
-    if not (isinstance(tp, int) and tp >= 1) or tp_divisibility_error(shape, tp, vocab=False):
-        raise LengthError("tp", tp, tp_divisibility_error(shape, tp, vocab=False) if isinstance(tp, int) and tp >= 1
+    if not (isinstance(tp, int) and tp >= 1) or tp_divisibility_error(shape, tp):
+        raise LengthError("tp", tp, tp_divisibility_error(shape, tp) if isinstance(tp, int) and tp >= 1
                           else "an integer >= 1")
     for mix in mixes:
         if not mix or min(mix) < 1:

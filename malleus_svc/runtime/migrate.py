@@ -196,7 +196,7 @@ def _check(old: Plan, new: Plan, shape: ModelShape) -> None:
     for which, plan in (("old", old), ("new", new)):
         for i, pipe in enumerate(plan.pipelines):
             for j, st in enumerate(pipe.stages):
-                err = tp_divisibility_error(shape, st.tp, vocab=j in (0, len(pipe.stages) - 1))
+                err = tp_divisibility_error(shape, st.tp)
                 if err:
                     raise MigrationError(f"{which} plan pipeline {i} stage {j}: {err}")
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from malleus_svc.config.presets import ModelShape
@@ -53,7 +54,7 @@ def take_shard(name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> tor
 
 def _parameter(spec: TensorSpec, tp: TensorParallel) -> nn.Parameter:
     """An uninitialised parameter of this TP rank's shard shape (`init_from_seed` fills it)."""
-    return nn.Parameter(torch.empty(spec.shard_shape(tp.size)))
+    return nn.Parameter(torch.empty(spec.shard_shape(tp.size, tp.rank)))
 
 
 def _by_local_name(shape: ModelShape, part: Part) -> dict[str, TensorSpec]:
@@ -367,15 +368,23 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], packing: Packing) -> torch.Tensor:
         if self.by_policy and self.attn.tp.size == 1 and torch.is_grad_enabled():
-            # one graph: the storing code, all of it under the policy
-            return checkpoint(self._layers, x, rope, packing, False, use_reentrant=False, preserve_rng_state=False,
-                              context_fn=_selective_contexts)
+            # one graph: the storing code, all of it under the policy; recomputed on the weights it
+            # runs on now (as `_run_block`: a working copy is bound only for this call)
+            return checkpoint(_storing_layers, x, self, dict(self.named_parameters()), rope, packing,
+                              use_reentrant=False, preserve_rng_state=False, context_fn=_selective_contexts)
         return self._layers(x, rope, packing, self.selective)
 
     def _layers(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], packing: Packing,
                 selective: bool) -> torch.Tensor:
         x = x + self.attn(x, self.attn_norm, rope, packing, selective)
         return x + self.mlp(x, self.mlp_norm, packing.num_tokens, selective, self.by_policy)
+
+
+def _storing_layers(x: torch.Tensor, block: Block, weights: Mapping[str, torch.Tensor], rope, packing: Packing
+                    ) -> torch.Tensor:
+    # functional_call's rebinding, without its call of the block's forward (which would come back here)
+    with _reparametrize_module(block, weights):
+        return block._layers(x, rope, packing, False)
 
 
 # The ops whose outputs selective recomputation keeps, by name (the attention kernels' own ops are
@@ -510,12 +519,14 @@ class LMHead(nn.Module):
         super().__init__()
         self.tp = tp
         self.weight = _parameter(spec, tp)
-        self.first = shard_rows(spec.shape[0], tp.rank, tp.size)[0]
-        self.chunk = loss_chunk_tokens(spec.shard_shape(tp.size)[0])
+        self.vocab = spec.shape[0]
+        self.first = shard_rows(self.vocab, tp.rank, tp.size)[0]
+        self.chunk = loss_chunk_tokens(spec.shard_shape(tp.size)[0])   # rank 0's: the group's chunks must agree
 
     def forward(self, x: torch.Tensor, tokens: int) -> torch.Tensor:
         """The logits of every token (this rank holds `x`, its rows) over the whole vocabulary."""
-        return gather_from_region(linear(gather_from_sequence(x, self.tp, tokens), self.weight), self.tp)
+        logits = linear(gather_from_sequence(x, self.tp, tokens), self.weight)
+        return gather_from_region(logits, self.tp, self.vocab)
 
     def loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The summed cross-entropy of every token's logits (this rank holds `x`, its rows) against
@@ -537,7 +548,7 @@ class StageModel(nn.Module):
     def __init__(self, shape: ModelShape, layers: tuple[int, int], *, has_embedding: bool,
                  has_head: bool, tp: TensorParallel = SINGLE, recompute: str = "none"):
         super().__init__()
-        err = tp_divisibility_error(shape, tp.size, vocab=has_embedding or has_head)
+        err = tp_divisibility_error(shape, tp.size)
         if err:
             raise ValueError(err)
         if recompute not in RECOMPUTE:

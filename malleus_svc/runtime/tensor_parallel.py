@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from malleus_svc.geometry import sequence_rows
+from malleus_svc.geometry import sequence_rows, shard_rows
 
 
 @dataclass
@@ -52,12 +52,10 @@ class TensorParallel:
             dist.all_reduce(out, op=op, group=self.group)
         return out
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's `x` side by side along the last dim, in TP rank order."""
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        with self._timed():
-            dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat([parts[g] for g in self.group_ranks], dim=-1)
+    def all_gather(self, x: torch.Tensor, size: int) -> torch.Tensor:
+        """Every rank's `x` side by side along the last dim, in TP rank order: all `size` columns,
+        split as a tensor's rows are (`geometry.shard_rows`)."""
+        return self.gather_sequence(x.movedim(-1, 0), size).movedim(0, -1).contiguous()
 
     def rows(self, tokens: int) -> tuple[int, int]:
         """This rank's rows [start, end) of a micro-batch of `tokens` tokens."""
@@ -120,9 +118,6 @@ class LocalShard(TensorParallel):
     def all_reduce(self, x: torch.Tensor, op: "dist.ReduceOp" = dist.ReduceOp.SUM) -> torch.Tensor:
         return x.contiguous().clone()
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x] * self.size, dim=-1)
-
     def gather_sequence(self, own: torch.Tensor, tokens: int) -> torch.Tensor:
         if not own.shape[0]:
             return own.new_zeros((tokens, *own.shape[1:]))
@@ -157,13 +152,14 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
 class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-        ctx.tp, ctx.width = tp, x.shape[-1]
-        return tp.all_gather(x)
+    def forward(ctx, x: torch.Tensor, tp: TensorParallel, size: int) -> torch.Tensor:
+        ctx.tp, ctx.size = tp, size
+        return tp.all_gather(x, size)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad.narrow(-1, ctx.tp.rank * ctx.width, ctx.width), None
+        start, end = shard_rows(ctx.size, ctx.tp.rank, ctx.tp.size)
+        return grad.narrow(-1, start, end - start), None, None
 
 
 def gather_from_sequence(x: torch.Tensor, tp: TensorParallel, tokens: int) -> torch.Tensor:
@@ -178,7 +174,7 @@ def reduce_scatter_to_sequence(x: torch.Tensor, tp: TensorParallel) -> torch.Ten
     return x if tp.size == 1 else _ReduceScatterToSequence.apply(x, tp)
 
 
-def gather_from_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """Leave a TP region whose ranks hold slices of the last dim: the whole forward, the rank's own
-    slice of the gradient backward."""
-    return x if tp.size == 1 else _GatherFromRegion.apply(x, tp)
+def gather_from_region(x: torch.Tensor, tp: TensorParallel, size: int) -> torch.Tensor:
+    """Leave a TP region whose ranks hold slices of the last dim (`size` in all): the whole forward,
+    the rank's own slice of the gradient backward."""
+    return x if tp.size == 1 else _GatherFromRegion.apply(x, tp, size)
