@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from _mp import run_on_gloo
-from malleus_svc.costmodel.profile import LinkTimes
+from malleus_svc.costmodel.profile import CommCosts, LinkTimes
 from malleus_svc.runtime.link_probe import time_links
 from malleus_svc.runtime.nccl_rules import RulesHub, rules_exchange, run_threads
 
@@ -15,8 +15,8 @@ from malleus_svc.runtime.nccl_rules import RulesHub, rules_exchange, run_threads
 def test_the_probe_keeps_nccl_rules_in_order_unbuffered_one_batch_per_message():
     # three ranks, two pairs timed one after the other: rank 0 leads both, rank 2 waits its turn
     hub = RulesHub(3, timeout=10.0)
-    pairs = [(0, 1), (0, 2)]
-    fns = {r: functools.partial(time_links, r, pairs, [], 256, 0, torch.float32, torch.device("cpu"), repeats=3,
+    rounds = [[(0, 1)], [(0, 2)]]
+    fns = {r: functools.partial(time_links, r, rounds, [], 256, 0, torch.float32, torch.device("cpu"), repeats=3,
                                 exchange=rules_exchange(hub, r)) for r in range(3)}
     out = run_threads(fns, hub)
     assert set(out[0]["pairs"]) == {0, 1} and out[1]["pairs"] == {} and out[2]["pairs"] == {}
@@ -24,8 +24,27 @@ def test_the_probe_keeps_nccl_rules_in_order_unbuffered_one_batch_per_message():
     assert all(o["all_reduce"] is None for o in out.values())   # fewer than two reducers: nothing reduced
 
 
+def test_pairs_of_a_round_run_at_once_each_with_its_share_of_the_tensor():
+    """A boundary between TP groups of two: both pairs post together (the rules hub would deadlock
+    a round that waited on the other pair), each moving half the tensor."""
+    hub = RulesHub(4, timeout=10.0)
+    sizes = []
+    exchanges = {r: rules_exchange(hub, r) for r in range(4)}
+
+    def sized(r):
+        def exchange(messages, tag):
+            sizes.extend(m.tensor.numel() for m in messages)
+            return exchanges[r](messages, tag)
+        return exchange
+    fns = {r: functools.partial(time_links, r, [[(0, 1), (2, 3)]], [], 256, 0, torch.float32, torch.device("cpu"),
+                                repeats=2, exchange=sized(r)) for r in range(4)}
+    out = run_threads(fns, hub)
+    assert set(out[0]["pairs"]) == {0} and set(out[2]["pairs"]) == {0} and not out[1]["pairs"] and not out[3]["pairs"]
+    assert set(sizes) == {128}
+
+
 def _probe(rank: int, world: int, elements: int) -> dict:
-    return time_links(rank, [(0, 1), (1, 2)], [0, 2], 4096, elements, torch.float32, torch.device("cpu"), repeats=9)
+    return time_links(rank, [[(0, 1)], [(1, 2)]], [0, 2], 4096, elements, torch.float32, torch.device("cpu"), repeats=9)
 
 
 def test_links_are_timed_on_a_gloo_world_and_a_bigger_all_reduce_takes_longer():
@@ -40,11 +59,16 @@ def test_links_are_timed_on_a_gloo_world_and_a_bigger_all_reduce_takes_longer():
 
 
 def test_link_seconds_become_t0_units():
-    links = LinkTimes(p2p_intra_node_s=0.002, p2p_inter_node_s=0.01, grad_sync_per_block_s=0.004, reducers=4)
+    links = LinkTimes(p2p_intra_node_s=0.002, p2p_inter_node_s=0.01, grad_sync_per_block_s=0.004, reducers=4,
+                      p2p_shares=((2, 0.7), (4, 0.6)))
     comm = links.comm_costs(t0_seconds=0.02)
     assert comm.p2p_intra_node == pytest.approx(0.1) and comm.p2p_inter_node == pytest.approx(0.5)
     assert comm.grad_sync_per_block == pytest.approx(0.2)
-    assert "among 4 devices" in links.describe()
+    assert "among 4 devices" in links.describe() and "4 pairs at once with 1/4 each 0.60x" in links.describe()
+    # measured: the share at the largest k measured up to k; a datasheet's links are each device's own
+    assert [comm.p2p_share(k) for k in (1, 2, 3, 4, 8)] == [1.0, 0.7, 0.7, 0.6, 0.6]
+    assert [CommCosts(p2p_intra_node=1.0).p2p_share(k) for k in (1, 2, 8)] == [1.0, 0.5, 0.125]
+    assert LinkTimes(0.002, None, 0.004, 2).comm_costs(0.02).p2p_share(4) == 1.0   # nothing measured: the whole
 
 
 def test_on_one_node_the_round_trip_within_it_prices_every_boundary():

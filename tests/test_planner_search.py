@@ -247,6 +247,17 @@ def test_full_objective_counts_communication():
     assert res.objective > bubble
 
 
+def test_p2p_between_tp_groups_is_priced_by_the_smaller_group():
+    """Stages on nodes 0, 0, 1 in groups of 4, 2 and 4: both boundaries move as two transfers at
+    once (the pair's smaller group), half the tensor each on a datasheet's links; a stage pays half
+    of each boundary beside it."""
+    from malleus_svc.planner.organize import p2p_extras
+
+    pr = example_16(objective="full", comm=CommCosts(p2p_intra_node=0.5, p2p_inter_node=2.0))
+    assert p2p_extras(pr, [0, 0, 1], [4, 2, 4]) == pytest.approx((0.125, 0.625, 0.5))
+    assert p2p_extras(pr, [0, 0, 1], [1, 1, 1]) == pytest.approx((0.25, 1.25, 1.0))
+
+
 def test_infeasible_memory_says_why_with_numbers():
     pr = example_16(memory=MemoryProfile((30000, 28000, 26000, 24000), 600, 4500, 4096, 24000))
     with pytest.raises(InfeasibleError) as e:

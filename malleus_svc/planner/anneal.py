@@ -56,7 +56,7 @@ def score_rows(scorer: Scorer, rows: Sequence[Sequence[Group]], idle: Sequence[G
     ordered = tuple(_ordered(scorer.for_pipelines(len(rows)), r) for r in rows)
     full = scorer.objective == "full"
     s = scorer.score([[g.cls for g in r] for r in ordered],
-                     [scorer.p2p(tuple(g.node for g in r)) for r in ordered] if full else None,
+                     [scorer.p2p(tuple(g.node for g in r), tuple(g.size for g in r)) for r in ordered] if full else None,
                      [[g.size for g in r] for r in ordered] if full else None)
     return None if s is None else Organisation(ordered, tuple(idle), s)
 

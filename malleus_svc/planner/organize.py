@@ -101,11 +101,12 @@ class Scorer:
             root._by_count[count] = sub
         return root._by_count[count]
 
-    def p2p(self, nodes: tuple[int | None, ...]) -> tuple[float, ...]:
-        """`p2p_extras` of a pipeline whose stages sit on these nodes (templates repeat them)."""
-        if nodes not in self._p2p:
-            self._p2p[nodes] = p2p_extras(self.problem, nodes)
-        return self._p2p[nodes]
+    def p2p(self, nodes: tuple[int | None, ...], sizes: tuple[int, ...]) -> tuple[float, ...]:
+        """`p2p_extras` of a pipeline whose stages sit on these nodes in groups of these sizes
+        (templates repeat them)."""
+        if (nodes, sizes) not in self._p2p:
+            self._p2p[nodes, sizes] = p2p_extras(self.problem, nodes, sizes)
+        return self._p2p[nodes, sizes]
 
     def layers(self, ys: Sequence[float], hs: Sequence[int], extra: Sequence[float] | None = None,
                prefer: Sequence[int] | None = None) -> LayerSolution | None:
@@ -241,22 +242,24 @@ def _frozen(rows: Sequence[Sequence] | None) -> tuple | None:
     return None if rows is None else tuple(tuple(r) for r in rows)
 
 
-def p2p_extras(problem: PlannerProblem, nodes: Sequence[int | None]) -> tuple[float, ...]:
-    """Per-stage p2p time per micro-batch. A boundary's cost is its forward + backward transfer;
-    the sender pays each direction (blocking sends), so a stage pays half of each adjacent boundary:
-    its output forward and its input gradient backward, intra- or inter-node.
-    An unknown node (a placeholder) next to a known one counts as inter-node; two placeholders
-    side by side count as intra-node (`fill` puts consecutive normal groups on one node if it can)."""
+def p2p_extras(problem: PlannerProblem, nodes: Sequence[int | None], sizes: Sequence[int]) -> tuple[float, ...]:
+    """Per-stage p2p time per micro-batch of stages on these nodes in TP groups of these sizes. A
+    boundary's cost is its forward + backward transfer, intra- or inter-node, times the share its
+    groups' ranks move at once (`CommCosts.p2p_share` of the smaller size); the sender pays each
+    direction (blocking sends), so a stage pays half of each adjacent boundary: its output forward
+    and its input gradient backward. An unknown node (a placeholder) next to a known one counts
+    as inter-node; two placeholders side by side count as intra-node (`fill` puts consecutive
+    normal groups on one node if it can)."""
     c = problem.comm
     if not (c.p2p_intra_node or c.p2p_inter_node):
         return (0.0,) * len(nodes)
 
-    def edge(a: int | None, b: int | None) -> float:
+    def edge(j: int) -> float:
+        a, b = nodes[j], nodes[j + 1]
         same = (a is None and b is None) or (a is not None and a == b)
-        return c.p2p_intra_node if same else c.p2p_inter_node
+        return (c.p2p_intra_node if same else c.p2p_inter_node) * c.p2p_share(min(sizes[j], sizes[j + 1]))
     s = len(nodes)
-    return tuple(0.5 * ((edge(nodes[j - 1], nodes[j]) if j > 0 else 0.0) + (edge(nodes[j], nodes[j + 1]) if j < s - 1 else 0.0))
-                 for j in range(s))
+    return tuple(0.5 * ((edge(j - 1) if j > 0 else 0.0) + (edge(j) if j < s - 1 else 0.0)) for j in range(s))
 
 
 def template_classes(template: Template, specials: Sequence[Group]) -> list[list[tuple[float, int]]]:
@@ -266,9 +269,9 @@ def template_classes(template: Template, specials: Sequence[Group]) -> list[list
 def score_template(scorer: Scorer, template: Template, specials: Sequence[Group], tp: int,
                    below: float = math.inf) -> Score | None:
     full = scorer.objective == "full"
-    extras = [scorer.p2p(tuple(specials[g].node if g != NORMAL else None for g in pipe))
-              for pipe in template] if full else None
-    sizes = [[specials[g].size if g != NORMAL else tp for g in pipe] for pipe in template] if full else None
+    sizes = [tuple(specials[g].size if g != NORMAL else tp for g in pipe) for pipe in template] if full else None
+    extras = [scorer.p2p(tuple(specials[g].node if g != NORMAL else None for g in pipe), size)
+              for pipe, size in zip(template, sizes)] if full else None
     return scorer.score(template_classes(template, specials), extras, sizes, below=below)
 
 

@@ -188,7 +188,7 @@ def _relaid(problem: PlannerProblem, plan: Plan, pipe: Pipeline) -> Pipeline:
     activations for a few elementwise passes; full, nearly all of them for a third longer blocks."""
     stages = pipe.stages
     rates = [group_rate(problem, s.devices) for s in stages]
-    extra = list(p2p_extras(problem, [plan.node_of(s.devices[0]) for s in stages])
+    extra = list(p2p_extras(problem, [plan.node_of(s.devices[0]) for s in stages], [s.tp for s in stages])
                  if problem.objective == "full" else [0.0] * len(stages))
     caps = {m: _caps(problem, plan, pipe, m) for m in RECOMPUTE}
 
@@ -334,7 +334,8 @@ def check_plan_fits(problem: PlannerProblem, plan: Plan, where: str = "plan") ->
 def _stage_times(problem: PlannerProblem, plan: Plan, pipe: Pipeline) -> tuple[float, ...]:
     """t0 per micro-batch of each stage: blocks × group rate, plus its p2p under 'full'."""
     nodes = [plan.node_of(s.devices[0]) for s in pipe.stages]
-    ex = p2p_extras(problem, nodes) if problem.objective == "full" else (0.0,) * len(nodes)
+    ex = (p2p_extras(problem, nodes, [s.tp for s in pipe.stages]) if problem.objective == "full"
+          else (0.0,) * len(nodes))
     return tuple(group_rate(problem, s.devices) * s.num_layers * recompute_time_factor(s.recompute)
                  + e for s, e in zip(pipe.stages, ex))
 
@@ -691,7 +692,8 @@ def _concretise(problem: PlannerProblem, scorer: Scorer, f: _Finalist, ctx: _Pre
     """A finalist organisation as a Plan: concrete normal groups, layers re-solved with the exact
     p2p terms ('full') and preferring the previous plan's layer counts, 0-block stages dropped."""
     rows = fill(f.template, f.specials, f.normals, f.score.layers, ctx.ranges)
-    extras = [p2p_extras(problem, [g.node for g in row]) for row in rows] if problem.objective == "full" else None
+    extras = ([p2p_extras(problem, [g.node for g in row], [g.size for g in row]) for row in rows]
+              if problem.objective == "full" else None)
     prefer = [[ctx.stage_layers.get(frozenset(g.devices), l) for g, l in zip(row, ls)]
               for row, ls in zip(rows, f.score.layers)] if ctx.plan is not None else None
     prev_m = ([p.micro_batches for p in ctx.plan.pipelines]

@@ -719,9 +719,10 @@ class WorkerGroup:
         `costmodel.profile.LinkTimes`: a round trip of one boundary tensor (`boundary_tokens` ×
         hidden) between two devices of one node and between the first devices of two nodes (none
         on one node; with no two devices on one node, the round trip across nodes stands for
-        both), and the all-reduce of one block's gradients among the holders of the first block
-        (one per pipeline; with one pipeline, the first device of each node, or two devices).
-        Between steps."""
+        both); k = 2, 4, ... pairs at once, each with 1/k of it (a boundary between TP groups of k),
+        across two nodes of k devices or else within one of 2k, up to a node's size; and the
+        all-reduce of one block's gradients among the holders of the first block (one per pipeline;
+        with one pipeline, the first device of each node, or two devices). Between steps."""
         from malleus_svc.costmodel.profile import LinkTimes
 
         from .gradient_sync import GRAD_BUCKET_BYTES
@@ -734,19 +735,37 @@ class WorkerGroup:
         firsts = [ds[0] for ds in by_node.values()]
         intra = next(((ds[0], ds[1]) for ds in by_node.values() if len(ds) > 1), None)
         inter = (firsts[0], firsts[1]) if len(firsts) > 1 else None
-        pairs = [p for p in (intra, inter) if p is not None]
+        rounds = [[p] for p in (intra, inter) if p is not None]
+        single = {"intra": 0 if intra else None, "inter": len(rounds) - 1 if inter else None}
+        parallel = []    # (k, its round, the round of the one pair it is compared with)
+        k = 2
+        while k <= self.gpus_per_node:
+            wide = [ds for ds in by_node.values() if len(ds) >= k]
+            if len(wide) > 1:
+                parallel.append((k, len(rounds), single["inter"]))
+                rounds.append(list(zip(wide[0][:k], wide[1][:k])))
+            elif any(len(ds) >= 2 * k for ds in by_node.values()):
+                ds = next(ds for ds in by_node.values() if len(ds) >= 2 * k)
+                parallel.append((k, len(rounds), single["intra"]))
+                rounds.append([(ds[2 * i], ds[2 * i + 1]) for i in range(k)])
+            else:
+                break
+            k *= 2
         holders = [p.stages[0].devices[0] for p in self.plan.pipelines]
         reducers = holders if len(holders) > 1 else firsts if len(firsts) > 1 else list(intra or ())
         block = shape.block_params()
         elements = min(self.plan.num_layers * block, GRAD_BUCKET_BYTES // 4)   # one bucket, as GradientSync sends
-        answers = self._each("time_links", pairs, reducers, boundary_tokens * shape.hidden, elements, repeats)
-        led = {i: t for a in answers for i, t in a["pairs"].items()}
+        answers = self._each("time_links", rounds, reducers, boundary_tokens * shape.hidden, elements, repeats)
+        led: dict[int, float] = {}      # a round takes as long as its slowest pair
+        for a in answers:
+            for i, t in a["pairs"].items():
+                led[i] = max(led.get(i, 0.0), t)
         reduce_s = max((a["all_reduce"] for a in answers if a["all_reduce"] is not None), default=0.0)
-        p2p = [led.get(i, 0.0) for i in range(len(pairs))]
-        inter_s = p2p[-1] if inter is not None else None
-        intra_s = p2p[0] if intra is not None else inter_s or 0.0
+        inter_s = led[single["inter"]] if inter is not None else None
+        intra_s = led[single["intra"]] if intra is not None else inter_s or 0.0
+        shares = tuple((k, led[i] / led[one]) for k, i, one in parallel if led.get(one))
         return LinkTimes(p2p_intra_node_s=intra_s, p2p_inter_node_s=inter_s,
-                         grad_sync_per_block_s=reduce_s * block / elements, reducers=len(reducers))
+                         grad_sync_per_block_s=reduce_s * block / elements, reducers=len(reducers), p2p_shares=shares)
 
     def pace(self, tokens: int, flops_per_second: float | None = None, bytes_per_second: float | None = None,
              block_seconds: float | None = None):

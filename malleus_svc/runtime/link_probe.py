@@ -11,6 +11,9 @@ seconds into t0 units with its measured healthy block time (`LinkTimes.comm_cost
     one micro-batch moves across one stage boundary. Each message is one batched post, as the stage
     transport's are, so the probe keeps NCCL's rules (`exchange` takes `nccl_rules.rules_exchange`
     in the tests);
+  * the hand-off between TP groups: k disjoint pairs at once, each with 1/k of the tensor, what a
+    boundary between groups of k devices moves under sequence parallelism. On GPUs each pair has
+    links of its own; CPU stand-ins on one host share its memory and cores;
   * gradient all-reduce: one bucket of fp32 gradients (a block's, or as many blocks as the runtime's
     bucket holds) all-reduced among the devices given (one holder per pipeline, as GradientSync
     reduces), its time scaled to one block.
@@ -74,22 +77,24 @@ def all_reduce_seconds(tensor: torch.Tensor, group: "dist.ProcessGroup", repeats
     return statistics.median(times)
 
 
-def time_links(me: int, pairs: Sequence[tuple[int, int]], reducers: Sequence[int], boundary_elements: int,
-               reduce_elements: int, dtype: torch.dtype, device: torch.device, repeats: int = 9,
-               exchange: Exchange = batched_exchange) -> dict:
+def time_links(me: int, rounds: Sequence[Sequence[tuple[int, int]]], reducers: Sequence[int],
+               boundary_elements: int, reduce_elements: int, dtype: torch.dtype, device: torch.device,
+               repeats: int = 9, exchange: Exchange = batched_exchange) -> dict:
     """This device's part of the probe; every device of the world calls it with the same arguments.
 
-    The pairs are timed one after another, then the all-reduce among `reducers` (if two or more):
-    each device walks that one order, so every step waits only for peers on the same step.
-    Returns {"pairs": {index: seconds}} for the pairs this device led (their first device) and
-    "all_reduce": this member's seconds (None when it is not a reducer)."""
+    The rounds are timed one after another, each round's disjoint pairs at once, each pair with
+    1/k of the boundary tensor in a round of k; then the all-reduce among `reducers` (if two or
+    more): each device walks that one order, so every step waits only for peers on the same step.
+    Returns {"pairs": {round: seconds}} for the rounds where this device led a pair (its first
+    device) and "all_reduce": this member's seconds (None when it is not a reducer)."""
     from malleus_svc.runtime.groups import member_group
 
     out: dict = {"pairs": {}, "all_reduce": None}
-    boundary = torch.ones(boundary_elements, dtype=dtype, device=device)
-    for i, (a, b) in enumerate(pairs):
-        if me in (a, b):
-            t = ping_pong_seconds(me, a, b, boundary, repeats, exchange)
+    for i, pairs in enumerate(rounds):
+        mine = [p for p in pairs if me in p]
+        if mine:
+            boundary = torch.ones(max(1, boundary_elements // len(pairs)), dtype=dtype, device=device)
+            t = ping_pong_seconds(me, *mine[0], boundary, repeats, exchange)
             if t is not None:
                 out["pairs"][i] = t
     if len(reducers) > 1 and me in reducers:

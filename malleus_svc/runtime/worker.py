@@ -406,8 +406,8 @@ class DeviceWorker:
         return {"device": self.device_id, "compute_seconds": self.clock.read().get("probe", 0.0),
                 "pace_ops": self.clock.pace_count.ops, "pace_on": self.clock.pace_count.on_pace}
 
-    def time_links(self, pairs: Sequence[tuple[int, int]], reducers: Sequence[int], boundary_elements: int,
-                   reduce_elements: int, repeats: int = 9) -> dict:
+    def time_links(self, rounds: Sequence[Sequence[tuple[int, int]]], reducers: Sequence[int],
+                   boundary_elements: int, reduce_elements: int, repeats: int = 9) -> dict:
         """This device's part of the job's link probe (runtime/link_probe.py); boundary tensors in
         the dtype the stage transport sends (the engine's working dtype)."""
         import torch
@@ -415,7 +415,7 @@ class DeviceWorker:
         from .link_probe import time_links
         from .precision import compute_dtype_for
         with self._watched("a link probe"):
-            return time_links(self.device_id, [tuple(p) for p in pairs], list(reducers), int(boundary_elements),
+            return time_links(self.device_id, [[tuple(p) for p in r] for r in rounds], list(reducers), int(boundary_elements),
                               int(reduce_elements), compute_dtype_for(self.torch_device, torch.float32),
                               self.torch_device, int(repeats))
 
