@@ -195,8 +195,9 @@ def _timed_plan(which: str, num_devices: int, seed: int, timeout: float):
                 return Plan.from_json(text), secs
             except queue.Empty:
                 if proc.exitcode:      # died, not stopped: no planning time to report
-                    raise RuntimeError(f"the {which} planner's process failed (exit code {proc.exitcode}); "
-                                       "its error is above") from None
+                    how = (f"was killed by signal {-proc.exitcode}" if proc.exitcode < 0 else
+                           f"failed (exit code {proc.exitcode}; its error is above)")
+                    raise RuntimeError(f"the {which} planner's process {how}") from None
                 if time.perf_counter() >= t + timeout:
                     return None, time.perf_counter() - t
     finally:

@@ -169,7 +169,7 @@ def test_noise_is_no_straggler_a_straggler_is_planned_around_and_its_heal_taken_
     # seconds, not milliseconds: a bound no load reaches, a unit slip would
     assert links["reducers"] == STORY_DEVICES and 0 < links["p2p_intra_node_s"] < 10
     # two pairs at once with half the tensor each: what a boundary between TP pairs moves
-    assert [k for k, _ in links["p2p_shares"]] == [2] and all(0 < s < 10 for _, s in links["p2p_shares"])
+    assert [(w, k) for w, k, _ in links["p2p_shares"]] == [("intra", 2)] and 0 < links["p2p_shares"][0][2] < 10
     assert 0 < links["grad_sync_per_block_s"] < 10
     rates = ray.get(loop.rates.remote())["effective"]
     assert len(rates) == STORY_DEVICES and max(rates.values()) < 1.3, rates

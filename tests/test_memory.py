@@ -191,8 +191,8 @@ def _plan_file(cache={}):
 
 def test_the_planner_uses_memory_only_a_sharded_optimizer_frees():
     """70B on 64 GiB devices: memory binds, and the planner, told the optimizer's state is sharded,
-    finds a better plan than it can without, one that would not fit unsharded (0.7% better since
-    boundaries between TP groups are priced as sequence parallelism moves them: BENCHMARKS.md)."""
+    finds a better plan than it can without (0.7% better since boundaries between TP groups are
+    priced as sequence parallelism moves them: BENCHMARKS.md), one that would not fit unsharded."""
     from pathlib import Path
 
     from malleus_svc.config.job import load_scenario_of
@@ -204,7 +204,7 @@ def test_the_planner_uses_memory_only_a_sharded_optimizer_frees():
     plain = build_problem(sc)
     sharded = build_problem(dataclasses.replace(sc, shard_optimizer=True))
     best, best_sharded = plan(plain), plan(sharded)
-    assert best_sharded.objective < best.objective * (1 - 1e-3)
+    assert best_sharded.objective < best.objective * 0.995
     assert not memory_violations(sharded, best_sharded.plan) and not memory_violations(plain, best.plan)
     assert memory_violations(plain, best_sharded.plan)
 

@@ -360,7 +360,7 @@ def test_a_step_whose_live_device_finishes_no_op_is_not_waited_for(group, monkey
         t0 = time.monotonic()
         with pytest.raises(cluster.WorkerGroupError, match=r"train_step: devices \[0\] have not answered after "
                                                             r"\d+ s: device 0 finished no op in 1 s"):
-            group._get([ref], "train_step", devices=[0], step=True)
+            group._get([ref], "train_step", devices=[0])
         assert time.monotonic() - t0 < 8.0
     finally:   # the group is shared: device 0 healthy again, its step run out
         ray.get(group.workers[0].set_slowdown.remote(1.0), timeout=30)

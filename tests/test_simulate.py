@@ -139,7 +139,7 @@ def test_a_boundary_between_tp_groups_sends_each_ranks_rows_at_once_by_hand():
     each direction takes the inter-node 2 x its share / 2, 1/2 on links of each device's own
     (a datasheet), as measured (0.8) where a job timed pairs at once; the planner's stage terms
     say the same."""
-    for shares, per_direction in ((None, 0.5), (((2, 0.8),), 0.8)):
+    for shares, per_direction in ((None, 0.5), ((("inter", 2, 0.8),), 0.8)):
         p = problem(num_devices=4, gpn=2, tp=2, layers=6,
                     comm=CommCosts(p2p_inter_node=2.0, p2p_intra_node=0.1, p2p_shares=shares))
         sim = simulate(chain([((0, 1), 3), ((2, 3), 3)], 2, num_devices=4, gpn=2), p, options=NO_OPT)

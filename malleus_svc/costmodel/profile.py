@@ -151,36 +151,39 @@ class CommCosts:
     p2p_intra_node: float = 0.0   # one stage boundary, one micro-batch, forward + backward, same node
     p2p_inter_node: float = 0.0   # the same across nodes
     grad_sync_per_block: float = 0.0  # all-reduce of one full block's gradients at the slowest link, once per iteration
-    # (k, share) as a job measured them (`LinkTimes`): k parallel pairs each moving 1/k of a
-    # boundary took `share` of one pair's whole. None: every device has links of its own (a GPU's
-    # NVLink and NIC), so share 1/k.
-    p2p_shares: tuple[tuple[int, float], ...] | None = None
+    # (link, k, share) as a job measured them (`LinkTimes`), link "intra" or "inter" node: k pairs at
+    # once, each moving 1/k of a boundary, took `share` of one pair's whole. None: every device has
+    # links of its own (a GPU's NVLink and NIC), so share 1/k.
+    p2p_shares: tuple[tuple[str, int, float], ...] | None = None
 
-    def p2p_share(self, k: int) -> float:
-        """The share of a boundary's p2p terms it takes between TP groups whose smaller one has k
+    def p2p_share(self, k: int, same_node: bool) -> float:
+        """The share of a boundary's p2p term it takes between TP groups whose smaller one has k
         devices: sequence parallelism sends each rank's rows to the ranks that hold them, k
-        transfers at once, each 1/k of the tensor. Measured, at the largest k measured up to k
-        (none measured: the whole)."""
+        transfers at once, each 1/k of the tensor. Measured: on the boundary's kind of link (the
+        other kind's where this one was not measured: the same hosts), at the largest k measured
+        up to k; none measured, the whole."""
         if k <= 1:
             return 1.0
         if self.p2p_shares is None:
             return 1.0 / k
-        return max(((m, s) for m, s in self.p2p_shares if m <= k), default=(1, 1.0))[1]
+        link = "intra" if same_node else "inter"
+        measured = [(m, s) for w, m, s in self.p2p_shares if w == link] or [(m, s) for _, m, s in self.p2p_shares]
+        return max(((m, s) for m, s in measured if m <= k), default=(1, 1.0))[1]
 
 
 @dataclass(frozen=True)
 class LinkTimes:
     """A job's links as its workers timed them (runtime/link_probe.py), in seconds: one boundary
     tensor's round trip (forward and back) within a node and across nodes (None on one node: no
-    such link), one block's fp32 gradient all-reduced among `reducers` devices, and (k, share):
-    k pairs at once, each with 1/k of the tensor, took `share` of one pair's whole round trip
-    (`CommCosts.p2p_share`)."""
+    such link), one block's fp32 gradient all-reduced among `reducers` devices, and (link, k,
+    share): k pairs at once on that kind of link ("intra" or "inter" node), each with 1/k of the
+    tensor, took `share` of one pair's whole round trip there (`CommCosts.p2p_share`)."""
 
     p2p_intra_node_s: float
     p2p_inter_node_s: float | None
     grad_sync_per_block_s: float
     reducers: int
-    p2p_shares: tuple[tuple[int, float], ...] = ()
+    p2p_shares: tuple[tuple[str, int, float], ...] = ()
 
     def comm_costs(self, t0_seconds: float) -> CommCosts:
         """The same terms in t0 units, for the planner."""
@@ -191,6 +194,7 @@ class LinkTimes:
     def describe(self) -> str:
         ms = 1e3
         inter = "" if self.p2p_inter_node_s is None else f", {self.p2p_inter_node_s * ms:.3g} ms across nodes"
-        split = "".join(f"; {k} pairs at once with 1/{k} each {s:.2f}x" for k, s in self.p2p_shares)
+        split = "".join(f"; {k} pairs at once with 1/{k} each {s:.2f}x {'within a node' if w == 'intra' else 'across nodes'}"
+                        for w, k, s in self.p2p_shares)
         return (f"hand-off round trip {self.p2p_intra_node_s * ms:.3g} ms within a node{inter}{split}; gradient "
                 f"all-reduce {self.grad_sync_per_block_s * ms:.3g} ms per block among {self.reducers} devices")

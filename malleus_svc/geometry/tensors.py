@@ -156,8 +156,11 @@ def tensor_spec(shape: ModelShape, name: str) -> TensorSpec:
 
 
 def tp_divisibility_error(shape: ModelShape, tp: int) -> str | None:
-    """Why a TP group of size `tp` cannot split this model's blocks (by whole heads and ffn rows),
-    or None if it can. The vocabulary splits by rows whatever its size (`geometry.rows_of`)."""
+    """Why a TP group of size `tp` cannot split this model (its blocks by whole heads and ffn rows;
+    the vocabulary by rows whatever its size, `geometry.rows_of`, but one at least per rank), or
+    None if it can."""
+    if shape.vocab < tp:
+        return f"TP size {tp} exceeds the vocabulary ({shape.vocab} rows): every rank holds one at least"
     dims = {"heads": shape.heads, "kv_heads": shape.n_kv_heads, "ffn": shape.ffn}
     bad = [f"{k}={v}" for k, v in dims.items() if v % tp]
     if not bad:

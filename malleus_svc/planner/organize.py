@@ -257,7 +257,7 @@ def p2p_extras(problem: PlannerProblem, nodes: Sequence[int | None], sizes: Sequ
     def edge(j: int) -> float:
         a, b = nodes[j], nodes[j + 1]
         same = (a is None and b is None) or (a is not None and a == b)
-        return (c.p2p_intra_node if same else c.p2p_inter_node) * c.p2p_share(min(sizes[j], sizes[j + 1]))
+        return (c.p2p_intra_node if same else c.p2p_inter_node) * c.p2p_share(min(sizes[j], sizes[j + 1]), same)
     s = len(nodes)
     return tuple(0.5 * ((edge(j - 1) if j > 0 else 0.0) + (edge(j) if j < s - 1 else 0.0)) for j in range(s))
 

@@ -469,7 +469,7 @@ class WorkerGroup:
         devices = sorted(roles)
         refs = [self.workers[d].train_step.remote(splits[roles[d].pipeline], loss_tokens) for d in devices]
         self._inflight, self._inflight_since = dict(zip(refs, devices)), time.monotonic()
-        per = {r["device"]: r for r in self._get(refs, f"train_step {self._step}", devices=devices, step=True)}
+        per = {r["device"]: r for r in self._get(refs, f"train_step {self._step}", devices=devices)}
         # Each worker ran the last step's update before this step (below): part of this iteration.
         for d, u in self._take_updates().items():
             if d in per:
@@ -498,13 +498,13 @@ class WorkerGroup:
         for ids in batches:
             splits = split_for_plan(ids, plan)
             refs = [self.workers[d].eval_step.remote(splits[roles[d].pipeline], loss_tokens) for d in devices]
-            total += self._get(refs, "eval_step", devices=devices, step=True)[0]["loss"]
+            total += self._get(refs, "eval_step", devices=devices)[0]["loss"]
         return total
 
     def _take_updates(self) -> dict[int, dict]:
         """The answers of the last step's apply_update calls, {device: answer}; a failure is left for
         `recover` to find."""
-        answers = self._get(list(self._updates), "apply_update", devices=list(self._updates.values()), step=True)
+        answers = self._get(list(self._updates), "apply_update", devices=list(self._updates.values()))
         out, self._updates = dict(zip(self._updates.values(), answers)), {}
         return out
 
@@ -597,14 +597,17 @@ class WorkerGroup:
     def _stall(self, calls: dict) -> str | None:
         """Why the devices of these calls in flight ({ref: device}) have stopped working, or None while
         they work: within one collective timeout some call returns, or some device's clock finishes
-        ops (read on its control thread, which answers mid-step). A device that answers only one of
-        the two reads may be late on a loaded host, not stopped: it counts as working. One hung,
-        stopped or dead answers neither."""
+        ops (read on its control thread, which answers mid-step). One hung, stopped or dead does not
+        answer: when none answers the first read, at once. A device that answers the second read
+        only may have been late on a loaded host: it counts as working; one that answers the first
+        only has stopped answering."""
         devices = sorted(set(calls.values()))
         before = self._answers("progress", devices, timeout=PROGRESS_ANSWER_S)[0]
+        if not before:
+            return "; ".join(f"device {d} does not answer (hung, stopped or dead)" for d in devices)
         ready, _ = ray.wait(list(calls), num_returns=1, timeout=self.timeout_s)
         after = self._answers("progress", devices, timeout=PROGRESS_ANSWER_S)[0]
-        if ready or any(after.get(d) != before.get(d) for d in devices):
+        if ready or any(d in after and after[d] != before.get(d) for d in devices):
             return None
         return "; ".join(f"device {d} finished no op in {self.timeout_s:g} s" if d in after else
                          f"device {d} does not answer (hung, stopped or dead)" for d in devices)
@@ -720,7 +723,7 @@ class WorkerGroup:
         hidden) between two devices of one node and between the first devices of two nodes (none
         on one node; with no two devices on one node, the round trip across nodes stands for
         both); k = 2, 4, ... pairs at once, each with 1/k of it (a boundary between TP groups of k),
-        across two nodes of k devices or else within one of 2k, up to a node's size; and the
+        across two nodes of k devices and within one of 2k, up to a node's size; and the
         all-reduce of one block's gradients among the holders of the first block (one per pipeline;
         with one pipeline, the first device of each node, or two devices). Between steps."""
         from malleus_svc.costmodel.profile import LinkTimes
@@ -737,20 +740,16 @@ class WorkerGroup:
         inter = (firsts[0], firsts[1]) if len(firsts) > 1 else None
         rounds = [[p] for p in (intra, inter) if p is not None]
         single = {"intra": 0 if intra else None, "inter": len(rounds) - 1 if inter else None}
-        parallel = []    # (k, its round, the round of the one pair it is compared with)
-        k = 2
-        while k <= self.gpus_per_node:
+        parallel = []    # (link, k, its round, the round of the one pair it is compared with)
+        for k in (2 ** i for i in range(1, self.gpus_per_node.bit_length())):
             wide = [ds for ds in by_node.values() if len(ds) >= k]
             if len(wide) > 1:
-                parallel.append((k, len(rounds), single["inter"]))
+                parallel.append(("inter", k, len(rounds), single["inter"]))
                 rounds.append(list(zip(wide[0][:k], wide[1][:k])))
-            elif any(len(ds) >= 2 * k for ds in by_node.values()):
-                ds = next(ds for ds in by_node.values() if len(ds) >= 2 * k)
-                parallel.append((k, len(rounds), single["intra"]))
-                rounds.append([(ds[2 * i], ds[2 * i + 1]) for i in range(k)])
-            else:
-                break
-            k *= 2
+            roomy = next((ds for ds in by_node.values() if len(ds) >= 2 * k), None)
+            if roomy:
+                parallel.append(("intra", k, len(rounds), single["intra"]))
+                rounds.append([(roomy[2 * i], roomy[2 * i + 1]) for i in range(k)])
         holders = [p.stages[0].devices[0] for p in self.plan.pipelines]
         reducers = holders if len(holders) > 1 else firsts if len(firsts) > 1 else list(intra or ())
         block = shape.block_params()
@@ -763,7 +762,7 @@ class WorkerGroup:
         reduce_s = max((a["all_reduce"] for a in answers if a["all_reduce"] is not None), default=0.0)
         inter_s = led[single["inter"]] if inter is not None else None
         intra_s = led[single["intra"]] if intra is not None else inter_s or 0.0
-        shares = tuple((k, led[i] / led[one]) for k, i, one in parallel if led.get(one))
+        shares = tuple((link, k, led[i] / led[one]) for link, k, i, one in parallel if led.get(one))
         return LinkTimes(p2p_intra_node_s=intra_s, p2p_inter_node_s=inter_s,
                          grad_sync_per_block_s=reduce_s * block / elements, reducers=len(reducers), p2p_shares=shares)
 
@@ -838,11 +837,11 @@ class WorkerGroup:
                 timeout=self.timeout_s)
 
     # ------------------------------------------------------------------ helpers
-    def _get(self, refs: list, what: str, devices: Sequence[int] | None = None, step: bool = False) -> list:
+    def _get(self, refs: list, what: str, devices: Sequence[int] | None = None) -> list:
         """ray.get that names the failing device and does not hang on the others (which would wait in
-        a collective for the failed one until the torch.distributed timeout). A call still out past
-        the collective timeout and a margin fails; a `step`'s (train, eval, update) only once its
-        device stops working (`_stall`): a slow step is waited for."""
+        a collective for the failed one until the torch.distributed timeout). Past the collective
+        timeout and a margin, a call still out fails only once its device stops working (`_stall`):
+        a slow step, a long migration or checkpoint load whose calls keep returning, is waited for."""
         devices = list(range(len(refs))) if devices is None else list(devices)
         index = {r: i for i, r in enumerate(refs)}
         start = time.monotonic()
@@ -851,7 +850,7 @@ class WorkerGroup:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 late = [devices[index[r]] for r in pending]
-                why = self._stall({r: devices[index[r]] for r in pending}) if step else "no answer"
+                why = self._stall({r: devices[index[r]] for r in pending})
                 if why is None:
                     deadline = time.monotonic()
                     continue

@@ -79,18 +79,21 @@ def all_reduce_seconds(tensor: torch.Tensor, group: "dist.ProcessGroup", repeats
 
 def time_links(me: int, rounds: Sequence[Sequence[tuple[int, int]]], reducers: Sequence[int],
                boundary_elements: int, reduce_elements: int, dtype: torch.dtype, device: torch.device,
-               repeats: int = 9, exchange: Exchange = batched_exchange) -> dict:
+               repeats: int = 9, exchange: Exchange = batched_exchange,
+               barrier: Callable[[], None] | None = None) -> dict:
     """This device's part of the probe; every device of the world calls it with the same arguments.
 
-    The rounds are timed one after another, each round's disjoint pairs at once, each pair with
-    1/k of the boundary tensor in a round of k; then the all-reduce among `reducers` (if two or
-    more): each device walks that one order, so every step waits only for peers on the same step.
+    The rounds are timed one after another, each starting at a `barrier` of the whole world
+    (default: torch.distributed's), so that no pair of one round runs beside another round's; a
+    round's disjoint pairs run at once, each with 1/k of the boundary tensor in a round of k. Then
+    the all-reduce among `reducers` (if two or more).
     Returns {"pairs": {round: seconds}} for the rounds where this device led a pair (its first
     device) and "all_reduce": this member's seconds (None when it is not a reducer)."""
     from malleus_svc.runtime.groups import member_group
 
     out: dict = {"pairs": {}, "all_reduce": None}
     for i, pairs in enumerate(rounds):
+        (barrier or dist.barrier)()
         mine = [p for p in pairs if me in p]
         if mine:
             boundary = torch.ones(max(1, boundary_elements // len(pairs)), dtype=dtype, device=device)

@@ -146,7 +146,7 @@ def stage_inputs(shape: ModelShape, micro_batch: int, seq_len: int, first: bool,
                  dtype: torch.dtype = GPU_COMPUTE_DTYPE, tp: int = 1
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A packed micro-batch of `micro_batch` sequences of `seq_len`: the stage input (token ids on the
-    first stage, elsewhere TP rank 0's rows of the hidden states, in `dtype`), positions and
+    first stage, elsewhere the measured TP rank's rows of the hidden states, in `dtype`), positions and
     cu_seqlens (real CPU tensors, which rotary and attention read), and the targets."""
     tokens = micro_batch * seq_len
     cu_seqlens = torch.arange(0, tokens + 1, seq_len, dtype=torch.int32)
@@ -154,16 +154,17 @@ def stage_inputs(shape: ModelShape, micro_batch: int, seq_len: int, first: bool,
     if first:
         x = torch.zeros(tokens, dtype=torch.long, device=device)
     else:
-        rows = sequence_rows(tokens, 0, tp)
+        rows = sequence_rows(tokens, tp - 1, tp)
         x = torch.zeros(rows[1] - rows[0], shape.hidden, dtype=dtype, device=device, requires_grad=True)
     return x, positions, cu_seqlens, torch.zeros(tokens, dtype=torch.long, device=device)
 
 
 def build_stage(shape: ModelShape, num_layers: int, *, has_embedding: bool, has_head: bool, tp: int,
                 device: torch.device = META, recompute: str = "none") -> StageModel:
-    """A stage of `num_layers` blocks, as TP rank 0 of a group of `tp` builds it, with attention
+    """A stage of `num_layers` blocks, as the last TP rank of a group of `tp` builds it (the one
+    holding the most: uneven splits round down, `geometry.rows_of`), with attention
     measured as flash-attn's (`flash_footprint`). Uninitialised on real devices."""
-    group = SINGLE if tp == 1 else LocalShard(size=tp, rank=0)
+    group = SINGLE if tp == 1 else LocalShard(size=tp, rank=tp - 1)
     with device:
         model = StageModel(shape, (0, num_layers), has_embedding=has_embedding, has_head=has_head, tp=group,
                            recompute=recompute)
@@ -190,7 +191,8 @@ def _adam_state_bytes(model: StageModel) -> tuple[int, int]:
 
 def stage_footprint(shape: ModelShape, num_layers: int, *, has_embedding: bool, has_head: bool, tp: int,
                     micro_batch: int, seq_len: int | None = None, recompute: str = "none") -> StageFootprint:
-    """Measure one stage (TP rank 0's share; every rank of a group holds the same bytes) on meta."""
+    """Measure one stage on meta: the share of the last TP rank, which holds the most (ranks differ
+    by a row of what a group's size does not divide: a vocabulary, a micro-batch's tokens)."""
     seq_len = seq_len or shape.seq_len
     model = build_stage(shape, num_layers, has_embedding=has_embedding, has_head=has_head, tp=tp,
                         recompute=recompute)
@@ -198,9 +200,9 @@ def stage_footprint(shape: ModelShape, num_layers: int, *, has_embedding: bool, 
     grads, adam = _adam_state_bytes(model)
     x, positions, cu_seqlens, targets = stage_inputs(shape, micro_batch, seq_len, has_embedding, META, tp=tp)
     saved, working = saved_for_backward(model, x, positions, cu_seqlens, targets if has_head else None)
-    rows = sequence_rows(micro_batch * seq_len, 0, tp)     # a boundary tensor's rows on this rank
+    rows = sequence_rows(micro_batch * seq_len, tp - 1, tp)     # a boundary tensor's rows on this rank
     boundary = (rows[1] - rows[0]) * shape.hidden * GPU_COMPUTE_DTYPE.itemsize
-    loss = loss_backward_bytes(shape.vocab // tp, micro_batch * seq_len, GPU_COMPUTE_DTYPE.itemsize) if has_head else 0
+    loss = loss_backward_bytes(-(-shape.vocab // tp), micro_batch * seq_len, GPU_COMPUTE_DTYPE.itemsize) if has_head else 0
     recomputed = 0
     if recompute == "full":
         # the forward saved each block's input (the checkpoint does, where the hooks see it); in

@@ -319,8 +319,8 @@ def simulate(plan: Plan, problem: PlannerProblem, rates: Sequence[float] | Mappi
     def boundary(pipe_idx: int, j: int) -> float:
         """p2p per micro-batch (fwd + bwd) between stage j and j+1."""
         a, b = plan.pipelines[pipe_idx].stages[j:j + 2]
-        link = comm.p2p_intra_node if plan.node_of(a.devices[0]) == plan.node_of(b.devices[0]) else comm.p2p_inter_node
-        return link * comm.p2p_share(min(a.tp, b.tp))
+        same = plan.node_of(a.devices[0]) == plan.node_of(b.devices[0])
+        return (comm.p2p_intra_node if same else comm.p2p_inter_node) * comm.p2p_share(min(a.tp, b.tp), same)
 
     holders: list[list[tuple[int, int]]] = [[] for _ in range(plan.num_layers)]
     for i, pipe in enumerate(plan.pipelines):
