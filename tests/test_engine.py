@@ -785,3 +785,48 @@ def test_an_odd_vocabulary_splits_by_rows_at_the_ends():
         torch.testing.assert_close(tp_logits, logits.detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(grad, full.head.weight.grad[start:start + rows], rtol=1e-4, atol=1e-5)
         start += rows
+
+
+def _column_parallel_backward(rank: int, world: int) -> list[str]:
+    """What a column-parallel layer's backward does, in order: GEMMs and the collectives' starts and
+    waits (each collective's Work wrapped to say when it is waited for)."""
+    from malleus_svc.runtime.model import column_parallel
+
+    events: list[str] = []
+
+    def spied(real, name):
+        def call(*args, **kwargs):
+            events.append(f"{name} started")
+            work = real(*args, **kwargs)
+
+            class Waited:
+                def wait(self):
+                    work.wait()
+                    events.append(f"{name} waited")
+            return Waited()
+        return call
+
+    class Gemms(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.malleus.weight_grad.default):
+                events.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    dist.all_gather_single = spied(dist.all_gather_single, "gather")
+    dist.reduce_scatter_single = spied(dist.reduce_scatter_single, "reduce-scatter")
+    tp = TensorParallel(world, rank, dist.group.WORLD)
+    x = torch.randn(5, 8, requires_grad=True)
+    (out,) = column_parallel(x, tp, 10, torch.randn(6, 8, requires_grad=True))
+    events.clear()
+    with Gemms():
+        out.square().sum().backward()
+    return events
+
+
+def test_a_column_parallel_backward_overlaps_its_collectives_with_its_gemms():
+    """Sequence parallelism's backward (Megatron's overlap): the input's rows are gathered again
+    while the input's gradient is computed, and that gradient is reduce-scattered while the
+    weight's is; one collective in flight at a time, in the same order on every rank."""
+    for events in run_on_gloo(_column_parallel_backward, 2):
+        assert events == ["gather started", "mm", "gather waited", "reduce-scatter started", "weight_grad",
+                          "reduce-scatter waited"], events

@@ -19,7 +19,7 @@ import contextlib
 import hashlib
 import math
 from functools import cached_property
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -153,14 +153,20 @@ def _to_weight_or_master(grad: torch.Tensor, weight: torch.Tensor, to_master: bo
     return (None, grad) if to_master else (grad.to(weight.dtype), None)
 
 
-def _linears_backward(grads, whole: torch.Tensor, weights, dtypes) -> tuple[torch.Tensor, list, list]:
-    """(the input's gradient summed over the linears, the weights' gradients, their masters'): a
-    weight with a master (`linear`) gives its gradient to the master, in the master's dtype."""
+def _linears_backward(grads, tp: TensorParallel, whole: Callable[[], torch.Tensor], weights, dtypes
+                      ) -> tuple[torch.Tensor, list, list]:
+    """(this rank's rows of the input's gradient summed over the linears, the weights' gradients,
+    their masters'): a weight with a master (`linear`) gives its gradient to the master, in the
+    master's dtype. `whole()` gives the whole input: in a TP group a gather the caller started,
+    which runs while the input's gradient is computed, as that gradient's reduce-scatter runs
+    while the weights' are (Megatron's overlap of sequence parallelism's backward collectives)."""
     # summed last linear first, as autograd sums the input gradients of separate linears: the same bits
     grad_whole = sum(g @ w for g, w in reversed(list(zip(grads, weights))))
-    to_weights = [weight_grad(g, whole, w.dtype) if d is None else None for g, w, d in zip(grads, weights, dtypes)]
-    to_masters = [None if d is None else weight_grad(g, whole, d) for g, d in zip(grads, dtypes)]
-    return grad_whole, to_weights, to_masters
+    inputs = whole()     # one collective in flight at a time, in the same order on every rank
+    rows = tp.start_reduce_scatter_sequence(grad_whole) if tp.size > 1 else lambda: grad_whole
+    to_weights = [weight_grad(g, inputs, w.dtype) if d is None else None for g, w, d in zip(grads, weights, dtypes)]
+    to_masters = [None if d is None else weight_grad(g, inputs, d) for g, d in zip(grads, dtypes)]
+    return rows(), to_weights, to_masters
 
 
 class _GatheredLinears(torch.autograd.Function):
@@ -181,9 +187,9 @@ class _GatheredLinears(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         x, *weights = ctx.saved_tensors
-        grad_whole, to_weights, to_masters = _linears_backward(grads, ctx.tp.gather_sequence(x, ctx.tokens),
-                                                               weights, ctx.dtypes)
-        return ctx.tp.reduce_scatter_sequence(grad_whole), None, None, *to_weights, *to_masters
+        whole = ctx.tp.start_gather_sequence(x, ctx.tokens)
+        grad_x, to_weights, to_masters = _linears_backward(grads, ctx.tp, whole, weights, ctx.dtypes)
+        return grad_x, None, None, *to_weights, *to_masters
 
 
 class _NormedLinears(torch.autograd.Function):
@@ -208,9 +214,8 @@ class _NormedLinears(torch.autograd.Function):
         x, norm_weight, rstd, *weights = ctx.saved_tensors
         tp = ctx.tp
         normed = _normalized(x, norm_weight, rstd)
-        whole = normed if tp.size == 1 else tp.gather_sequence(normed, ctx.tokens)
-        grad_whole, to_weights, to_masters = _linears_backward(grads, whole, weights, ctx.dtypes)
-        grad_normed = grad_whole if tp.size == 1 else tp.reduce_scatter_sequence(grad_whole)
+        whole = (lambda: normed) if tp.size == 1 else tp.start_gather_sequence(normed, ctx.tokens)
+        grad_normed, to_weights, to_masters = _linears_backward(grads, tp, whole, weights, ctx.dtypes)
         grad_x, grad_norm = _rms_norm_backward(grad_normed, x, norm_weight, rstd)
         to_norm, to_norm_master = _to_weight_or_master(grad_norm, norm_weight, ctx.norm_to_master)
         return grad_x, to_norm, None, to_norm_master, None, None, *to_weights, *to_masters

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -64,19 +65,34 @@ class TensorParallel:
     def gather_sequence(self, own: torch.Tensor, tokens: int) -> torch.Tensor:
         """Every rank's rows, in TP rank order: the whole [tokens, ...] (the collective moves one
         equal slot per rank, in group rank order; shards a row short travel padded)."""
+        return self.start_gather_sequence(own, tokens)()
+
+    def start_gather_sequence(self, own: torch.Tensor, tokens: int) -> Callable[[], torch.Tensor]:
+        """`gather_sequence` under way while the caller computes (Megatron's overlap of the
+        backward's re-gather with the input gradient's GEMMs); calling the result waits for it."""
         width = -(-tokens // self.size)
         out = own.new_empty((self.size * width, *own.shape[1:]))
         if own.shape[0] < width:
             own = torch.cat([own, own.new_zeros((width - own.shape[0], *own.shape[1:]))])
         with self._timed():
-            dist.all_gather_single(out, own.contiguous(), group=self.group)
-        if self._in_place(tokens):
-            return out
-        return torch.cat([out[g * width:g * width + e - s] for g, (s, e) in
-                          zip(self.group_ranks, (sequence_rows(tokens, r, self.size) for r in range(self.size)))])
+            work = dist.all_gather_single(out, own.contiguous(), group=self.group, async_op=True)
+
+        def whole() -> torch.Tensor:
+            with self._timed():
+                work.wait()
+            if self._in_place(tokens):
+                return out
+            return torch.cat([out[g * width:g * width + e - s] for g, (s, e) in
+                              zip(self.group_ranks, (sequence_rows(tokens, r, self.size) for r in range(self.size)))])
+        return whole
 
     def reduce_scatter_sequence(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the sum over the group of `full` [tokens, ...]."""
+        return self.start_reduce_scatter_sequence(full)()
+
+    def start_reduce_scatter_sequence(self, full: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """`reduce_scatter_sequence` under way while the caller computes (the weights' gradients);
+        calling the result waits for it."""
         tokens = full.shape[0]
         width = -(-tokens // self.size)
         if not self._in_place(tokens):
@@ -87,9 +103,14 @@ class TensorParallel:
             full = slots.view(self.size * width, *full.shape[1:])
         out = full.new_empty((width, *full.shape[1:]))
         with self._timed():
-            dist.reduce_scatter_single(out, full.contiguous(), group=self.group)
+            work = dist.reduce_scatter_single(out, full.contiguous(), group=self.group, async_op=True)
         s, e = self.rows(tokens)
-        return out[:e - s]
+
+        def own() -> torch.Tensor:
+            with self._timed():
+                work.wait()
+            return out[:e - s]
+        return own
 
     def _in_place(self, tokens: int) -> bool:
         """Whether the rows of every rank are its slot as the collective lays them out."""
@@ -126,6 +147,14 @@ class LocalShard(TensorParallel):
     def reduce_scatter_sequence(self, full: torch.Tensor) -> torch.Tensor:
         s, e = self.rows(full.shape[0])
         return full[s:e].clone()
+
+    def start_gather_sequence(self, own: torch.Tensor, tokens: int) -> Callable[[], torch.Tensor]:
+        whole = self.gather_sequence(own, tokens)
+        return lambda: whole
+
+    def start_reduce_scatter_sequence(self, full: torch.Tensor) -> Callable[[], torch.Tensor]:
+        rows = self.reduce_scatter_sequence(full)
+        return lambda: rows
 
 
 class _GatherFromSequence(torch.autograd.Function):
