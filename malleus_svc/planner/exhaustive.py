@@ -35,7 +35,7 @@ from typing import Iterator, Sequence
 
 from ..config.errors import ConfigError
 from ..plan import Plan
-from .grouping import Group, every_grouping, slowest_first
+from .grouping import Group, every_grouping, size_of_factor, slowest_first
 from .lower import bottleneck, layer_caps, solve_layers, solve_micro_batches
 from .timing import PipelineTimes, fill_drain, iteration_time
 from .organize import distinct_permutations, p2p_extras
@@ -164,7 +164,7 @@ class _Layers:
         if self.value is None:
             p, order, by_node = self.args
             self.value = solve_layers([t[0] for t in order], [float(t[1]) for t in order], p.num_layers, p.memory,
-                                      extra=p2p_extras(p, [t[2] for t in order], [p.tp // t[1] for t in order])
+                                      extra=p2p_extras(p, [t[2] for t in order], [size_of_factor(p, t[1]) for t in order])
                                       if by_node else None,
                                       min_layers=1).layers
         return self.value
@@ -280,7 +280,7 @@ class _Partitions:
     def _stage_times(self, x: "_Pipe") -> tuple[float, ...]:
         """t0 per micro-batch of each stage: blocks x group rate, plus its p2p."""
         types = [self.types[i] for i in x.order]
-        ex = (p2p_extras(self.problem, [ty[2] for ty in types], [self.problem.tp // ty[1] for ty in types])
+        ex = (p2p_extras(self.problem, [ty[2] for ty in types], [size_of_factor(self.problem, ty[1]) for ty in types])
               if self.by_node else (0.0,) * len(types))
         return tuple(ty[0] * l + e for ty, l, e in zip(types, x.layers.get(), ex))
 
@@ -316,7 +316,8 @@ class _Partitions:
             caps = self._caps(tuple(c[0] for c in seq))
             if min(caps) < 1:
                 continue
-            extra = p2p_extras(p, [c[1] for c in seq], [p.tp // c[0] for c in seq]) if self.by_node else [0.0] * len(seq)
+            extra = (p2p_extras(p, [c[1] for c in seq], [size_of_factor(p, c[0]) for c in seq]) if self.by_node
+                     else [0.0] * len(seq))
             order = self._fill(seq, items, caps, extra, cls)
             z = bottleneck([self.types[i][0] for i in order], caps, p.num_layers, extra, min_layers=1)
             if z is not None and (best is None or z < best[0] - 1e-12 * max(1.0, z)):

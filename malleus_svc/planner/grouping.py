@@ -76,6 +76,11 @@ def make_group(problem: PlannerProblem, devices: Sequence[int]) -> Group:
                  problem.node_of(devices[0]))
 
 
+def size_of_factor(problem: PlannerProblem, h: int) -> int:
+    """The size of a group of memory factor h (`make_group`'s h = tp / size; sizes divide tp)."""
+    return problem.tp // h
+
+
 def is_straggler(problem: PlannerProblem, device: int) -> bool:
     return problem.rates[device] >= problem.straggler_threshold
 

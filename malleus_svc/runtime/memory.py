@@ -154,17 +154,22 @@ def stage_inputs(shape: ModelShape, micro_batch: int, seq_len: int, first: bool,
     if first:
         x = torch.zeros(tokens, dtype=torch.long, device=device)
     else:
-        rows = sequence_rows(tokens, tp - 1, tp)
+        rows = sequence_rows(tokens, measured_rank(tp), tp)
         x = torch.zeros(rows[1] - rows[0], shape.hidden, dtype=dtype, device=device, requires_grad=True)
     return x, positions, cu_seqlens, torch.zeros(tokens, dtype=torch.long, device=device)
 
 
+def measured_rank(tp: int) -> int:
+    """The TP rank a group's memory is measured on: the last, which holds the most rows of an
+    uneven split (`geometry.rows_of` rounds down)."""
+    return tp - 1
+
+
 def build_stage(shape: ModelShape, num_layers: int, *, has_embedding: bool, has_head: bool, tp: int,
                 device: torch.device = META, recompute: str = "none") -> StageModel:
-    """A stage of `num_layers` blocks, as the last TP rank of a group of `tp` builds it (the one
-    holding the most: uneven splits round down, `geometry.rows_of`), with attention
+    """A stage of `num_layers` blocks, as the `measured_rank` of a group of `tp` builds it, with attention
     measured as flash-attn's (`flash_footprint`). Uninitialised on real devices."""
-    group = SINGLE if tp == 1 else LocalShard(size=tp, rank=tp - 1)
+    group = SINGLE if tp == 1 else LocalShard(size=tp, rank=measured_rank(tp))
     with device:
         model = StageModel(shape, (0, num_layers), has_embedding=has_embedding, has_head=has_head, tp=group,
                            recompute=recompute)
@@ -200,7 +205,7 @@ def stage_footprint(shape: ModelShape, num_layers: int, *, has_embedding: bool, 
     grads, adam = _adam_state_bytes(model)
     x, positions, cu_seqlens, targets = stage_inputs(shape, micro_batch, seq_len, has_embedding, META, tp=tp)
     saved, working = saved_for_backward(model, x, positions, cu_seqlens, targets if has_head else None)
-    rows = sequence_rows(micro_batch * seq_len, tp - 1, tp)     # a boundary tensor's rows on this rank
+    rows = sequence_rows(micro_batch * seq_len, measured_rank(tp), tp)     # a boundary tensor's rows on this rank
     boundary = (rows[1] - rows[0]) * shape.hidden * GPU_COMPUTE_DTYPE.itemsize
     loss = loss_backward_bytes(-(-shape.vocab // tp), micro_batch * seq_len, GPU_COMPUTE_DTYPE.itemsize) if has_head else 0
     recomputed = 0
