@@ -352,6 +352,49 @@ class Plan:
                         moves.append(SliceMove(part, a, b, src, dst, nbytes, sharded))
         return PlanDiff(tuple(moves), tuple(missing), tuple(kept), new.gpus_per_node)
 
+    @staticmethod
+    def moved_bytes(old: "Plan", new: "Plan", sizes: "StateSizes | None" = None) -> float:
+        """`Plan.diff(old, new, sizes).moved_bytes` with every device available, without the
+        schedule: what each needer lacks of its new parts. Every old TP group holds all of its
+        parts' shards, so some old holder always has the rest, and where it comes from does not
+        change the bytes. Device by device, not part by part (a re-plan compares its finalists'
+        migrations over thousands of devices)."""
+        if old.num_layers != new.num_layers:
+            raise PlanError(f"plans have different layer counts ({old.num_layers} vs {new.num_layers})")
+        sizes = sizes or StateSizes()
+        held = {d: (st, r, j == 0, j == len(pipe.stages) - 1)
+                for pipe in old.pipelines for j, st in enumerate(pipe.stages) for r, d in enumerate(st.devices)}
+        # exact shares of a part's sharded tensors (in blocks, the embedding, the head) and counts of
+        # whole replicated copies, priced once at the end
+        blocks = embedding = head = Fraction(0)
+        replicated_blocks = replicated_heads = 0
+        for pipe in new.pipelines:
+            last = len(pipe.stages) - 1
+            for j, st in enumerate(pipe.stages):
+                t, (lo, hi) = st.tp, st.layers
+                for r, d in enumerate(st.devices):
+                    was, rank, first, final = held.get(d, (None, 0, False, False))
+                    # blocks it held before, and the share of its new shard its old one covers
+                    both = 0 if was is None else max(0, min(hi, was.layers[1]) - max(lo, was.layers[0]))
+                    share = Fraction(0) if was is None else _shared(rank, was.tp, r, t)
+                    blocks += Fraction(hi - lo, t) - both * share
+                    replicated_blocks += hi - lo - both
+                    if j == 0:
+                        embedding += Fraction(1, t) - (share if first else 0)
+                    if j == last:
+                        head += Fraction(1, t) - (share if final else 0)
+                        replicated_heads += not final
+        return (sizes.block * float(blocks) + sizes.embedding * float(embedding) + sizes.head * float(head)
+                + sizes.block_replicated * replicated_blocks + sizes.head_replicated * replicated_heads)
+
+
+def _shared(rank_a: int, size_a: int, rank_b: int, size_b: int) -> Fraction:
+    """The share of a sharded tensor that TP rank a of a group of size_a and rank b of size_b both
+    hold (`shard_of`), in integers over size_a · size_b."""
+    lo = max(rank_a * size_b, rank_b * size_a)
+    hi = min((rank_a + 1) * size_b, (rank_b + 1) * size_a)
+    return Fraction(max(0, hi - lo), size_a * size_b)
+
 
 class _Sources:
     """The old holders of one part, indexed for `Plan.diff`: its pieces and sources without a scan

@@ -95,7 +95,7 @@ def test_diff_reports_state_only_dead_devices_held():
 
 
 @st.composite
-def random_plan(draw, n=8, layers=6):
+def random_plan(draw, n=8, layers=6, tp=(1, 2)):
     devices = draw(st.permutations(range(n)))
     k = draw(st.integers(1, 3))  # pipelines
     pipes, pos = [], 0
@@ -105,7 +105,7 @@ def random_plan(draw, n=8, layers=6):
         bounds = [0, *cuts, layers]
         stage_list = []
         for j in range(stages):
-            size = draw(st.sampled_from([1, 2]))
+            size = draw(st.sampled_from(tp))
             if pos + size > n:
                 return None
             stage_list.append((devices[pos:pos + size], (bounds[j], bounds[j + 1])))
@@ -137,6 +137,17 @@ def test_diff_is_minimal_and_complete(old, new):
     assert d.reused_bytes == pytest.approx(have)
     assert not d.missing
     assert all(m.src != m.dst for m in d.moves)
+
+
+@settings(max_examples=150, deadline=None)
+@given(random_plan(tp=(1, 2, 3)), random_plan(tp=(1, 2, 3)))
+def test_moved_bytes_without_the_schedule_equal_the_diffs(old, new):
+    """`Plan.moved_bytes`, device by device, is what `Plan.diff` moves, sharded and replicated state alike."""
+    if old is None or new is None:
+        return
+    sizes = StateSizes(block=12.0, embedding=7.0, head=5.0, block_replicated=3.0, head_replicated=2.0)
+    assert Plan.moved_bytes(old, new, sizes) == pytest.approx(Plan.diff(old, new, sizes).moved_bytes, rel=1e-12)
+    assert Plan.moved_bytes(old, old, sizes) == 0.0
 
 
 def _diff_by_scan(old, new, sizes, dead):

@@ -5,6 +5,7 @@ and HiGHS (raw model output, read straight from `planner.ilp`) on larger random 
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 import subprocess
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from malleus_svc.planner import ilp
 from malleus_svc.planner.lower import (
     DataSolution, LayerSolution, PlannerInternalError, layer_caps, solve_layers,
-    solve_micro_batches,
+    solve_micro_batches, solve_micro_batches_by_class,
 )
 from malleus_svc.costmodel.profile import MemoryProfile
 from malleus_svc.highs import SolverError
@@ -229,6 +230,34 @@ def test_micro_batches_closed_form_against_highs(inst):
         check_data(DataSolution(data_time(z, s, raw, obj), tuple(raw)), z, s, M, obj)
         assert close(data_time(z, s, raw, obj), sol.w)
         assert solve_micro_batches(z, s, M, obj, solver="both") == sol
+
+
+@PROPS
+@given(st.data())
+def test_micro_batches_by_class_equal_the_pipeline_by_pipeline_solution(data):
+    """Repeated pipelines solved once per class give the same vector, tie-break included: small
+    integer times make equal slots across classes common."""
+    k = data.draw(st.integers(1, 4))
+    whole = data.draw(st.booleans())
+    time = st.integers(1, 6).map(float) if whole else st.floats(0.5, 6.0)
+    z = data.draw(st.lists(time, min_size=k, max_size=k))
+    stages = data.draw(st.lists(st.integers(1, 4), min_size=k, max_size=k))
+    fill = data.draw(st.lists(st.integers(0, 8).map(float) if whole else st.floats(0.0, 9.0), min_size=k, max_size=k))
+    of = data.draw(st.permutations(list(range(k)) + data.draw(st.lists(st.integers(0, k - 1), max_size=10))))
+    M = data.draw(st.integers(1, 60))
+    obj = data.draw(st.sampled_from(["paper", "bubble", "full"]))
+    f = fill if obj == "full" else None
+    members = [[i for i, c in enumerate(of) if c == j] for j in range(k)]
+    want = solve_micro_batches([z[c] for c in of], [stages[c] for c in of], M, obj,
+                               fill=None if f is None else [f[c] for c in of])
+    got = solve_micro_batches_by_class(of, dict(enumerate(z)), dict(enumerate(stages)), M, obj,
+                                       None if f is None else dict(enumerate(f)))
+    assert (got is None) == (want is None)
+    if want is not None:
+        assert got.w == want.w
+        assert got.micro_batches(of) == want.micro_batches
+        for k, ms in enumerate(members):
+            assert sorted(got.counts(k, len(ms))) == sorted(collections.Counter(want.micro_batches[i] for i in ms).items())
 
 
 # ------------------------------------------------------------------ tie-break with prefer

@@ -74,12 +74,13 @@ tolerance (1e-6 absolute + REL_TOL, widened by mip_gap when one is set); it retu
 """
 from __future__ import annotations
 
+import collections
 import functools
 import heapq
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Hashable, Mapping, Sequence
 
 from ..config.scenario import OBJECTIVES, SOLVERS
 from ..costmodel.profile import MemoryProfile
@@ -251,12 +252,7 @@ def solve_micro_batches(z: Sequence[float], stages: Sequence[int], num_micro_bat
         raise ValueError(f"objective {objective!r} is not one of {OBJECTIVES}")
     _check_solver(solver, time_limit_s, mip_gap)
     pref = _prefer(prefer, p)
-    if objective == "paper":
-        b = [0.0] * p
-        lo = [int(st) for st in stages]
-    else:
-        b = [(st - 1) * zi for st, zi in zip(stages, zz)] if fill is None else [float(f) for f in fill]
-        lo = [1] * p
+    b, lo = _offsets_and_bounds(objective, zz, stages, fill)
     hi = [int(num_micro_batches)] * p
 
     out = _solve_min_max(
@@ -264,6 +260,116 @@ def solve_micro_batches(z: Sequence[float], stages: Sequence[int], num_micro_bat
         lambda: _highs().solve_micro_batches_model(zz, b, lo, num_micro_batches, time_limit_s, mip_gap),
         "ILP-2 (micro-batches)", f"ILP-2 z={zz} stages={list(stages)} M={num_micro_batches} objective={objective}")
     return None if out is None else DataSolution(*out)
+
+
+def _offsets_and_bounds(objective: str, z: Sequence[float], stages: Sequence[int], fill: Sequence[float] | None
+                        ) -> tuple[list[float], list[int]]:
+    """ILP-2's b_i and lower bounds per pipeline under `objective` (`solve_micro_batches`)."""
+    if objective == "paper":
+        return [0.0] * len(z), [int(st) for st in stages]
+    b = [(st - 1) * zi for st, zi in zip(stages, z)] if fill is None else [float(f) for f in fill]
+    return b, [1] * len(z)
+
+
+@dataclass(frozen=True)
+class ClassSplit:
+    """ILP-2's solution where pipelines repeat (`solve_micro_batches_by_class`): per class, the
+    micro-batches of its members and how many of them, its last ones, take one more."""
+    w: float
+    base: Mapping[Hashable, int]
+    extra: Mapping[Hashable, int]
+
+    def micro_batches(self, classes: Sequence[Hashable]) -> tuple[int, ...]:
+        """Per pipeline, given each pipeline's class."""
+        left = dict(self.extra)
+        out = [0] * len(classes)
+        for i in range(len(classes) - 1, -1, -1):
+            k = classes[i]
+            out[i] = self.base[k] + (left[k] > 0)
+            left[k] -= left[k] > 0
+        return tuple(out)
+
+    def counts(self, k: Hashable, members: int) -> tuple[tuple[int, int], ...]:
+        """(micro-batches, pipelines) of class k's `members` pipelines."""
+        e = self.extra[k]
+        return tuple((m, n) for m, n in ((self.base[k], members - e), (self.base[k] + 1, e)) if n)
+
+
+def solve_micro_batches_by_class(classes: Sequence[Hashable], z: Mapping[Hashable, float],
+                                 stages: Mapping[Hashable, int], num_micro_batches: int, objective: str = "paper",
+                                 fill: Mapping[Hashable, float] | None = None) -> ClassSplit | None:
+    """ILP-2 by the closed form when pipelines repeat (data-parallel replicas): `classes` gives each
+    pipeline's class, and every pipeline of class k has bottleneck z[k], stages[k] stages and fill[k].
+    The same solution, tie-break included, as `solve_micro_batches` on the pipelines one by one, in
+    time per class (but for counting them): the optimum takes the M - Σ lo smallest slots, ranked by
+    value, equal values by the later pipeline first, so a class's members split into at most two
+    counts, m and m + 1, the later members holding the larger. None when the lower bounds sum to more
+    than M. Inputs are the search's own, so they are not checked again."""
+    n = collections.Counter(classes)
+    keys = list(n)
+    a = [z[k] for k in keys]
+    b, lo = _offsets_and_bounds(objective, a, [stages[k] for k in keys], None if fill is None else [fill[k] for k in keys])
+    counts, k_range = [n[k] for k in keys], range(len(keys))
+    count = num_micro_batches - sum(counts[k] * lo[k] for k in k_range)
+    if count < 0:
+        return None
+    hi = [lo[k] + count for k in k_range]         # no member can take more than every free slot
+    u = _counted_order_statistic(a, b, lo, hi, counts, count) if count else -math.inf
+    below = [_slots_below(u, a[k], b[k], lo[k], hi[k]) for k in k_range]   # every slot < u is taken
+    left = count - sum(counts[k] * (below[k] - lo[k]) for k in k_range)
+    tied = [k for k in k_range if below[k] < hi[k] and a[k] * (below[k] + 1) + b[k] == u]
+    extra = dict.fromkeys(keys, 0)                # ...and `left` slots of value u, later pipelines first
+    if len(tied) == 1:
+        extra[keys[tied[0]]] = left
+    elif tied:
+        tied_keys = {keys[k] for k in tied}
+        for i in range(len(classes) - 1, -1, -1):
+            if left and classes[i] in tied_keys:
+                extra[classes[i]] += 1
+                left -= 1
+    w = max(a[k] * (below[k] + (extra[keys[k]] > 0)) + b[k] for k in k_range)
+    return ClassSplit(w, dict(zip(keys, below)), extra)
+
+
+def _counted_order_statistic(a, b, lo, hi, n, count: int) -> float:
+    """The value of the `count`-th smallest slot when class k holds n_k copies of the slots a_k·x + b_k,
+    x in (lo_k, hi_k]: the relaxed level, then whole classes' top slots added or removed in order."""
+    u = _relaxed_level(a, b, lo, hi, sum(c * x for c, x in zip(n, lo)) + count, n)
+    x = [_slots_upto(u, a[k], b[k], lo[k], hi[k]) for k in range(len(a))]
+    taken = sum(n[k] * (x[k] - lo[k]) for k in range(len(a)))
+    if taken >= count:     # drop the largest slots while at least `count` stay
+        heap = [(-(a[k] * x[k] + b[k]), k) for k in range(len(a)) if x[k] > lo[k]]
+        heapq.heapify(heap)
+        while True:
+            value, k = heapq.heappop(heap)
+            if taken - n[k] < count:
+                return -value
+            taken -= n[k]
+            x[k] -= 1
+            if x[k] > lo[k]:
+                heapq.heappush(heap, (-(a[k] * x[k] + b[k]), k))
+    heap = [(a[k] * (x[k] + 1) + b[k], k) for k in range(len(a)) if x[k] < hi[k]]
+    heapq.heapify(heap)
+    while True:            # add the smallest slots until `count` are taken
+        value, k = heapq.heappop(heap)
+        taken += n[k]
+        if taken >= count:
+            return value
+        x[k] += 1
+        if x[k] < hi[k]:
+            heapq.heappush(heap, (a[k] * (x[k] + 1) + b[k], k))
+
+
+def _slots_below(u: float, a: float, b: float, start: int, stop: int) -> int:
+    """Largest n in [start, stop] with every slot up to n (a·n + b) below u, compared exactly."""
+    if u == -math.inf:
+        return start
+    n = min(stop, max(start, math.floor((u - b) / a)))
+    while n < stop and a * (n + 1) + b < u:
+        n += 1
+    while n > start and a * n + b >= u:
+        n -= 1
+    return n
 
 
 def _highs():
@@ -329,19 +435,21 @@ def _bottleneck(a: Sequence[float], b: Sequence[float], x: Sequence[int]) -> flo
     return max(a[j] * x[j] + b[j] for j in range(len(a)))
 
 
-def _relaxed_level(a, b, lo, hi, total) -> float:
-    """A level v where the continuous relaxation sum_j clip((v - b_j)/a_j, lo_j, hi_j) reaches `total`.
+def _relaxed_level(a, b, lo, hi, total, copies=None) -> float:
+    """A level v where the continuous relaxation sum_j n_j·clip((v - b_j)/a_j, lo_j, hi_j) reaches
+    `total` (n_j = copies[j], default 1).
 
-    The integer slot count at v is at most that, and at least `total - S`, so it is a cheap
-    starting point for the exact order statistic. Requires sum(lo) <= total <= sum(hi).
+    The integer slot count at v is at most that, and at least `total - sum n`, so it is a cheap
+    starting point for the exact order statistic. Requires sum(n·lo) <= total <= sum(n·hi).
     """
+    n = copies or [1] * len(a)
     events = []
     for j in range(len(a)):
         if hi[j] > lo[j]:
-            events.append((a[j] * lo[j] + b[j], 1.0 / a[j]))
-            events.append((a[j] * hi[j] + b[j], -1.0 / a[j]))
+            events.append((a[j] * lo[j] + b[j], n[j] / a[j]))
+            events.append((a[j] * hi[j] + b[j], -n[j] / a[j]))
     events.sort()
-    level, slope, v = float(sum(lo)), 0.0, events[0][0] if events else 0.0
+    level, slope, v = float(sum(c * x for c, x in zip(n, lo))), 0.0, events[0][0] if events else 0.0
     for t, d_slope in events:
         reach = level + slope * (t - v)
         if reach >= total and slope > 0:

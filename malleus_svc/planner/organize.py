@@ -25,15 +25,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import heapq
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Hashable, Iterator, Mapping, Sequence
 
 from .budget import NEVER, Deadline
 from .grouping import Group
-from .lower import LayerSolution, bottleneck, memory_caps, position_caps, solve_layers, solve_micro_batches
+from .lower import (ClassSplit, DataSolution, LayerSolution, bottleneck, memory_caps, position_caps, solve_layers,
+                    solve_micro_batches, solve_micro_batches_by_class)
 from .problem import PlannerProblem
 from .stage_order import best_order
 from .timing import PipelineTimes, fill_drain, iteration_time
@@ -41,6 +43,9 @@ from .timing import PipelineTimes, fill_drain, iteration_time
 NORMAL = -1   # a placeholder for a normal group in a template
 NORMAL_CLASS = (1.0, 1)   # what the lower level sees of a normal group: (rate, memory factor)
 Template = tuple[tuple[int, ...], ...]   # per pipeline, stage by stage: special-group indices and NORMAL slots
+# One pipeline as the scorer sees it: its stages' (rate, memory factor), and under 'full' their p2p
+# extras and TP group sizes (else None).
+Row = tuple[tuple[tuple[float, int], ...], tuple[float, ...] | None, tuple[int, ...] | None]
 
 
 class TooManyTemplates(Exception):
@@ -48,12 +53,40 @@ class TooManyTemplates(Exception):
 
 
 # ----------------------------------------------------------------------------- scoring
-@dataclass(frozen=True)
 class Score:
-    objective: float
-    z: tuple[float, ...]
-    layers: tuple[tuple[int, ...], ...]
-    micro_batches: tuple[int, ...]
+    """An organisation's objective, and per pipeline its bottleneck z, layers and micro-batches,
+    built from its distinct pipelines on first use: a search compares thousands of organisations of
+    thousands of pipelines by objective alone."""
+
+    def __init__(self, objective: float, classes: tuple[Hashable, ...], shapes: Mapping[Hashable, _Shape],
+                 data: ClassSplit | DataSolution):
+        self.objective = objective
+        self._classes, self._shapes, self._data = classes, shapes, data
+
+    @functools.cached_property
+    def z(self) -> tuple[float, ...]:
+        return tuple(self._shapes[k].sol.z for k in self._classes)
+
+    @functools.cached_property
+    def layers(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(self._shapes[k].sol.layers for k in self._classes)
+
+    @functools.cached_property
+    def micro_batches(self) -> tuple[int, ...]:
+        d = self._data
+        return d.micro_batches if isinstance(d, DataSolution) else d.micro_batches(self._classes)
+
+    def _key(self) -> tuple:
+        return self.objective, self.z, self.layers, self.micro_batches
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Score) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return f"Score(objective={self.objective!r}, pipelines={len(self._classes)})"
 
 
 _NOT_BELOW = object()   # `Scorer._score`: the organisation's objective is not below the bound asked
@@ -81,6 +114,9 @@ class Scorer:
         self._cap_memo: dict[tuple, tuple[int, ...] | None] = {}
         self._position_memo: dict[tuple[int, int], list[int]] = {}
         self._p2p: dict[tuple, tuple[float, ...]] = {}   # a pipeline's stage nodes -> its p2p extras
+        self._shapes: dict[int, _Shape | None] = {}       # a pipeline's row -> its layout and times
+        self._row_ids: dict[Row, int] = {}                # the rows numbered (`row_id`; on the root)
+        self._rows: list[Row] = []
         self._by_count: dict[int, Scorer] = {}
         self._root = self
         self._ilp1_calls = 0
@@ -186,60 +222,108 @@ class Scorer:
               prefer_layers: Sequence[Sequence[int] | None] | None = None,
               prefer_micro_batches: Sequence[int] | None = None, below: float = math.inf) -> Score | None:
         """Objective of an organisation given per pipeline its stages' (y, h); None = infeasible,
-        or (where `below` is given) not below it. Memoised when nothing is preferred: templates of
-        different groupings repeat organisations."""
-        scorer = self.for_pipelines(len(pipelines))
+        or (where `below` is given) not below it."""
+        rows = tuple(self.row_id((tuple(pipe), None if extras is None else tuple(extras[i]),
+                                  None if sizes is None else tuple(sizes[i])))
+                     for i, pipe in enumerate(pipelines))
+        return self.score_rows(rows, prefer_layers, prefer_micro_batches, below)
+
+    def row_id(self, row: Row) -> int:
+        """A number for this pipeline row, the same on every scorer of the search: an organisation
+        is the tuple of its rows' numbers, which hashes fast as a memo key at thousands of pipelines."""
+        ids = self._root._row_ids
+        if row not in ids:
+            ids[row] = len(ids)
+            self._root._rows.append(row)
+        return ids[row]
+
+    def score_rows(self, rows: tuple[int, ...], prefer_layers: Sequence[Sequence[int] | None] | None = None,
+                   prefer_micro_batches: Sequence[int] | None = None, below: float = math.inf) -> Score | None:
+        """`score` of pipelines given by their rows' numbers (`row_id`). Memoised when nothing is
+        preferred: templates of different groupings, and a local search's moves back and forth,
+        repeat organisations."""
+        scorer = self.for_pipelines(len(rows))
         if scorer is not self:
-            return scorer.score(pipelines, extras, sizes, prefer_layers, prefer_micro_batches, below)
+            return scorer.score_rows(rows, prefer_layers, prefer_micro_batches, below)
         if prefer_layers is not None or prefer_micro_batches is not None:
-            return self._score(pipelines, extras, sizes, prefer_layers, prefer_micro_batches)
-        key = tuple(tuple(p) for p in pipelines), _frozen(extras), _frozen(sizes)
-        if key not in self._scores:
-            s = self._score(pipelines, extras, sizes, None, None, below)
+            return self._score(rows, prefer_layers, prefer_micro_batches)
+        if rows not in self._scores:
+            s = self._score(rows, None, None, below)
             if s is _NOT_BELOW:
                 return None
-            self._scores[key] = s
-        s = self._scores[key]
+            self._scores[rows] = s
+        s = self._scores[rows]
         return s if s is None or s.objective < below else None
 
-    def _score(self, pipelines, extras, sizes, prefer_layers, prefer_micro_batches, below: float = math.inf
+    def _score(self, rows: tuple[int, ...], prefer_layers, prefer_micro_batches, below: float = math.inf
                ) -> Score | None:
-        sols = []
-        for i, pipe in enumerate(pipelines):
-            ex = extras[i] if extras is not None else None
-            pref = prefer_layers[i] if prefer_layers is not None else None
-            sol = self.layers([y for y, _ in pipe], [h for _, h in pipe], ex, pref)
-            if sol is None:
+        # Pipelines repeat (data-parallel replicas, a template's all-normal pipelines): each distinct
+        # one is laid out, timed and given micro-batches once, with its number of copies.
+        classes = rows if prefer_layers is None else tuple(
+            row if pref is None else (row, tuple(pref)) for row, pref in zip(rows, prefer_layers))
+        copies = collections.Counter(classes)
+        shapes: dict[Hashable, _Shape] = {}
+        for k in copies:
+            shape = self._shape(k) if isinstance(k, int) else self._shape(*k)
+            if shape is None:
                 return None
-            sols.append(sol)
-        stages = [sum(1 for l in s.layers if l > 0) if self.effective_stages else len(s.layers) for s in sols]
+            shapes[k] = shape
         p = self.problem
         full = self.objective == "full"
-        times = [tuple(y * l + (extras[i][j] if extras is not None else 0.0)
-                       for j, ((y, _), l) in enumerate(zip(pipe, sol.layers)) if l > 0)
-                 for i, (pipe, sol) in enumerate(zip(pipelines, sols))] if full else None
-        data = solve_micro_batches([s.z for s in sols], stages, p.num_micro_batches, self.objective,
-                                   solver=p.solver, prefer=prefer_micro_batches,
-                                   time_limit_s=p.time_limit_s, mip_gap=p.mip_gap,
-                                   fill=[fill_drain(t) for t in times] if full else None)
+        z = {k: s.sol.z for k, s in shapes.items()}
+        stages = {k: s.stages for k, s in shapes.items()}
+        fill = {k: s.fill for k, s in shapes.items()} if full else None
+        data: ClassSplit | DataSolution | None
+        if p.solver == "closed_form" and prefer_micro_batches is None:
+            data = solve_micro_batches_by_class(classes, z, stages, p.num_micro_batches, self.objective, fill)
+        else:   # HiGHS, or micro-batches preferred: pipeline by pipeline
+            data = solve_micro_batches([z[k] for k in classes], [stages[k] for k in classes], p.num_micro_batches,
+                                       self.objective, solver=p.solver, prefer=prefer_micro_batches,
+                                       time_limit_s=p.time_limit_s, mip_gap=p.mip_gap,
+                                       fill=None if fill is None else [fill[k] for k in classes])
         if data is None:
             return None
-        layers = tuple(s.layers for s in sols)
         obj = data.w
-        if full and sizes is not None:
+        if full and self._root._rows[rows[0]][2] is not None:
             # the pipelines' ends bound the iteration from below: past `below`, the reductions and
             # the optimizer steps need not be walked (most of a local search's candidates)
             if data.w >= below * (1 + 1e-9):
                 return _NOT_BELOW
-            obj = iteration_time(p, [PipelineTimes(m, t, tuple(l for l in ls if l > 0),
-                                                   tuple(g for g, l in zip(ss, ls) if l > 0),
-                                                   rates=tuple(y for (y, _), l in zip(pipe, ls) if l > 0))
-                                     for m, t, ls, ss, pipe in zip(data.micro_batches, times, layers, sizes, pipelines)])
-        return Score(obj, tuple(s.z for s in sols), layers, data.micro_batches)
+            split = (collections.Counter(zip(classes, data.micro_batches)) if isinstance(data, DataSolution)
+                     else {(k, m): n for k, c in copies.items() for m, n in data.counts(k, c)})
+            timed: collections.Counter = collections.Counter()
+            for (k, m), n in split.items():    # distinct classes may time alike: their copies add up
+                timed[dataclasses.replace(shapes[k].times, micro_batches=m)] += n
+            obj = iteration_time(p, timed)
+        return Score(obj, classes, shapes, data)
+
+    def _shape(self, row: int, prefer: tuple[int, ...] | None = None) -> _Shape | None:
+        """What the lower level makes of one pipeline: ILP-1's layout, its real stages and, under
+        'full', their times (memoised unless layers are preferred)."""
+        if prefer is None and row in self._shapes:
+            return self._shapes[row]
+        pipe, extra, sizes = self._root._rows[row]
+        sol = self.layers([y for y, _ in pipe], [h for _, h in pipe], extra, prefer)
+        shape = None
+        if sol is not None:
+            real = [j for j, l in enumerate(sol.layers) if l > 0]
+            times = tuple(pipe[j][0] * sol.layers[j] + (extra[j] if extra is not None else 0.0) for j in real)
+            timed = PipelineTimes(0, times, tuple(sol.layers[j] for j in real),
+                                  tuple(sizes[j] for j in real) if sizes is not None else (),
+                                  rates=tuple(pipe[j][0] for j in real))
+            shape = _Shape(sol, len(real) if self.effective_stages else len(pipe), fill_drain(times), timed)
+        if prefer is None:
+            self._shapes[row] = shape
+        return shape
 
 
-def _frozen(rows: Sequence[Sequence] | None) -> tuple | None:
-    return None if rows is None else tuple(tuple(r) for r in rows)
+@dataclass(frozen=True)
+class _Shape:
+    """One distinct pipeline of an organisation, laid out (`Scorer._shape`)."""
+    sol: LayerSolution
+    stages: int             # ILP-2's stage count: those holding blocks (all without `effective_stages`)
+    fill: float             # 'full' ILP-2's offset: Σ t - max t over the stages holding blocks
+    times: PipelineTimes    # those stages for 'full', micro_batches to be set
 
 
 def p2p_extras(problem: PlannerProblem, nodes: Sequence[int | None], sizes: Sequence[int]) -> tuple[float, ...]:
@@ -266,13 +350,34 @@ def template_classes(template: Template, specials: Sequence[Group]) -> list[list
     return [[specials[g].cls if g != NORMAL else NORMAL_CLASS for g in pipe] for pipe in template]
 
 
+class TemplateScorer:
+    """Scores templates over one list of special groups, each distinct pipeline turned into its row
+    once (a local search's candidates share all but two of thousands of pipelines)."""
+
+    def __init__(self, scorer: Scorer, specials: Sequence[Group], tp: int):
+        self.scorer, self.specials, self.tp = scorer, specials, tp
+        self._rows: dict[tuple[int, ...], int] = {}
+
+    def row(self, pipe: tuple[int, ...]) -> int:
+        """The scorer's number (`Scorer.row_id`) of this template pipeline's row."""
+        if pipe not in self._rows:
+            groups = [self.specials[g] if g != NORMAL else None for g in pipe]
+            classes = tuple(g.cls if g else NORMAL_CLASS for g in groups)
+            if self.scorer.objective != "full":
+                row = (classes, None, None)
+            else:
+                sizes = tuple(g.size if g else self.tp for g in groups)
+                row = (classes, self.scorer.p2p(tuple(g.node if g else None for g in groups), sizes), sizes)
+            self._rows[pipe] = self.scorer.row_id(row)
+        return self._rows[pipe]
+
+    def score(self, template: Template, below: float = math.inf) -> Score | None:
+        return self.scorer.score_rows(tuple(map(self.row, template)), below=below)
+
+
 def score_template(scorer: Scorer, template: Template, specials: Sequence[Group], tp: int,
                    below: float = math.inf) -> Score | None:
-    full = scorer.objective == "full"
-    sizes = [tuple(specials[g].size if g != NORMAL else tp for g in pipe) for pipe in template] if full else None
-    extras = [scorer.p2p(tuple(specials[g].node if g != NORMAL else None for g in pipe), size)
-              for pipe, size in zip(template, sizes)] if full else None
-    return scorer.score(template_classes(template, specials), extras, sizes, below=below)
+    return TemplateScorer(scorer, specials, tp).score(template, below)
 
 
 def reorder_stages(scorer: Scorer, template: Template, specials: Sequence[Group]) -> Template:
@@ -280,15 +385,17 @@ def reorder_stages(scorer: Scorer, template: Template, specials: Sequence[Group]
     caps (`Scorer.stage_order`). Templates put the special groups first, slowest first, which is
     best while memory is loose; when it binds, split groups (more memory per block) may need the
     deeper stages, where fewer micro-batches are in flight."""
-    out = []
     scorer = scorer.for_pipelines(len(template))
-    for pipe, classes in zip(template, template_classes(template, specials)):
-        order = scorer.stage_order(tuple(classes))
-        pool: dict[tuple, list[int]] = {}
-        for g, c in zip(pipe, classes):
-            pool.setdefault(c, []).append(g)
-        out.append(tuple(pool[c].pop(0) for c in order))
-    return tuple(out)
+    return tuple(_reorder_pipeline(scorer, pipe, specials) for pipe in template)
+
+
+def _reorder_pipeline(scorer: Scorer, pipe: tuple[int, ...], specials: Sequence[Group]) -> tuple[int, ...]:
+    """One pipeline of `reorder_stages`; `scorer` is the one of the template's pipeline count."""
+    classes = tuple(specials[g].cls if g != NORMAL else NORMAL_CLASS for g in pipe)
+    pool: dict[tuple, list[int]] = {}
+    for g, c in zip(pipe, classes):
+        pool.setdefault(c, []).append(g)
+    return tuple(pool[c].pop(0) for c in scorer.stage_order(classes))
 
 
 # ----------------------------------------------------------------------------- generators
@@ -503,33 +610,45 @@ def _moves(pipes: list[list[int]]) -> Iterator[tuple[int, int, int, int]]:
 
 
 def improve(template: Template, specials: Sequence[Group], scorer: Scorer, tp: int,
-            max_evals: int = 200, deadline: Deadline = NEVER,
-            arrange: Callable[[Template], Template] | None = None) -> tuple[Template, Score | None]:
+            max_evals: int = 200, deadline: Deadline = NEVER, reorder: bool = False) -> tuple[Template, Score | None]:
     """Bounded first-improvement local search: move one special group to another pipeline
     (trading places with a placeholder), or swap two special groups of different pipelines.
-    Bounded by `max_evals` scored moves and by the search's deadline. `arrange` (e.g.
-    `reorder_stages`) orders each candidate's stages before it is scored."""
-    best = score_template(scorer, template, specials, tp)
+    Bounded by `max_evals` scored moves and by the search's deadline. With `reorder`, each
+    candidate's stages are ordered as `reorder_stages` does before it is scored."""
+    judge = TemplateScorer(scorer, specials, tp)
+    best = judge.score(template)
     evals = 0
     improved = True
+    settled: dict[tuple[int, ...], tuple[int, ...]] = {}
+    ordering = scorer.for_pipelines(len(template))
 
-    def canon(pipes: list[list[int]]) -> Template:
-        return tuple(tuple(sorted((g for g in p if g != NORMAL))) + (NORMAL,) * sum(g == NORMAL for g in p)
-                     for p in pipes)
+    def settle(pipe: list[int]) -> tuple[int, ...]:
+        """A pipeline's special groups in index order, then its placeholders (what the template
+        generators build), with `reorder` its stages then reordered; each distinct pipeline once."""
+        key = tuple(pipe)
+        if key not in settled:
+            canon = tuple(sorted(g for g in pipe if g != NORMAL)) + (NORMAL,) * pipe.count(NORMAL)
+            settled[key] = _reorder_pipeline(ordering, canon, specials) if reorder else canon
+        return settled[key]
     while improved and evals < max_evals:
         improved = False
         pipes = [list(p) for p in template]
+        settled_pipes = [settle(p) for p in pipes]
+        rows = [judge.row(p) for p in settled_pipes]
         for a, x, b, y in _moves(pipes):
             if evals >= max_evals or deadline.passed():
                 break
-            new = [list(p) for p in pipes]
-            new[a][new[a].index(x)] = y
-            new[b][new[b].index(y)] = x
-            cand = canon(new) if arrange is None else arrange(canon(new))
+            new_a, new_b = list(pipes[a]), list(pipes[b])
+            new_a[new_a.index(x)] = y
+            new_b[new_b.index(y)] = x
+            new_a, new_b = settle(new_a), settle(new_b)
+            cand = list(rows)    # the candidate differs in two pipelines: copy the others' rows
+            cand[a], cand[b] = judge.row(new_a), judge.row(new_b)
             evals += 1
-            s = score_template(scorer, cand, specials, tp, below=math.inf if best is None else best.objective - 1e-9)
+            s = scorer.score_rows(tuple(cand), below=math.inf if best is None else best.objective - 1e-9)
             if s is not None and (best is None or s.objective < best.objective - 1e-9):
-                template, best, improved = cand, s, True
+                settled_pipes[a], settled_pipes[b] = new_a, new_b
+                template, best, improved = tuple(settled_pipes), s, True
                 break
     return template, best
 

@@ -598,7 +598,7 @@ def _organise(problem: PlannerProblem, scorer: Scorer, groups: Sequence[Group], 
     normals = tuple(g for g in groups if g.is_normal)
     # small clusters: each pipeline's stages in their best order under the memory caps, where that
     # scores better (on large ones only the annealing's pipelines are ordered so)
-    arrange = (lambda t: reorder_stages(scorer, t, specials)) if _is_small(problem) else None
+    reorder = _is_small(problem)
     out: list[_Finalist] = []
     capacity = sum(1.0 / g.rate for g in groups)
     for i, P in enumerate(counts):
@@ -618,14 +618,14 @@ def _organise(problem: PlannerProblem, scorer: Scorer, groups: Sequence[Group], 
                             break
                         raise TooManyTemplates()
                     templates[0] += 1
-                    t, s = _arranged(scorer, t, specials, problem.tp, arrange)
+                    t, s = _arranged(scorer, t, specials, problem.tp, reorder)
                     if s is not None:
                         found.append(_Finalist(s.objective, len(found), t, specials, normals, s))
         except TooManyTemplates:
             for t0 in greedy_templates(specials, len(normals), P):
-                t0, _ = _arranged(scorer, t0, specials, problem.tp, arrange)
+                t0, _ = _arranged(scorer, t0, specials, problem.tp, reorder)
                 t, s = improve(t0, specials, scorer, problem.tp, max_evals=_local_search_evals(problem, thorough),
-                               deadline=deadline, arrange=arrange)
+                               deadline=deadline, reorder=reorder)
                 templates[0] += 1
                 if s is not None:
                     found.append(_Finalist(s.objective, len(found), t, specials, normals, s))
@@ -656,11 +656,11 @@ def _annealed(problem: PlannerProblem, scorer: Scorer, f: _Finalist, ctx: _PrevI
 
 
 def _arranged(scorer: Scorer, t: Template, specials: Sequence[Group], tp: int,
-              arrange: Callable[[Template], Template] | None) -> tuple[Template, Score | None]:
+              reorder: bool) -> tuple[Template, Score | None]:
     """The template or its stages reordered (`reorder_stages`), whichever scores better: the order
     of least bottleneck is not always the best one where fill, drain and p2p are priced ('full')."""
     s = score_template(scorer, t, specials, tp)
-    a = t if arrange is None else arrange(t)
+    a = reorder_stages(scorer, t, specials) if reorder else t
     if a == t:
         return t, s
     sa = score_template(scorer, a, specials, tp)
@@ -766,7 +766,7 @@ def _choose(problem: PlannerProblem, plans: list[Plan], prev: Plan | None,
     if prev is None:
         v, _, p = min(scored, key=lambda t: (t[0], t[1]))
         return p, None
-    near = [(Plan.diff(prev, p, problem.state_sizes).moved_bytes, v, i, p)
+    near = [(Plan.moved_bytes(prev, p, problem.state_sizes), v, i, p)
             for v, i, p in scored if v <= best * (1 + NEAR_OPTIMAL) + 1e-9]
     moved, _, _, p = min(near, key=lambda t: (t[0], t[1], t[2]))
     return p, moved

@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import itertools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from ..costmodel.profile import BACKWARD_RATIO, RECOMPUTED_FORWARD
 from .problem import PlannerProblem
@@ -64,10 +64,12 @@ def update_time(problem: PlannerProblem, rate: float, size: int, blocks: int, pi
             / shared)
 
 
-def iteration_time(problem: PlannerProblem, pipes: Sequence[PipelineTimes]) -> float:
-    """The 'full' objective of an organisation (module docstring)."""
+def iteration_time(problem: PlannerProblem, pipes: Sequence[PipelineTimes] | Mapping[PipelineTimes, int]) -> float:
+    """The 'full' objective of an organisation (module docstring): its pipelines, or each distinct
+    pipeline with its number of copies."""
     # Equal pipelines (data-parallel replicas) end, reduce and step alike: each is walked once.
-    copies = collections.Counter(pipes)
+    copies = pipes if isinstance(pipes, Mapping) else collections.Counter(pipes)
+    num_pipelines = sum(copies.values())
     ends = [pipeline_time(p.micro_batches, p.times) for p in copies]
     g = problem.comm.grad_sync_per_block
     if not g and not problem.optimizer_per_block:
@@ -94,7 +96,7 @@ def iteration_time(problem: PlannerProblem, pipes: Sequence[PipelineTimes]) -> f
                 first_ready[k] = max(first_ready[k], finish - (b - 1 - start) * per_block)
                 last_ready[k] = max(last_ready[k], finish - (a - start) * per_block)
                 k += 1
-            stages.append((first, k, finish, update_time(problem, y, size, n, len(pipes))))
+            stages.append((first, k, finish, update_time(problem, y, size, n, num_pipelines)))
             finish -= backward
             start += n
     last = max(ends)
