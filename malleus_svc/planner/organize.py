@@ -17,9 +17,9 @@ Two generators, one scorer:
     past it, the caller uses
   * `greedy_templates`: balanced stage counts, special groups dealt out in a snake over the
     pipelines (slowest first), then a bounded local search moving one special group at a time.
-  * `Scorer`: ILP-1 per pipeline (memoised on the pipeline's (y, h, extra) signature: templates
-    repeat pipelines massively) and ILP-2, returning the paper's objective or its
-    bubble-aware variants ('full': `timing.iteration_time`).
+  * `Scorer`: ILP-1 per distinct pipeline (templates repeat pipelines massively: each distinct
+    one is laid out and timed once, with its count of copies) and ILP-2 by class, returning the
+    paper's objective or its bubble-aware variants ('full': `timing.iteration_time`).
 """
 from __future__ import annotations
 
@@ -375,11 +375,6 @@ class TemplateScorer:
         return self.scorer.score_rows(tuple(map(self.row, template)), below=below)
 
 
-def score_template(scorer: Scorer, template: Template, specials: Sequence[Group], tp: int,
-                   below: float = math.inf) -> Score | None:
-    return TemplateScorer(scorer, specials, tp).score(template, below)
-
-
 def reorder_stages(scorer: Scorer, template: Template, specials: Sequence[Group]) -> Template:
     """The template with each pipeline's stages in the order of least bottleneck under the memory
     caps (`Scorer.stage_order`). Templates put the special groups first, slowest first, which is
@@ -609,13 +604,14 @@ def _moves(pipes: list[list[int]]) -> Iterator[tuple[int, int, int, int]]:
                 yield from ((a, x, b, y) for y in special[b] if y > x)
 
 
-def improve(template: Template, specials: Sequence[Group], scorer: Scorer, tp: int,
-            max_evals: int = 200, deadline: Deadline = NEVER, reorder: bool = False) -> tuple[Template, Score | None]:
+def improve(template: Template, judge: TemplateScorer, max_evals: int = 200, deadline: Deadline = NEVER,
+            reorder: bool = False) -> tuple[Template, Score | None]:
     """Bounded first-improvement local search: move one special group to another pipeline
     (trading places with a placeholder), or swap two special groups of different pipelines.
     Bounded by `max_evals` scored moves and by the search's deadline. With `reorder`, each
-    candidate's stages are ordered as `reorder_stages` does before it is scored."""
-    judge = TemplateScorer(scorer, specials, tp)
+    candidate's stages are ordered as `reorder_stages` does before it is scored. `judge` scores
+    templates over the grouping's special groups."""
+    scorer, specials = judge.scorer, judge.specials
     best = judge.score(template)
     evals = 0
     improved = True

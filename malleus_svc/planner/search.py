@@ -54,8 +54,8 @@ from ..plan import RECOMPUTE, Pipeline, Plan, PlanError, Stage
 from .budget import NEVER, Deadline
 from .grouping import WIDE_DEVICES, Group, NodeOption, group_rate, make_group, node_options, slowest_first
 from .lower import bottleneck, lay_out, layer_caps, solve_micro_batches
-from .organize import (NORMAL, Score, Scorer, Template, TooManyTemplates, dfs_templates, fill,
-                       greedy_templates, improve, p2p_extras, reorder_stages, score_template, stage_plans)
+from .organize import (NORMAL, Score, Scorer, Template, TemplateScorer, TooManyTemplates, dfs_templates, fill,
+                       greedy_templates, improve, p2p_extras, reorder_stages, stage_plans)
 from ..config.scenario import OBJECTIVES
 from .problem import PlannerProblem
 from .anneal import Anneal, irregular_nodes
@@ -599,6 +599,7 @@ def _organise(problem: PlannerProblem, scorer: Scorer, groups: Sequence[Group], 
     # small clusters: each pipeline's stages in their best order under the memory caps, where that
     # scores better (on large ones only the annealing's pipelines are ordered so)
     reorder = _is_small(problem)
+    judge = TemplateScorer(scorer, specials, problem.tp)   # one per grouping: its pipelines' rows shared
     out: list[_Finalist] = []
     capacity = sum(1.0 / g.rate for g in groups)
     for i, P in enumerate(counts):
@@ -618,13 +619,13 @@ def _organise(problem: PlannerProblem, scorer: Scorer, groups: Sequence[Group], 
                             break
                         raise TooManyTemplates()
                     templates[0] += 1
-                    t, s = _arranged(scorer, t, specials, problem.tp, reorder)
+                    t, s = _arranged(judge, t, reorder)
                     if s is not None:
                         found.append(_Finalist(s.objective, len(found), t, specials, normals, s))
         except TooManyTemplates:
             for t0 in greedy_templates(specials, len(normals), P):
-                t0, _ = _arranged(scorer, t0, specials, problem.tp, reorder)
-                t, s = improve(t0, specials, scorer, problem.tp, max_evals=_local_search_evals(problem, thorough),
+                t0, _ = _arranged(judge, t0, reorder)
+                t, s = improve(t0, judge, max_evals=_local_search_evals(problem, thorough),
                                deadline=deadline, reorder=reorder)
                 templates[0] += 1
                 if s is not None:
@@ -655,15 +656,14 @@ def _annealed(problem: PlannerProblem, scorer: Scorer, f: _Finalist, ctx: _PrevI
     return [_Finalist(org.score.objective, -1, template, specials, normals, org.score)]
 
 
-def _arranged(scorer: Scorer, t: Template, specials: Sequence[Group], tp: int,
-              reorder: bool) -> tuple[Template, Score | None]:
+def _arranged(judge: TemplateScorer, t: Template, reorder: bool) -> tuple[Template, Score | None]:
     """The template or its stages reordered (`reorder_stages`), whichever scores better: the order
     of least bottleneck is not always the best one where fill, drain and p2p are priced ('full')."""
-    s = score_template(scorer, t, specials, tp)
-    a = reorder_stages(scorer, t, specials) if reorder else t
+    s = judge.score(t)
+    a = reorder_stages(judge.scorer, t, judge.specials) if reorder else t
     if a == t:
         return t, s
-    sa = score_template(scorer, a, specials, tp)
+    sa = judge.score(a)
     return (a, sa) if sa is not None and (s is None or sa.objective < s.objective) else (t, s)
 
 
