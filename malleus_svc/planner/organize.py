@@ -346,10 +346,6 @@ def p2p_extras(problem: PlannerProblem, nodes: Sequence[int | None], sizes: Sequ
     return tuple(0.5 * ((edge(j - 1) if j > 0 else 0.0) + (edge(j) if j < s - 1 else 0.0)) for j in range(s))
 
 
-def template_classes(template: Template, specials: Sequence[Group]) -> list[list[tuple[float, int]]]:
-    return [[specials[g].cls if g != NORMAL else NORMAL_CLASS for g in pipe] for pipe in template]
-
-
 class TemplateScorer:
     """Scores templates over one list of special groups, each distinct pipeline turned into its row
     once (a local search's candidates share all but two of thousands of pipelines)."""
@@ -362,12 +358,12 @@ class TemplateScorer:
         """The scorer's number (`Scorer.row_id`) of this template pipeline's row."""
         if pipe not in self._rows:
             groups = [self.specials[g] if g != NORMAL else None for g in pipe]
-            classes = tuple(g.cls if g else NORMAL_CLASS for g in groups)
+            classes = tuple(NORMAL_CLASS if g is None else g.cls for g in groups)
             if self.scorer.objective != "full":
                 row = (classes, None, None)
             else:
-                sizes = tuple(g.size if g else self.tp for g in groups)
-                row = (classes, self.scorer.p2p(tuple(g.node if g else None for g in groups), sizes), sizes)
+                sizes = tuple(self.tp if g is None else g.size for g in groups)
+                row = (classes, self.scorer.p2p(tuple(None if g is None else g.node for g in groups), sizes), sizes)
             self._rows[pipe] = self.scorer.row_id(row)
         return self._rows[pipe]
 
