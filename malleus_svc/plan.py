@@ -358,7 +358,8 @@ class Plan:
         schedule: what each needer lacks of its new parts. Every old TP group holds all of its
         parts' shards, so some old holder always has the rest, and where it comes from does not
         change the bytes. Device by device, not part by part (a re-plan compares its finalists'
-        migrations over thousands of devices)."""
+        migrations over thousands of devices), and summed exactly: `diff` adds one rounded float
+        per move, so the two may differ in the last bits, and equal migrations compare equal here."""
         if old.num_layers != new.num_layers:
             raise PlanError(f"plans have different layer counts ({old.num_layers} vs {new.num_layers})")
         sizes = sizes or StateSizes()
