@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..config.device import DeviceSpec
 from ..config.presets import ModelShape
-from ..geometry import loss_backward_bytes
+from ..geometry import loss_backward_bytes, most_rows
 from ..plan import StateSizes
 from .profile import CommCosts, MemoryProfile
 
@@ -128,7 +128,7 @@ def memory_profile(shape: ModelShape, tp: int, pp: int, micro_batch: int, gpu_me
     state = vocab_rows * TRAIN_STATE_BYTES_PER_PARAM / tp / MB
     first = state + max(pp, 2) * hidden_rows
     last_kept = (shape.hidden * TRAIN_STATE_BYTES_PER_PARAM + tokens * (shape.hidden * device.act_bytes + 4)) / MB
-    last = (state + loss_backward_bytes(-(-shape.vocab // tp), tokens, device.act_bytes) / MB
+    last = (state + loss_backward_bytes(most_rows(shape.vocab, tp), tokens, device.act_bytes) / MB
             + hidden_rows + tokens * 4 / tp / MB + last_kept)
     sharded = SHARDED_BYTES_PER_PARAM / MB if shard_optimizer else 0.0
     return MemoryProfile(layer_mb=layer_mb, embedding_mb=first, head_mb=last,

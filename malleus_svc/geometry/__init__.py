@@ -8,11 +8,11 @@ the simulator all ask these modules; none of them restates a split, a shape or a
 """
 from .loss import loss_backward_bytes, loss_chunk_tokens
 from .pipeline import one_f_one_b
-from .shards import (WHOLE, Cuts, Span, finest_partition, holder_at, rows_of, sequence_rows, shard_map, shard_of,
-                     shard_rows)
+from .shards import (WHOLE, Cuts, Span, finest_partition, holder_at, most_rows, rows_of, sequence_rows, shard_map,
+                     shard_of, shard_rows)
 from .tensors import (EMBEDDING, HEAD, TIED, Part, TensorSpec, decayed, hf_name, model_parts, part_of, part_tensors,
                       split_dim, tensor_spec, tp_divisibility_error)
 
 __all__ = ["loss_backward_bytes", "loss_chunk_tokens", "one_f_one_b", "WHOLE", "Cuts", "Span", "finest_partition",
-           "holder_at", "rows_of", "sequence_rows", "shard_map", "shard_of", "shard_rows", "EMBEDDING", "HEAD", "TIED", "Part", "TensorSpec", "decayed", "hf_name", "model_parts",
+           "holder_at", "most_rows", "rows_of", "sequence_rows", "shard_map", "shard_of", "shard_rows", "EMBEDDING", "HEAD", "TIED", "Part", "TensorSpec", "decayed", "hf_name", "model_parts",
            "part_of", "part_tensors", "split_dim", "tensor_spec", "tp_divisibility_error"]

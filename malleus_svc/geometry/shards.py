@@ -39,6 +39,12 @@ def shard_rows(size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
     return size * tp_rank // tp_size, size * (tp_rank + 1) // tp_size
 
 
+def most_rows(size: int, tp_size: int) -> int:
+    """The most rows of a split dim of `size` rows that any rank of a group of `tp_size` holds: the
+    last rank's (bounds round down), ⌈size / tp_size⌉."""
+    return -(-size // tp_size)
+
+
 def sequence_rows(tokens: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
     """Rows [start, end) of a micro-batch of `tokens` tokens that TP rank `tp_rank` of `tp_size`
     holds between TP regions (sequence parallelism): split as a tensor's rows are (micro-batches of

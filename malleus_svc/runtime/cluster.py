@@ -534,9 +534,9 @@ class WorkerGroup:
         within the collective timeout and then stopped finishing ops (a hang: the device that did not
         arrive; it is killed). The others are NOT restarted: they finish their failed step (a
         collective with a lost peer errors out, at the latest at the timeout), leave the old world
-        keeping their shards, and join a new one with a fresh actor in each lost device's bundle. A lost device whose bundle cannot host
-        one (see the module docstring) is gone: then `plan_for(gone devices)` gives the plan to run
-        on the rest. When every slice has a surviving copy (data parallelism keeps replicas), the
+        keeping their shards, and join a new one with a fresh actor in each lost device's bundle.
+        A lost device whose bundle cannot host one (see the module docstring) is gone: then
+        `plan_for(gone devices)` gives the plan to run on the rest. When every slice has a surviving copy (data parallelism keeps replicas), the
         survivors send their shards where the plan needs them, worker to worker (a migration with
         the lost devices unavailable as sources; nothing passes through the driver):
         `source="replicas"`. Otherwise `source="none"` and the caller restores a checkpoint. No
@@ -853,7 +853,8 @@ class WorkerGroup:
                 if why is None:
                     deadline = time.monotonic()
                     continue
-                raise WorkerGroupError(f"{what}: devices {[devices[index[r]] for r in pending]} have not answered after "
+                late = [devices[index[r]] for r in pending]
+                raise WorkerGroupError(f"{what}: devices {late} have not answered after "
                                        f"{time.monotonic() - start:.0f} s: {why}")
             try:
                 ray.get(ready[0])

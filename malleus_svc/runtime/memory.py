@@ -40,7 +40,7 @@ from typing import Iterator
 import torch
 
 from malleus_svc.config.presets import ModelShape
-from malleus_svc.geometry import loss_backward_bytes, sequence_rows
+from malleus_svc.geometry import loss_backward_bytes, most_rows, sequence_rows
 from malleus_svc.runtime.attention import varlen_causal_attention
 from malleus_svc.runtime.model import StageModel
 from malleus_svc.runtime.precision import GPU_COMPUTE_DTYPE, WorkingWeights
@@ -207,7 +207,8 @@ def stage_footprint(shape: ModelShape, num_layers: int, *, has_embedding: bool, 
     saved, working = saved_for_backward(model, x, positions, cu_seqlens, targets if has_head else None)
     rows = sequence_rows(micro_batch * seq_len, measured_rank(tp), tp)     # a boundary tensor's rows on this rank
     boundary = (rows[1] - rows[0]) * shape.hidden * GPU_COMPUTE_DTYPE.itemsize
-    loss = loss_backward_bytes(-(-shape.vocab // tp), micro_batch * seq_len, GPU_COMPUTE_DTYPE.itemsize) if has_head else 0
+    loss = (loss_backward_bytes(most_rows(shape.vocab, tp), micro_batch * seq_len, GPU_COMPUTE_DTYPE.itemsize)
+            if has_head else 0)
     recomputed = 0
     if recompute == "full":
         # the forward saved each block's input (the checkpoint does, where the hooks see it); in
