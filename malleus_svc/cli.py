@@ -37,7 +37,7 @@ def _load_scenario(args: argparse.Namespace):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from .planner import plan as make_plan
-    from .planner.describe import diff_summary, plan_table, summary_line
+    from .planner.describe import migration_summary, plan_table, summary_line
 
     scenario = _load_scenario(args)
     rates = dict(scenario.rates)
@@ -57,7 +57,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for note in result.notes:       # where the search stopped short, and why
         print(f"note: {note}")
     if previous is not None:
-        print(diff_summary(Plan.diff(previous, plan, problem.state_sizes)))
+        print(migration_summary(previous, plan, problem.state_sizes))
     if args.output:
         plan.save(args.output)
         print(f"wrote {args.output}")

@@ -30,7 +30,8 @@ from malleus_svc.config.errors import ConfigError, shorten
 from malleus_svc.config.files import parse_document, read_document
 from malleus_svc.config.limits import MAX_DEVICES, MAX_GLOBAL_BATCH, MAX_LAYERS
 from malleus_svc.config.presets import ModelShape
-from malleus_svc.geometry import EMBEDDING, HEAD, Cuts, Part, Span, model_parts, part_tensors, shard_map
+from malleus_svc.geometry import (EMBEDDING, HEAD, Cuts, Part, Span, finest_partition, holder_at, model_parts,
+                                  part_tensors, shard_map)
 
 PLAN_FORMAT_VERSION = 1
 
@@ -354,7 +355,8 @@ class Plan:
 
     @staticmethod
     def moved_bytes(old: "Plan", new: "Plan", sizes: "StateSizes | None" = None) -> float:
-        """`Plan.diff(old, new, sizes).moved_bytes` with every device available, without the
+        """`Plan.diff(old, new, sizes).moved_bytes` with every device available (or with the
+        optimizer sharded, `sizes.sharded`, what moves by owner: `_owner_moved_bytes`), without the
         schedule: what each needer lacks of its new parts. Every old TP group holds all of its
         parts' shards, so some old holder always has the rest, and where it comes from does not
         change the bytes. Device by device, not part by part (a re-plan compares its finalists'
@@ -363,6 +365,8 @@ class Plan:
         if old.num_layers != new.num_layers:
             raise PlanError(f"plans have different layer counts ({old.num_layers} vs {new.num_layers})")
         sizes = sizes or StateSizes()
+        if sizes.sharded:
+            return _owner_moved_bytes(old, new, sizes)
         held = {d: (st, r, j == 0, j == len(pipe.stages) - 1)
                 for pipe in old.pipelines for j, st in enumerate(pipe.stages) for r, d in enumerate(st.devices)}
         # exact shares of a part's sharded tensors (in blocks, the embedding, the head) and counts of
@@ -387,6 +391,51 @@ class Plan:
                         replicated_heads += not final
         return (sizes.block * float(blocks) + sizes.embedding * float(embedding) + sizes.head * float(head)
                 + sizes.block_replicated * replicated_blocks + sizes.head_replicated * replicated_heads)
+
+
+def _owner_moved_bytes(old: Plan, new: Plan, sizes: StateSizes) -> float:
+    """A sharded optimizer's migration: each element's master and moments go from its owner under
+    `old` to its owner under `new`, where the two differ (nothing else moves: the new holders
+    all-gather their weights from the owners, as every step does). A piece of a part is owned in
+    equal shares by its holders, in device order: the runtime's chunks (`runtime/state_owners.py`),
+    exactly so where each gradient bucket holds one piece, as a large model's do. A tied head is
+    counted apart from the embedding."""
+    total = 0.0
+    for part in model_parts(old.num_layers):
+        for sharded in (True, False):
+            nbytes = sizes.bytes_of(part, sharded)
+            if nbytes:
+                total += nbytes * float(_differ(_owners(old, part, sharded), _owners(new, part, sharded)))
+    return total
+
+
+def _owners(plan: Plan, part: Part, sharded: bool) -> list[tuple[Fraction, Fraction, int]]:
+    """(start, end, owner) tiling [0, 1) of a part's sharded (or replicated) tensors under `plan`."""
+    groups = [st.devices for _, st in plan.holders(part)]
+    if sharded:
+        pieces = [(a, b, sorted({holder_at(g, a) for g in groups}))
+                  for a, b in finest_partition(shard_map(groups).values())]
+    else:
+        pieces = [(Fraction(0), Fraction(1), sorted({d for g in groups for d in g}))]
+    out = []
+    for a, b, members in pieces:
+        width = (b - a) / len(members)
+        out += [(a + i * width, a + (i + 1) * width, d) for i, d in enumerate(members)]
+    return out
+
+
+def _differ(before: list[tuple[Fraction, Fraction, int]], after: list[tuple[Fraction, Fraction, int]]) -> Fraction:
+    """The share of [0, 1) whose owner differs between two tilings."""
+    i = j = 0
+    at, out = Fraction(0), Fraction(0)
+    while i < len(before) and j < len(after):
+        end = min(before[i][1], after[j][1])
+        if before[i][2] != after[j][2]:
+            out += end - at
+        at = end
+        i += before[i][1] == end
+        j += after[j][1] == end
+    return out
 
 
 def _shared(rank_a: int, size_a: int, rank_b: int, size_b: int) -> Fraction:
@@ -524,6 +573,7 @@ class StateSizes:
     head: float = 0.0
     block_replicated: float = 0.0
     head_replicated: float = 0.0
+    sharded: bool = False    # the optimizer's state split among a piece's holders: moves by owner (`Plan.moved_bytes`)
 
     @classmethod
     def of(cls, shape: ModelShape, bytes_per_param: float) -> "StateSizes":

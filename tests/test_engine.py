@@ -23,7 +23,7 @@ from malleus_svc.geometry import one_f_one_b, split_dim
 from malleus_svc.plan import Pipeline, Plan, Stage
 from malleus_svc.runtime.batch import IGNORE_INDEX, MicroBatch
 from malleus_svc.runtime.engine import STEP, Engine, OptimConfig, assemble_full, full_shard_states
-from malleus_svc.runtime.gradient_sync import GRAD_BUCKET_BYTES, _buckets
+from malleus_svc.runtime.gradient_sync import GRAD_BUCKET_BYTES, item_runs
 from malleus_svc.runtime.memory import saved_for_backward
 from malleus_svc.runtime.model import (Block, StageModel, build_stage_model, compile_blocks, full_model, init_part,
                                      take_shard)
@@ -95,7 +95,8 @@ def _train_on_plan(rank: int, world: int, plan: Plan, batches: list[list[MicroBa
     for batch in batches:
         loss_tokens = sum(mb.num_loss_tokens for mb in batch)
         stats.append(asdict(engine.train_step(_pipeline_share(plan, role.pipeline, batch), loss_tokens)))
-    buckets = sum(len(list(_buckets([sync._view(it) for it in items], bucket_bytes))) for items in sync.buckets.values())
+    buckets = sum(len(list(item_runs([sync._view(it).numel() * sync._view(it).element_size() for it in items],
+                                     bucket_bytes))) for items in sync.buckets.values())
     state = engine.export_state()
     evaluated = None if held_out is None else engine.eval_step(_pipeline_share(plan, role.pipeline, held_out),
                                                                sum(mb.num_loss_tokens for mb in held_out))
@@ -258,23 +259,88 @@ THREE_WAY = Plan(
 )
 
 
-@pytest.mark.parametrize("shape", [TINY, TIED], ids=["untied", "tied"])
-def test_a_sharded_optimizer_state_moves_between_plans_exactly(shape):
-    """Sharded on one plan, exported (each piece's moments gathered from its holders), cut for
-    another plan whose chunks fall elsewhere, sharded again: two steps equal one process's two."""
-    dtype = torch.float64
+SEVEN_WAY = dataclasses.replace(THREE_WAY, num_devices=7, suspended=(5, 6))   # in HETERO's world
+
+
+def _sharded_engine(rank: int, plan: Plan, shape: ModelShape, compute: torch.dtype | None) -> Engine | None:
+    """A sharded engine with small gradient buckets (many chunks): fp64, or fp32 masters under bf16
+    working weights (the GPU's precision, whose masters are shed after the first update)."""
+    if rank not in plan.roles():
+        return None
+    engine = Engine(shape, plan, rank, seed=SEED, optim=SHARDED, dtype=torch.float64 if compute is None else torch.float32,
+                    compute_dtype=compute)
+    engine.grad_sync.bucket_bytes = 512
+    return engine
+
+
+def _step_on(engine: Engine, plan: Plan, batch: list[MicroBatch]) -> float:
+    return engine.train_step(_pipeline_share(plan, engine.role.pipeline, batch),
+                             sum(mb.num_loss_tokens for mb in batch)).global_loss
+
+
+def _owned_migration(rank: int, world: int, batches, shape: ModelShape, compute: torch.dtype | None):
+    from malleus_svc.runtime.migrate import execute_migration, plan_migration
+    from malleus_svc.runtime.state_owners import owned_runs
+
+    old = _sharded_engine(rank, HETERO, shape, compute)
+    if old is not None:
+        _step_on(old, HETERO, batches[0])
+    before = old.export_state() if old is not None else None    # gathered: for the other path only
+    itemsize = 8 if compute is None else 4
+    schedule = plan_migration(HETERO, SEVEN_WAY, shape, itemsize=itemsize, sharded=True, grad_bucket_bytes=512)
+    owned = old.export_owned() if old is not None else None
+    if owned is not None:      # the engine's chunks are the ones the plan alone says it owns
+        assert sorted(st.run for st in owned) == sorted(owned_runs(HETERO, rank, shape, itemsize=itemsize,
+                                                                   bucket_bytes=512))
+    held = sum(st.tensors[1].numel() for st in owned or ())     # moments: this device's share only
+    states, stats = execute_migration(schedule, rank, owned)
+    del old, owned
+    new = _sharded_engine(rank, SEVEN_WAY, shape, compute)
+    if new is None:
+        return before, None, None, stats.sent_bytes, held
+    new.load_owned(states)
+    loss = _step_on(new, SEVEN_WAY, batches[1])
+    return before, new.export_state(), loss, stats.sent_bytes, held
+
+
+def _gathered_migration(rank: int, world: int, states, batch, shape: ModelShape, compute: torch.dtype | None):
+    engine = _sharded_engine(rank, SEVEN_WAY, shape, compute)
+    if engine is None:
+        return None, None
+    engine.load_state(states)
+    loss = _step_on(engine, SEVEN_WAY, batch)
+    return engine.export_state(), loss
+
+
+@pytest.mark.parametrize("shape, compute", [(TINY, None), (TIED, None), (TINY, torch.bfloat16)],
+                         ids=["fp64", "tied", "bf16-working-weights"])
+def test_a_sharded_optimizer_state_moves_between_plans_exactly(shape, compute):
+    """Sharded on one plan, migrated live to another whose chunks fall elsewhere: each element's
+    master and moments go from its old owner to its new one (nothing gathered), and the next step
+    is, bit for bit, the one taken after loading the gathered state; in fp64 two steps equal one
+    process's two. The migration moves less than the replicated optimizer's would."""
+    from malleus_svc.runtime.migrate import plan_migration
+
     batches = global_batches(steps=2, micro_batches=5, micro_batch_size=2, seed=7)
-    first = run_on_gloo(_train_on_plan, HETERO.num_devices, HETERO, batches[:1], dtype, 512, None, shape, SHARDED)
-    states = full_shard_states(assemble_full(r["state"] for r in first if r))
-    second = run_on_gloo(_train_on_plan, THREE_WAY.num_devices, THREE_WAY, batches[1:], dtype, 512, None, shape,
-                         SHARDED, states)
-    _, params, optim = reference_train(shape, SEED, OPTIM, batches, dtype)
-    full = assemble_full(r["state"] for r in second if r)
-    for name, ref in {**params, **optim}.items():
-        if name.endswith(STEP):
-            assert int(full[name]) == 2, name
-        else:
-            torch.testing.assert_close(full[name], ref, rtol=1e-7, atol=1e-9, msg=lambda m: f"{name}: {m}")
+    owned = run_on_gloo(_owned_migration, HETERO.num_devices, batches, shape, compute)
+    before = assemble_full(r[0] for r in owned if r[0] is not None)
+    gathered = run_on_gloo(_gathered_migration, SEVEN_WAY.num_devices, full_shard_states(before), batches[1],
+                           shape, compute)
+    assert [r[2] for r in owned] == [loss for _, loss in gathered] and len({r[2] for r in owned}) == 2   # and None
+    full = assemble_full(r[1] for r in owned if r[1] is not None)
+    ref = assemble_full(st for st, _ in gathered if st is not None)
+    assert full.keys() == ref.keys() and all(torch.equal(full[n], ref[n]) for n in ref)
+    if compute is None:
+        _, params, optim = reference_train(shape, SEED, OPTIM, batches, torch.float64)
+        for name, t in {**params, **optim}.items():
+            torch.testing.assert_close(full[name], t, rtol=1e-7, atol=1e-9, msg=lambda m: f"{name}: {m}")
+    # every element's moments were on one device; each moved at most once, to its new owner only
+    itemsize = 8 if compute is None else 4
+    assert sum(r[4] for r in owned) == sum(t.numel() for n, t in before.items() if n.endswith(":exp_avg")
+                                           and not (shape.tie_embeddings and n.startswith("head.")))
+    sent = sum(r[3] for r in owned)
+    sharded = plan_migration(HETERO, SEVEN_WAY, shape, itemsize=itemsize, sharded=True, grad_bucket_bytes=512)
+    assert 0 < sent == sharded.moved_bytes < plan_migration(HETERO, SEVEN_WAY, shape, itemsize=itemsize).moved_bytes
 
 
 def _two_phase(rank: int, world: int, batches: list[list[MicroBatch]]):

@@ -205,6 +205,79 @@ def test_unavailable_sources_are_refused_with_what_is_lost():
     assert sched.moved_bytes > plan_migration(BASELINE, PLAN_1, SHAPE_32).moved_bytes - 1
 
 
+def _owned_cover(plan: Plan, shape, owned) -> None:
+    """Each tensor's elements (a tied head's are the embedding's) tile [0, numel) once."""
+    from malleus_svc.geometry import TIED, model_parts
+
+    for part in model_parts(shape.layers):
+        for spec in part_tensors(shape, part):
+            if shape.tie_embeddings and spec.name == TIED[1]:
+                assert spec.name not in owned
+                continue
+            ends = [0] + [e for _, e, _ in owned[spec.name]]
+            assert [s for s, _, _ in owned[spec.name]] == ends[:-1] and ends[-1] == spec.numel, spec.name
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_sharded_optimizer_moves_each_element_once_from_its_old_owner_to_its_new(tied):
+    """With the optimizer sharded every element of the state has one owner under a plan (its chunk
+    of a gradient bucket, or the one device holding it), and the schedule sends an element only
+    from its old owner to its new one: never twice, never where the owner stays. A lost owner
+    leaves its elements without a source: the schedule refuses, naming them."""
+    from malleus_svc.runtime.state_owners import owners
+
+    rng = random.Random(11)
+    shape = ModelShape(layers=6, hidden=32, heads=4, ffn=64, vocab=64, seq_len=16, tie_embeddings=tied)
+    for _ in range(25):
+        old, new = random_plan(rng), random_plan(rng)
+        grad_bytes = rng.choice([256, 4096, 1 << 20])
+        before, after = (owners(p, shape, bucket_bytes=grad_bytes) for p in (old, new))
+        _owned_cover(old, shape, before)
+        _owned_cover(new, shape, after)
+        sched = plan_migration(old, new, shape, sharded=True, grad_bucket_bytes=grad_bytes,
+                               bucket_bytes=rng.choice([1000, 1 << 20]))
+
+        def owner(runs, name, i):
+            return next(d for s, e, d in runs[name] if s <= i < e)
+
+        got = Counter()
+        for k in sched.kept:
+            assert owner(before, k.name, k.start) == owner(after, k.name, k.start) == k.device
+            got.update((k.name, i) for i in range(k.start, k.end))
+        for sl in sched.slices:
+            assert sl.src != sl.dst and owner(before, sl.name, sl.start) == sl.src, sl
+            assert owner(before, sl.name, sl.end - 1) == sl.src and owner(after, sl.name, sl.start) == sl.dst, sl
+            assert sl.nbytes == 12 * (sl.end - sl.start)
+            got.update((sl.name, i) for i in range(sl.start, sl.end))
+        assert set(got.values()) == {1} and len(got) == sum(e - s for runs in after.values() for s, e, _ in runs)
+        assert sched.moved_bytes == 12 * sum(1 for name, runs in after.items() for s, e, d in runs
+                                             for i in range(s, e) if owner(before, name, i) != d)
+    same = plan_migration(PLAN_B, PLAN_B, _tiny(), sharded=True)
+    assert not same.slices and same.reused_bytes > 0
+    lost = plan_migration(PLAN_A, PLAN_B, _tiny(), sharded=True).slices[0].src
+    with pytest.raises(MigrationError, match=rf"owned by device {lost}.*sharded.*checkpoint"):
+        plan_migration(PLAN_A, PLAN_B, _tiny(), sharded=True, unavailable=[lost])
+    with pytest.raises(MigrationError, match=rf"owned by device {lost}"):   # the same plan: its own state is lost
+        plan_migration(PLAN_A, PLAN_A, _tiny(), sharded=True, unavailable=[lost])
+
+
+def test_the_planners_sharded_migration_bytes_are_the_runtimes():
+    """The planner prices a sharded optimizer's migration by owner (`Plan.moved_bytes` with
+    `StateSizes.sharded`): each piece owned in equal shares by its holders. Where each gradient
+    bucket holds one piece (a large model's buckets), that is the runtime's schedule up to the
+    rounding of rows and chunks (< 0.1%); and it is not the replicated optimizer's diff."""
+    rng = random.Random(3)
+    shape = ModelShape(layers=6, hidden=64, heads=4, ffn=128, vocab=128, seq_len=16)
+    sizes = dataclasses.replace(_sizes(shape), sharded=True)
+    differs = 0
+    for _ in range(20):
+        old, new = random_plan(rng), random_plan(rng)
+        exact = plan_migration(old, new, shape, sharded=True, grad_bucket_bytes=1).moved_bytes
+        assert Plan.moved_bytes(old, new, sizes) == pytest.approx(exact, rel=1e-3, abs=1)
+        differs += abs(exact - Plan.moved_bytes(old, new, _sizes(shape))) > 0.01 * exact
+    assert differs >= 10
+
+
 # --------------------------------------------------------------------------- Ray
 @pytest.fixture(scope="module")
 def group(ray_cluster):
@@ -329,13 +402,16 @@ def test_training_continues_as_if_started_under_the_new_plan(group, migrated):
     assert group.step(extra).loss == recomputed_loss
     _assert_bitwise(group.full_state(), recomputed_full)
 
-    # The optimizer sharded (each piece's Adam moments split among its holders): the same state
-    # exports whole (gathered), migrates live to B, where the chunks fall elsewhere, and trains on as
-    # the replicated optimizer does, up to the order of the gradient sums.
+    # The optimizer sharded (each piece's masters and Adam moments split among its holders): the same
+    # state migrates live to B, where the chunks fall elsewhere, each element from its old owner to
+    # its new one (less than the replicated optimizer moves), and trains on as the replicated
+    # optimizer does, up to the order of the gradient sums.
     group.apply_plan(PLAN_A, _tiny(), seed=99, optim=dataclasses.replace(_optim(), shard_optimizer=True))
     group.load_full_state(migrated["before"])
     _assert_bitwise(group.full_state(), migrated["before"])
-    group.migrate(PLAN_B)
+    report = group.migrate(PLAN_B)
+    assert report.moved_bytes == plan_migration(PLAN_A, PLAN_B, _tiny(), sharded=True).moved_bytes
+    assert 0 < report.moved_bytes < plan_migration(PLAN_A, PLAN_B, _tiny()).moved_bytes
     assert [group.step(ids).loss for ids in batches] == pytest.approx(fresh_losses, rel=1e-6)
     for name, t in group.full_state().items():
         torch.testing.assert_close(t, migrated_full[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")

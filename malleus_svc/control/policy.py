@@ -79,7 +79,7 @@ class Observation:
     problem: Any                          # the planner's problem under the round's rates and exclusions
     remaining: int                        # iterations left after this one
     seconds_per_unit: float               # measured seconds per planner objective unit
-    state_sizes: Any                      # for Plan.diff: bytes each move carries
+    state_sizes: Any                      # for Plan.moved_bytes: bytes each move carries
     membership: bool = False              # the set of devices changed: the current plan cannot stay
     forced: bool = False                  # a user asked to adopt the planner's plan
 
@@ -173,7 +173,7 @@ class ReplanPolicy:
             if name != "keep" and p.plan_id == obs.current.plan_id:
                 continue
             it = planner.evaluate(obs.problem, p) * obs.seconds_per_unit
-            nbytes = 0.0 if name == "keep" else Plan.diff(obs.current, p, obs.state_sizes).moved_bytes
+            nbytes = 0.0 if name == "keep" else Plan.moved_bytes(obs.current, p, obs.state_sizes)
             mig = 0.0 if name == "keep" else self.migration.predict(nbytes)
             options.append(Option(name, it, mig))
             info[name] = {"plan_id": p.plan_id, "iteration_seconds": it, "migration_seconds": mig,

@@ -45,7 +45,8 @@ def scenario_costs(sc: Scenario) -> ScenarioCosts:
     else:
         t0 = analytic.block_seconds(shape, sc.tp, sc.micro_batch, sc.device) if shape is not None else 1.0
     comm = analytic.comm_costs(shape, sc.tp, sc.dp, sc.micro_batch, sc.device) if shape is not None else CommCosts()
-    sizes = analytic.state_sizes(shape) if shape is not None else StateSizes()
+    sizes = dataclasses.replace(analytic.state_sizes(shape) if shape is not None else StateSizes(),
+                                sharded=sc.shard_optimizer)
     if prof.optimizer_seconds is not None:
         optimizer = prof.optimizer_seconds / t0
     else:   # in the analytic t0's units, as the communication terms

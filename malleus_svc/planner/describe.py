@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from ..costmodel.profile import recompute_time_factor
-from ..plan import RECOMPUTE_MARK, Plan, PlanDiff
+from ..plan import RECOMPUTE_MARK, Plan, PlanDiff, StateSizes
 from .problem import PlannerProblem
 
 
@@ -62,6 +62,15 @@ def summary_line(plan: Plan, ideal: float | None, solve_seconds: float | None, c
     if solve_seconds is not None:
         parts.append(f"solved in {solve_seconds:.3f} s" + (f" over {candidates} candidates" if candidates else ""))
     return "; ".join(parts)
+
+
+def migration_summary(previous: Plan, plan: Plan, sizes: StateSizes) -> str:
+    """What a migration from `previous` moves: the diff's slices, or with the optimizer sharded, each
+    element's state from its old owner to its new one."""
+    if not sizes.sharded:
+        return diff_summary(Plan.diff(previous, plan, sizes))
+    return (f"migration from previous plan (optimizer sharded): {Plan.moved_bytes(previous, plan, sizes) / 1024.0 ** 3:.2f} "
+            "GiB of masters and moments move, each element from its old owner to its new one")
 
 
 def diff_summary(diff: PlanDiff) -> str:

@@ -366,7 +366,8 @@ class WorkerGroup:
         self.check_plan(new_plan, shape)
         try:  # fail here, before any worker starts exchanging
             validate_plan_for_model(shape, new_plan)
-            schedule = plan_migration(old, new_plan, shape, bucket_bytes=bucket_bytes, unavailable=unavailable)
+            schedule = plan_migration(old, new_plan, shape, bucket_bytes=bucket_bytes, unavailable=unavailable,
+                                      sharded=self.optim.shard_optimizer)
         except (ValueError, MigrationError) as e:
             raise WorkerGroupError(f"cannot migrate {old.plan_id} -> {new_plan.plan_id}: {e}") from None
         t0 = time.perf_counter()
@@ -583,7 +584,7 @@ class WorkerGroup:
                 raise WorkerGroupError(f"devices {sorted(gone)} are gone (no worker could start in their bundles "
                                        f"within {self.replace_timeout_s:g} s) and no plan without them was given")
             plan = plan_for(frozenset(self.gone))
-        source = self._restart_world(plan, sorted(lost - gone), lost, kept=not self.optim.shard_optimizer)
+        source = self._restart_world(plan, sorted(lost - gone), lost)
         return RecoveryReport(lost=sorted(lost), source=source, seconds=time.perf_counter() - t0,
                               gone=sorted(gone), plan_id=plan.plan_id)
 
@@ -646,7 +647,7 @@ class WorkerGroup:
         if not back:
             return []
         running = [d for d in self.live if d not in back]
-        self._each("hold_state", devices=running)   # all together: a sharded optimizer gathers its moments
+        self._each("hold_state", devices=running)
         self._each("close", True, devices=running)
         source = self._restart_world(plan_for(frozenset(self.gone)), sorted(back), back)
         if source != "replicas":   # every running worker kept its shards: this cannot lose state
@@ -672,9 +673,9 @@ class WorkerGroup:
             self._each("set_pace", *astuple(self.device_pace), devices=[d for d in fresh if d not in failed])
         return failed
 
-    def _restart_world(self, plan: Plan, fresh: Sequence[int], unavailable, kept: bool = True) -> str:
+    def _restart_world(self, plan: Plan, fresh: Sequence[int], unavailable) -> str:
         """A new world over the live devices (the old one is closed, each worker kept its shards of
-        the running plan unless not `kept`), data for the fresh workers, and the state migrated to
+        the running plan), data for the fresh workers, and the state migrated to
         `plan` with the `unavailable` devices' shards lost. "replicas" if the others held every
         slice; "none" if not: then `plan` is applied without state and the caller restores a checkpoint."""
         from .migrate import MigrationError, plan_migration
@@ -687,10 +688,7 @@ class WorkerGroup:
         # the schedule says which before a byte moves.
         self.last_recovery_error = None
         try:
-            if not kept:   # a sharded optimizer's survivors could not gather their moments in a broken world
-                raise MigrationError("the optimizer state is sharded (train.shard_optimizer): each device held the "
-                                     "only copy of its Adam moments, and those of the lost devices are gone")
-            plan_migration(self.plan, plan, self.shape, unavailable=unavailable)
+            plan_migration(self.plan, plan, self.shape, unavailable=unavailable, sharded=self.optim.shard_optimizer)
         except MigrationError as e:
             self.last_recovery_error = str(e).splitlines()[0]
             log.warning("state cannot be rebuilt from the survivors: %s", self.last_recovery_error)

@@ -14,13 +14,15 @@ zeros). A step then:
 What no other pipeline holds (a piece of one pipeline) is updated where it lies, as without sharding.
 The update is elementwise, so it equals the replicated one up to the order of the gradient sums.
 
-A chunk's moments (and shed masters) exist on one device only: exporting the state (a checkpoint,
-a migration) gathers them among the members, so the state leaves plan-agnostic and the next plan
-cuts its own chunks; a device lost takes its chunks with it, and the job restores a checkpoint.
+A chunk's moments (and shed masters) exist on one device only. A checkpoint's export gathers them
+among the members (`state`), so a checkpoint stays plan-agnostic. A migration does not: each
+device gives the runs it owns (`owned`, named as `state_owners` derives them from the plan alone),
+each element goes to its owner under the next plan, and the new engines all-gather their chunks
+into their weights (`load_owned`). A device lost takes its chunks with it, and the job restores a
+checkpoint.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 from typing import Iterator, Mapping
 
@@ -31,13 +33,17 @@ from malleus_svc.config.presets import ModelShape
 from malleus_svc.runtime.gradient_sync import (GRAD_BUCKET_BYTES, Bucket, GradientSync, Item, TensorState, narrow,
                                                unflatten)
 from malleus_svc.runtime.precision import WorkingWeights
+from malleus_svc.geometry import tensor_spec
+from malleus_svc.runtime.state_owners import Run, RunState, canonical, chunk_of, find, item_start, overlaps
 from malleus_svc.runtime.groups import Groups, world_rank
 from malleus_svc.runtime.optimizer import AdamW, update_bytes
 
 
 @dataclass
 class _Chunked(Bucket):
-    """A bucket cut in equal chunks, one per member; this device owns elements [lo, hi)."""
+    """A bucket cut in equal chunks, one per member; this device owns elements [lo, hi). Items lie in
+    the bucket axis-major (`state_owners`), so a chunk is a range of each tensor's rows whatever the
+    TP degree, and a migration can move it as such."""
     chunk: int = 0                        # elements per member: the bucket padded to members x chunk
     lo: int = 0
     hi: int = 0
@@ -53,25 +59,37 @@ class _Chunked(Bucket):
 
     def overlaps(self) -> Iterator[tuple[Item, int, int, int]]:
         """(item, a, e, start): elements [a, e) of the own chunk are the item's from flat index `start`."""
-        offset = 0
-        for item, n in zip(self.items, self.sizes):
-            a, e = max(offset, self.lo), min(offset + n, self.hi)
-            if a < e:
-                yield item, a - self.lo, e - self.lo, a - offset
-            offset += n
+        return overlaps(self.items, self.sizes, self.lo, self.hi)
 
     def own(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The own chunk's elements of `tensors` (by name, each shaped like its parameter), padded."""
         out = next(iter(tensors.values())).new_zeros(self.chunk)
         for item, a, e, start in self.overlaps():
-            out[a:e] = narrow(tensors[item[0]], item).reshape(-1)[start:start + e - a]
+            out[a:e] = axis_major(tensors[item[0]], item).reshape(-1)[start:start + e - a]
         return out
+
+    def flatten(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The whole bucket of `tensors` (by name), padded: what the reduce-scatter reads."""
+        flat = next(iter(tensors.values())).new_empty(self.padded)
+        offset = 0
+        for item, n in zip(self.items, self.sizes):
+            view = axis_major(tensors[item[0]], item)
+            flat[offset:offset + n].view(view.shape).copy_(view)
+            offset += n
+        flat[offset:].zero_()
+        return flat
 
     def gather_into(self, own: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> None:
         """Every member's chunk of `own`'s kind, all-gathered into `tensors` (by name)."""
         flat = own.new_empty(self.padded)
         dist.all_gather_single(flat, own, group=self.group)
-        unflatten(flat, [narrow(tensors[item[0]], item) for item in self.items])
+        unflatten(flat, [axis_major(tensors[item[0]], item) for item in self.items])
+
+
+def axis_major(t: torch.Tensor, item: Item) -> torch.Tensor:
+    """The item's rows of `t` with their axis first (a view)."""
+    view = narrow(t, item)
+    return view if not item[1] else view.movedim(item[1], 0)
 
 
 class ShardedGradientSync(GradientSync):
@@ -84,12 +102,13 @@ class ShardedGradientSync(GradientSync):
         self.steps = 0                                # updates of the chunks (all of them at once)
         bucketed = {it for items in self.buckets.values() for it in items}
         self.local_norm_items = [it for it in self.norm_items if it not in bucketed]
-        # updated elsewhere: the bucketed tensors, a tied second copy
-        elsewhere = {it[0] for it in bucketed}
-        if len(self.tied_names) == 2 and self.tied_names[0] in elsewhere:
-            elsewhere.add(self.tied_names[1])
-        self.local = {name: p for name, p in params.items() if name not in elsewhere}
-        self.elsewhere = sorted(elsewhere)
+        # updated here whole: what no bucket reduces (a tied weight held twice, both copies); the rest
+        # is updated by chunk, elsewhere but for the own chunk
+        local = set(self.layout.unshared)
+        if self.tied_names and self.tied_names[0] in local:
+            local |= set(self.tied_names)
+        self.local = {name: p for name, p in params.items() if name in local}
+        self.elsewhere = sorted(name for name in params if name not in local)
         self.weights = {name: p.detach() for name, p in params.items()}
 
     @property
@@ -98,11 +117,10 @@ class ShardedGradientSync(GradientSync):
 
     def _bucket(self, key: tuple[int, ...], index: int, items: list[Item]) -> _Chunked:
         base = super()._bucket(key, index, items)
-        total = sum(base.sizes)
-        chunk = math.ceil(total / len(key))
-        k = dist.get_group_rank(base.group, world_rank(self.rank))
-        b = _Chunked(**{f.name: getattr(base, f.name) for f in fields(Bucket)},
-                     chunk=chunk, lo=min(k * chunk, total), hi=min((k + 1) * chunk, total))
+        k = key.index(self.rank)          # its group rank: world ranks follow device ids
+        assert k == dist.get_group_rank(base.group, world_rank(self.rank))
+        chunk, lo, hi = chunk_of(sum(base.sizes), len(key), k)
+        b = _Chunked(**{f.name: getattr(base, f.name) for f in fields(Bucket)}, chunk=chunk, lo=lo, hi=hi)
         for item, a, e, _ in b.overlaps():     # runs of one weight-decay rule: one Adam tensor each
             decays = self.optimizer.decays(self.params[item[0]])
             if b.runs and b.runs[-1][1] == a and b.runs[-1][2] == decays:
@@ -115,8 +133,7 @@ class ShardedGradientSync(GradientSync):
     def _launch(self, b: _Chunked) -> None:
         """Start the bucket's reduce-scatter: this device receives its own chunk's sum."""
         self._fold_tied(b)
-        views = [self._view(it).reshape(-1) for it in b.items]
-        b.flat = torch.cat([*views, views[0].new_zeros(b.padded - sum(b.sizes))])
+        b.flat = b.flatten({name: self.params[name].grad for name in b.names})
         b.grad = b.flat.new_empty(b.chunk)
         b.work = dist.reduce_scatter_single(b.grad, b.flat, group=b.group, async_op=True)
 
@@ -226,3 +243,65 @@ class ShardedGradientSync(GradientSync):
             if self.steps:
                 self._set_moments(b, tuple(b.own({name: st[which].to(self.weights[name]) for name, st in states.items()})
                                            for which in (1, 2)))
+
+    # ------------------------------------------------------------------ owned state (a migration's)
+    def _unshared_run(self, name: str) -> tuple[Run, int]:
+        """The run of an unshared tensor (all this device holds of it), and its axis."""
+        spec = tensor_spec(self.shape, name)
+        lo, hi = spec.held_rows(self.groups.tp.rank, self.groups.tp.size)
+        return Run(canonical(name, self.tied_names), lo * spec.row_numel, hi * spec.row_numel), spec.axis
+
+    @torch.no_grad()
+    def owned(self) -> list[RunState]:
+        """The state this device alone holds, as `state_owners.owned_runs` names it: its chunks (the
+        live tensors) and its unshared tensors (axis-major; a copy where the axis is not the first).
+        No communication: a device can give it with its peers lost."""
+        out = []
+        for b in self.chunked:
+            master = b.master if b.master is not None else b.own(self.weights)
+            moments = b.moments or (torch.zeros_like(master), torch.zeros_like(master))
+            for item, a, e, start in b.overlaps():
+                first = item_start(self.shape, item, self.offsets) + start
+                out.append(RunState(Run(canonical(item[0], self.tied_names), first, first + e - a),
+                                    (master[a:e], moments[0][a:e], moments[1][a:e]), self.steps))
+        for name in self.layout.unshared:
+            p = self.params[name]
+            run, axis = self._unshared_run(name)
+            st = self.optimizer.state.get(p)
+            tensors = (p, st["exp_avg"], st["exp_avg_sq"]) if st else (p, torch.zeros_like(p), torch.zeros_like(p))
+            out.append(RunState(run, tuple(t.detach().movedim(axis, 0).reshape(-1) for t in tensors),
+                                int(st["step"]) if st else 0))
+        return out
+
+    @torch.no_grad()
+    def load_owned(self, states: Mapping[str, list[RunState]]) -> None:
+        """Take the runs this device owns out of `states` (by tensor), then all-gather every member's
+        chunks into the weights (`publish`): every device of the plan calls this at once."""
+        self._restore_masters()
+        steps, cut = set(), {}
+        for b in self.chunked:
+            own = [next(iter(self.weights.values())).new_zeros(b.chunk) for _ in range(3)]
+            for item, a, e, start in b.overlaps():
+                first = item_start(self.shape, item, self.offsets) + start
+                tensors, step = find(states, Run(canonical(item[0], self.tied_names), first, first + e - a))
+                for dst, src in zip(own, tensors):
+                    dst[a:e] = src
+                steps.add(step)
+            cut[id(b)] = own
+        for name in self.layout.unshared:
+            p = self.params[name]
+            run, axis = self._unshared_run(name)
+            tensors, step = find(states, run)
+            whole = [t.reshape(p.movedim(axis, 0).shape).movedim(0, axis).to(p) for t in tensors]
+            copies = [n for n in self.tied_names if n in self.local] if name in self.tied_names else [name]
+            super().load({n: (*whole, step) for n in copies})     # a tied weight held twice: both copies
+            steps.add(step)
+        if len(steps) > 1:
+            raise ValueError(f"rank {self.rank}: the state's runs are at different steps {sorted(steps)}")
+        self.steps = steps.pop() if steps else 0
+        for b in self.chunked:
+            master, m, v = cut[id(b)]
+            b.master, b.moments, b.states = master, (), []
+            if self.steps:
+                self._set_moments(b, (m, v))
+        self.publish()

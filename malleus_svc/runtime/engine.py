@@ -34,6 +34,7 @@ from malleus_svc.runtime.model import build_stage_model, compile_blocks
 from malleus_svc.runtime.optimizer import AdamW, update_bytes
 from malleus_svc.runtime.precision import WorkingWeights, compute_dtype_for
 from malleus_svc.runtime.schedule import Post, Transfer, stage_program
+from malleus_svc.runtime.state_owners import RunState
 from malleus_svc.runtime.transport import P2PTransport, StageTransport
 
 # Keys of optimizer state in the flat dicts of assemble_full() and reference_train().
@@ -448,6 +449,22 @@ class Engine:
             cut_states[name] = (cut(st.param), cut(st.exp_avg), cut(st.exp_avg_sq), st.step)
         self.grad_sync.load(cut_states)
         self.working.refresh()
+
+    def export_owned(self) -> list[RunState]:
+        """With the optimizer sharded: the state this device alone holds, the live tensors, as
+        `state_owners.owned_runs` names them (a migration's source). No communication."""
+        return self._sharded().owned()
+
+    def load_owned(self, states: Mapping[str, list[RunState]]) -> None:
+        """With the optimizer sharded: take this device's runs out of `states` (by tensor name); every
+        device of the plan calls it at once (the chunks are all-gathered into the weights)."""
+        self._sharded().load_owned(states)
+        self.working.refresh()
+
+    def _sharded(self) -> ShardedGradientSync:
+        if not isinstance(self.grad_sync, ShardedGradientSync):
+            raise ValueError(f"rank {self.rank}: the optimizer is not sharded: its state is exported whole")
+        return self.grad_sync
 
 
 def full_shard_states(full: Mapping[str, torch.Tensor]) -> dict[str, ShardState]:

@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 
 from malleus_svc.config.presets import ModelShape
-from malleus_svc.geometry import TIED, model_parts, part_of, part_tensors, tensor_spec
-from malleus_svc.runtime.groups import Groups, Piece
+from malleus_svc.geometry import TIED, Part, TensorSpec, model_parts, part_of, part_tensors, tensor_spec
+from malleus_svc.plan import Plan
+from malleus_svc.runtime.groups import Groups, Piece, held_parts, local_pieces, local_tied_pieces
 from malleus_svc.runtime.optimizer import AdamW, update_bytes
 
 Item = tuple[str, "int | None", int, int]   # a tensor's name, its split dim, and rows [lo, hi) of it there
@@ -21,19 +22,88 @@ TensorState = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]   # a paramet
 GRAD_BUCKET_BYTES = 25 << 20
 
 
-def _buckets(views: list[torch.Tensor], cap: int) -> Iterator[list[torch.Tensor]]:
-    """Consecutive runs of `views` of at most `cap` bytes each (a larger view is a run of its own)."""
-    run: list[torch.Tensor] = []
-    size = 0
-    for v in views:
-        n = v.numel() * v.element_size()
-        if run and size + n > cap:
-            yield run
-            run, size = [], 0
-        run.append(v)
+def item_runs(nbytes: list[int], cap: int) -> Iterator[tuple[int, int]]:
+    """[start, end) of consecutive items of at most `cap` bytes together (a larger item is a run of its
+    own): how a group's items are cut into buckets."""
+    start, size = 0, 0
+    for i, n in enumerate(nbytes):
+        if i > start and size + n > cap:
+            yield start, i
+            start, size = i, 0
         size += n
-    if run:
-        yield run
+    if start < len(nbytes):
+        yield start, len(nbytes)
+
+
+@dataclass(frozen=True)
+class ReductionLayout:
+    """What one device reduces under a plan, derived from the plan alone (so every device, and a
+    migration's schedule, can tell what any other device does): its items per group of holders,
+    in the order backward finishes them (latest part first), the items it counts in the global
+    norm, and the copies of a tied weight it holds."""
+    buckets: dict[tuple[int, ...], list[Item]]
+    norm_items: list[Item]
+    tied_names: list[str]
+    offsets: dict[str, int]       # the first row (along the tensor's axis) of this device's shard
+    held: list[str]               # the tensors of the parts this device holds, in model order
+
+    @property
+    def unshared(self) -> list[str]:
+        """The tensors no bucket reduces (a piece only this device holds): updated whole where they
+        lie. A tied weight once: its second copy follows the first."""
+        bucketed = {it[0] for items in self.buckets.values() for it in items}
+        if self.tied_names and self.tied_names[0] in bucketed:
+            bucketed |= set(self.tied_names)
+        return [n for n in self.held if n not in bucketed and n not in self.tied_names[1:]]
+
+    @classmethod
+    def of(cls, plan: Plan, rank: int, shape: ModelShape) -> "ReductionLayout":
+        tied = shape.tie_embeddings
+        role = plan.roles()[rank]
+        r, t = role.tp_rank, plan.pipelines[role.pipeline].stages[role.stage].tp
+        held = [spec.name for part in held_parts(plan, rank) for spec in part_tensors(shape, part)]
+        tied_names = [n for n in TIED if n in held] if tied else []
+        buckets: dict[tuple[int, ...], list[Item]] = {}
+        norm_items: list[Item] = []
+        offsets: dict[str, int] = {}
+        sharded, replicated = local_pieces(plan, rank, tied)
+
+        def add(piece: Piece, item: Item) -> None:
+            if len(set(piece.members)) > 1:
+                buckets.setdefault(tuple(sorted(piece.members)), []).append(item)
+            if piece.members[0] == rank:
+                norm_items.append(item)
+
+        def add_rows(piece: Piece, spec: TensorSpec) -> None:
+            offset = offsets[spec.name] = spec.held_rows(r, t)[0]
+            lo, hi = spec.rows((piece.start, piece.end))
+            add(piece, (spec.name, spec.split_dim, lo - offset, hi - offset))
+
+        for piece in sharded:
+            for spec in part_tensors(shape, piece.part):
+                if spec.split_dim is not None:
+                    add_rows(piece, spec)
+        for piece in local_tied_pieces(plan, rank, tied):      # as the first copy this device holds
+            add_rows(piece, tensor_spec(shape, tied_names[0]))
+        for piece in replicated:
+            for spec in part_tensors(shape, piece.part):
+                if spec.split_dim is None:
+                    add(piece, (spec.name, None, 0, 0))
+        order = {part: i for i, part in enumerate(model_parts(shape.layers))}
+        for items in buckets.values():    # in the order backward finishes them, latest part first
+            items.sort(key=lambda it: -item_position(it, tied_names, order))
+        return cls(buckets, norm_items, tied_names, offsets, held)
+
+
+def item_position(item: Item, tied_names: list[str], order: Mapping[Part, int]) -> int:
+    """The item's part in model order. A tied weight's copies are the embedding on some members and
+    the head on others: placed as the embedding, the same on every member."""
+    return 0 if item[0] in tied_names else order[part_of(item[0])]
+
+
+def item_numel(shape: ModelShape, item: Item) -> int:
+    spec = tensor_spec(shape, item[0])
+    return spec.numel if item[1] is None else (item[3] - item[2]) * spec.row_numel
 
 
 @dataclass
@@ -74,37 +144,12 @@ class GradientSync:
     def __init__(self, groups: Groups, params: Mapping[str, torch.nn.Parameter], shape: ModelShape,
                  optimizer: AdamW, bucket_bytes: int = GRAD_BUCKET_BYTES):
         self.groups, self.rank, self.bucket_bytes, self.optimizer = groups, groups.rank, bucket_bytes, optimizer
-        r, t = groups.tp.rank, groups.tp.size
-        self.buckets: dict[tuple[int, ...], list[Item]] = {}
-        self.norm_items: list[Item] = []
-        sharded, replicated = groups.local_pieces()
-        self.tied_names = [n for n in TIED if n in params] if groups.tied else []   # the copies this device holds
-
-        def add(piece: Piece, item) -> None:
-            if len(set(piece.members)) > 1:
-                self.buckets.setdefault(tuple(sorted(piece.members)), []).append(item)
-            if piece.members[0] == self.rank:
-                self.norm_items.append(item)
-
-        def add_rows(piece: Piece, spec) -> None:
-            offset = spec.held_rows(r, t)[0]
-            lo, hi = spec.rows((piece.start, piece.end))
-            add(piece, (spec.name, spec.split_dim, lo - offset, hi - offset))
-
-        for piece in sharded:
-            for spec in part_tensors(shape, piece.part):
-                if spec.split_dim is not None:
-                    add_rows(piece, spec)
-        for piece in groups.local_tied_pieces():      # as the first copy this device holds
-            add_rows(piece, tensor_spec(shape, self.tied_names[0]))
-        for piece in replicated:
-            for spec in part_tensors(shape, piece.part):
-                if spec.split_dim is None:
-                    add(piece, (spec.name, None, 0, 0))
+        self.shape = shape
+        layout = ReductionLayout.of(groups.plan, groups.rank, shape)
+        self.buckets, self.norm_items, self.tied_names = layout.buckets, layout.norm_items, layout.tied_names
+        self.layout, self.offsets = layout, layout.offsets
         self.params = params
         self._parts = {part: i for i, part in enumerate(model_parts(shape.layers))}
-        for items in self.buckets.values():    # in the order backward finishes them, latest part first
-            items.sort(key=lambda it: -self._position(it))
         self._order: list[Bucket] | None = None    # cut at first use, once bucket_bytes is final
         self._armed, self._final, self._next, self._folded = False, set(), 0, False
         self.launched_early = self.pending_at_first_launch = 0
@@ -124,21 +169,18 @@ class GradientSync:
 
     def _runs(self, items: list[Item]) -> Iterator[list[Item]]:
         """The items in runs of at most `bucket_bytes`."""
-        i = 0
-        for views in _buckets([self._view(it, grad=False) for it in items], self.bucket_bytes):
-            yield items[i:i + len(views)]
-            i += len(views)
+        size = next(iter(self.params.values())).element_size()
+        for a, e in item_runs([item_numel(self.shape, it) * size for it in items], self.bucket_bytes):
+            yield items[a:e]
 
     def _position(self, item: Item) -> int:
-        """The item's part in model order. A tied weight's copies are the embedding on some members and
-        the head on others: placed as the embedding, the same on every member."""
-        return 0 if item[0] in self.tied_names else self._parts[part_of(item[0])]
+        return item_position(item, self.tied_names, self._parts)
 
     def _bucket(self, key: tuple[int, ...], index: int, items: list[Item]) -> Bucket:
         names = {it[0] for it in items}
         if names & set(self.tied_names):
             names |= set(self.tied_names)   # both copies final: the device's one contribution is their sum
-        return Bucket(key, index, self.groups.group(key), items, [self._view(it, grad=False).numel() for it in items],
+        return Bucket(key, index, self.groups.group(key), items, [item_numel(self.shape, it) for it in items],
                       frozenset(names), max(self._position(it) for it in items))
 
     def reset(self) -> None:

@@ -238,24 +238,36 @@ class Groups:
         return self._groups[key]
 
     def parts(self) -> list[Part]:
-        return [p for p in model_parts(self.plan.num_layers)
-                if any(self.rank in st.devices for _, st in self.plan.holders(p))]
+        return held_parts(self.plan, self.rank)
 
     def local_pieces(self) -> tuple[list[Piece], list[Piece]]:
-        """(sharded pieces, replicated pieces) of the parts this device holds, in global order.
-
-        Sharded: the pieces inside this device's shard (with a tied head, those of the embedding and
-        the head are `tied_pieces`). Replicated: one per held part.
-        """
-        sharded, replicated = [], []
-        for part in self.parts():
-            replicated.append(replicated_piece(self.plan, part))
-            sharded.extend(p for p in sharded_pieces(self.plan, part, self.tied) if self.rank in p.members)
-        return sharded, replicated
+        return local_pieces(self.plan, self.rank, self.tied)
 
     def local_tied_pieces(self) -> list[Piece]:
-        """The tied pieces inside this device's copies (none for a model whose head is not tied)."""
-        return [p for p in tied_pieces(self.plan) if self.rank in p.members] if self.tied else []
+        return local_tied_pieces(self.plan, self.rank, self.tied)
+
+
+def held_parts(plan: Plan, rank: int) -> list[Part]:
+    """The parts device `rank` holds under `plan`, in model order."""
+    return [p for p in model_parts(plan.num_layers) if any(rank in st.devices for _, st in plan.holders(p))]
+
+
+def local_pieces(plan: Plan, rank: int, tied: bool = False) -> tuple[list[Piece], list[Piece]]:
+    """(sharded pieces, replicated pieces) of the parts device `rank` holds, in global order.
+
+    Sharded: the pieces inside this device's shard (with a tied head, those of the embedding and
+    the head are `tied_pieces`). Replicated: one per held part.
+    """
+    sharded, replicated = [], []
+    for part in held_parts(plan, rank):
+        replicated.append(replicated_piece(plan, part))
+        sharded.extend(p for p in sharded_pieces(plan, part, tied) if rank in p.members)
+    return sharded, replicated
+
+
+def local_tied_pieces(plan: Plan, rank: int, tied: bool) -> list[Piece]:
+    """The tied pieces inside device `rank`'s copies (none for a model whose head is not tied)."""
+    return [p for p in tied_pieces(plan) if rank in p.members] if tied else []
 
 
 def release_unused(plan: Plan, tied: bool = False) -> list[tuple[int, ...]]:

@@ -38,6 +38,13 @@ device sends at most `bucket_bytes` and receives at most `bucket_bytes` (at most
 pair per round); so the buffers a device holds for communication at any time are bounded by
 2 x bucket_bytes, whatever the number of peers.
 
+A sharded optimizer (`plan_migration(..., sharded=True)`, `_plan_owned`). Each element of the
+optimizer's state has one owner under each plan (`state_owners`): its fp32 master and Adam moments
+move from the old owner to the new one, only where the owner changes, as runs of the tensor's
+axis-major elements; nothing is gathered whole first (a device never holds more than its own state
+and the round's buffers). The new engines all-gather their chunks into their weights, as a step
+publishes its update (`Engine.load_owned`).
+
 Execution. Each round, a rank posts all its isends/irecvs of the round in one
 `batch_isend_irecv` (NCCL: one group, no deadlock between a pair that sends both ways; gloo: plain
 isend/irecv with a per-round tag), waits, and unpacks what it received. Each pair exchanges at
@@ -48,6 +55,7 @@ correct where tags are ignored (NCCL). Buffers are contiguous, on the communicat
 from __future__ import annotations
 
 import hashlib
+from bisect import bisect_right
 import time
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -57,6 +65,8 @@ from malleus_svc.config.presets import ModelShape
 from malleus_svc.geometry import (Part, TensorSpec, model_parts, part_of, part_tensors,
                                   tensor_spec, tp_divisibility_error)
 from malleus_svc.plan import Plan, SliceMove, StateSizes
+from malleus_svc.runtime.gradient_sync import GRAD_BUCKET_BYTES
+from malleus_svc.runtime.state_owners import Run, RunState, find, owners
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 _TAG_BASE = 0x4D470000  # gloo tags of migration rounds (apart from groups.py's handshake tag)
@@ -134,6 +144,9 @@ class MigrationSchedule:
     kept: tuple[Keep, ...]
     buckets: tuple[Bucket, ...]        # sorted by (round, src, dst)
     holdings: Mapping[int, Mapping[str, Holding]] = field(compare=False)  # new holder -> name -> rows
+    # A sharded optimizer's: new owner -> the runs it owns (`state_owners`); slices then name runs of
+    # a tensor's axis-major elements and carry fp32 masters with the moments. None: rows, as above.
+    owned: Mapping[int, tuple[Run, ...]] | None = field(default=None, compare=False)
 
     # ------------------------------------------------------------------ totals
     @property
@@ -169,7 +182,8 @@ class MigrationSchedule:
 
     def digest(self) -> int:
         """A 63-bit hash of everything that must match between ranks."""
-        h = hashlib.sha256(f"{self.old_plan_id}/{self.new_plan_id}/{self.bucket_bytes}/{self.itemsize}".encode())
+        h = hashlib.sha256(f"{self.old_plan_id}/{self.new_plan_id}/{self.bucket_bytes}/{self.itemsize}/"
+                           f"{self.owned is not None}".encode())
         for b in self.buckets:
             h.update(repr((b.src, b.dst, b.round, [(c.name, c.start, c.end) for c in b.chunks])).encode())
         return int.from_bytes(h.digest()[:8], "little") & (2**63 - 1)
@@ -202,8 +216,11 @@ def _check(old: Plan, new: Plan, shape: ModelShape) -> None:
 
 
 def plan_migration(old: Plan, new: Plan, shape: ModelShape, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                   itemsize: int = 4, unavailable: Iterable[int] = ()) -> MigrationSchedule:
-    """The transfer schedule that moves every state slice `new` places where `old` did not have it.
+                   itemsize: int = 4, unavailable: Iterable[int] = (), sharded: bool = False,
+                   grad_bucket_bytes: int = GRAD_BUCKET_BYTES) -> MigrationSchedule:
+    """The transfer schedule that moves every state slice `new` places where `old` did not have it
+    (`sharded`: the optimizer's state, by owner, the chunks cut from the engines' gradient buckets
+    of `grad_bucket_bytes`; see `_plan_owned`).
 
     `unavailable` devices never send (nor keep); raises MigrationError listing every slice that
     then has no surviving source.
@@ -212,6 +229,8 @@ def plan_migration(old: Plan, new: Plan, shape: ModelShape, *, bucket_bytes: int
         raise MigrationError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     _check(old, new, shape)
     dead = set(unavailable)
+    if sharded:
+        return _plan_owned(old, new, shape, bucket_bytes, itemsize, dead, grad_bucket_bytes)
     tensors = {part: part_tensors(shape, part) for part in model_parts(shape.layers)}
 
     def side(part: Part, sharded: bool) -> list[TensorSpec]:
@@ -247,6 +266,43 @@ def plan_migration(old: Plan, new: Plan, shape: ModelShape, *, bucket_bytes: int
 
 def _part_label(part: Part) -> str:
     return part if isinstance(part, str) else f"block {part}"
+
+
+def _plan_owned(old: Plan, new: Plan, shape: ModelShape, bucket_bytes: int, itemsize: int,
+                dead: set[int], grad_bucket_bytes: int) -> MigrationSchedule:
+    """A sharded optimizer's migration: each element's fp32 master and moments go from its owner
+    under `old` to its owner under `new` (`state_owners.owners`), and only where the owner changes;
+    nothing is gathered whole. The new engines then all-gather their chunks into the weights
+    (`Engine.load_owned`), as a step publishes its update."""
+    before, after = (owners(plan, shape, itemsize=itemsize, bucket_bytes=grad_bucket_bytes) for plan in (old, new))
+    slices, kept, missing = [], [], []
+    for name, runs in after.items():
+        sources = before[name]
+        starts = [s for s, _, _ in sources]
+        for start, end, dst in runs:
+            i = bisect_right(starts, start) - 1
+            while i < len(sources) and sources[i][0] < end:
+                a, e, src = max(start, sources[i][0]), min(end, sources[i][1]), sources[i][2]
+                i += 1
+                n = e - a
+                if src in dead:
+                    missing.append(f"{name} elements [{a}, {e}) for device {dst}, owned by device {src}")
+                elif src == dst:
+                    kept.append(Keep(dst, name, a, e, 3 * n * itemsize))
+                else:
+                    slices.append(Slice(name, None, a, e, src, dst, n, 3 * n * itemsize))
+    if missing:
+        shown = "; ".join(missing[:12]) + (f"; ... ({len(missing)} in all)" if len(missing) > 12 else "")
+        raise MigrationError(
+            f"no surviving source (unavailable devices {sorted(dead)}) for: {shown}. The optimizer state is "
+            "sharded: each element's master and moments had one owner. Restore a checkpoint instead.")
+    owned: dict[int, list[Run]] = {}
+    for name, runs in after.items():
+        for start, end, d in runs:
+            owned.setdefault(d, []).append(Run(name, start, end))
+    return MigrationSchedule(old.plan_id, new.plan_id, new.gpus_per_node, bucket_bytes, itemsize, tuple(slices),
+                             tuple(kept), _pack(tuple(slices), bucket_bytes, itemsize), {},
+                             {d: tuple(runs) for d, runs in owned.items()})
 
 
 def _pack(slices: tuple[Slice, ...], bucket_bytes: int, itemsize: int) -> tuple[Bucket, ...]:
@@ -340,10 +396,11 @@ def execute_migration(schedule: MigrationSchedule, rank: int, old_states: Mappin
 
     Every rank of the world must call this (also ranks with nothing to send or receive): it starts
     with one world all-reduce that checks that every rank derived the same schedule. `old_states`
-    is this rank's `Engine.export_state(copy=False)` (None if it had no engine): its live tensors on
-    `comm_device`, where buckets are packed and unpacked into the new buffers, so no state passes
-    through host memory on a GPU. Returns (new ShardStates of this rank under the new plan, {} if
-    it holds nothing; MigrationStats).
+    is this rank's `Engine.export_state(copy=False)`, or with a sharded schedule its
+    `Engine.export_owned()` (None if it had no engine): its live tensors on `comm_device`, where
+    buckets are packed and unpacked into the new buffers, so no state passes through host memory on
+    a GPU. Returns (this rank's new ShardStates, or RunStates by tensor for `Engine.load_owned`; {}
+    if it holds nothing; MigrationStats).
 
     `exchange(messages, tag)` posts one round's messages as one batch and waits for them
     (`transport.exchange` unless given: e.g. `nccl_rules.rules_exchange` checks NCCL's rules on CPU).
@@ -351,7 +408,6 @@ def execute_migration(schedule: MigrationSchedule, rank: int, old_states: Mappin
     import torch
     import torch.distributed as dist
 
-    from malleus_svc.runtime.engine import ShardState
     from malleus_svc.runtime.transport import Message, exchange as batched_exchange
 
     exchange = exchange or batched_exchange
@@ -370,47 +426,13 @@ def execute_migration(schedule: MigrationSchedule, rank: int, old_states: Mappin
                                  f"({schedule.old_plan_id} -> {schedule.new_plan_id}); every worker must "
                                  "migrate from the same old plan to the same new plan with the same bucket size")
 
-    old_states = old_states or {}
-
-    def old_view(name: str, start: int, end: int):
-        st = old_states.get(name)
-        if st is None:
-            raise MigrationError(f"rank {rank}: the schedule expects it to hold {name} rows [{start}, {end}), "
-                                 "but it has no such state (is its engine built for the old plan?)")
-        axis = 0 if st.dim is None else st.dim
-        if not (st.start <= start and end <= st.end):
-            raise MigrationError(f"rank {rank}: holds {name} rows [{st.start}, {st.end}), the schedule "
-                                 f"expects [{start}, {end})")
-        return st, axis, start - st.start
-
-    # New state buffers.
-    mine = schedule.holdings.get(rank, {})
-    new: dict[str, dict[str, Any]] = {}
-    for name, h in mine.items():
-        axis = 0 if h.dim is None else h.dim
-        size = list(h.full_shape)
-        size[axis] = h.end - h.start
-        new[name] = {"t": [torch.empty(size, dtype=dtype, device=comm_device) for _ in range(3)],
-                     "cover": torch.zeros(h.end - h.start, dtype=torch.int32), "steps": set(),
-                     "axis": axis, "h": h}
-
-    def put(name: str, start: int, end: int, tensors, step: int) -> None:
-        slot = new.get(name)
-        if slot is None:
-            raise MigrationError(f"rank {rank}: received {name}, which it does not hold under the new plan")
-        h, axis = slot["h"], slot["axis"]
-        for dst, src in zip(slot["t"], tensors):
-            dst.narrow(axis, start - h.start, end - start).copy_(src)
-        slot["cover"][start - h.start:end - h.start] += 1
-        slot["steps"].add(int(step))
+    state = (_Runs if schedule.owned is not None else _Rows)(schedule, rank, old_states, dtype, comm_device)
 
     # Kept rows: a local copy.
     for k in schedule.kept:
         if k.device != rank:
             continue
-        st, axis, off = old_view(k.name, k.start, k.end)
-        put(k.name, k.start, k.end, [t.narrow(axis, off, k.end - k.start) for t in
-                                      (st.param, st.exp_avg, st.exp_avg_sq)], st.step)
+        state.write(k.name, k.start, k.end, *state.read(k.name, k.start, k.end))
         stats.kept_bytes += k.nbytes
 
     # Rounds.
@@ -425,12 +447,12 @@ def execute_migration(schedule: MigrationSchedule, rank: int, old_states: Mappin
             if b.src == rank:
                 parts, steps = [], []
                 for c in b.chunks:
-                    st, axis, off = old_view(c.name, c.start, c.end)
-                    for t in (st.param, st.exp_avg, st.exp_avg_sq):
+                    tensors, step = state.read(c.name, c.start, c.end)
+                    for t in tensors:
                         if t.dtype != dtype:
                             raise MigrationError(f"rank {rank}: {c.name} is {t.dtype}, the schedule moves {dtype}")
-                        parts.append(t.narrow(axis, off, c.end - c.start).contiguous().reshape(-1))
-                    steps.append(st.step)
+                        parts.append(t.contiguous().reshape(-1))
+                    steps.append(step)
                 buf = torch.cat(parts).to(comm_device)   # packed where the state lives
                 step_buf = torch.tensor(steps, dtype=torch.int64, device=comm_device)
                 if buf.numel() * buf.element_size() != b.nbytes:
@@ -454,30 +476,132 @@ def execute_migration(schedule: MigrationSchedule, rank: int, old_states: Mappin
             steps = step_buf.tolist()
             off = 0
             for c, step in zip(b.chunks, steps):
-                slot = new.get(c.name)
-                if slot is None:
-                    raise MigrationError(f"rank {rank}: received {c.name}, which it does not hold under the new plan")
-                size = list(slot["h"].full_shape)
-                size[slot["axis"]] = c.end - c.start
+                size = state.shape(c.name, c.start, c.end)
                 ts = []
                 for _ in range(3):
                     ts.append(buf[off:off + c.numel].view(size))
                     off += c.numel
-                put(c.name, c.start, c.end, ts, step)
+                state.write(c.name, c.start, c.end, ts, step)
             stats.received_bytes += b.nbytes
             stats.buckets_received += 1
 
-    out = {}
-    for name, slot in new.items():
-        cover = slot["cover"]
-        if not bool((cover == 1).all()):
-            bad = (cover != 1).nonzero().flatten().tolist()[:8]
-            raise MigrationError(f"rank {rank}: {name} rows {bad}... were filled {cover[bad].tolist()} times, "
-                                 "expected exactly once")
-        if len(slot["steps"]) != 1:
-            raise MigrationError(f"rank {rank}: pieces of {name} come at different Adam steps {sorted(slot['steps'])}")
-        h = slot["h"]
-        p, m, v = slot["t"]
-        out[name] = ShardState(h.dim, h.start, h.end, p, m, v, slot["steps"].pop(), tuple(h.full_shape))
+    out = state.result()
     stats.seconds = time.perf_counter() - t0
     return out, stats
+
+
+class _Rows:
+    """A migration's state by tensor rows (the replicated optimizer's): what this rank sends, read
+    from its ShardStates, and the new ShardStates it fills."""
+
+    def __init__(self, schedule: MigrationSchedule, rank: int, old_states, dtype, device):
+        import torch
+
+        self.rank, self.old = rank, old_states or {}
+        self.new: dict[str, dict[str, Any]] = {}
+        for name, h in schedule.holdings.get(rank, {}).items():
+            axis = 0 if h.dim is None else h.dim
+            size = list(h.full_shape)
+            size[axis] = h.end - h.start
+            self.new[name] = {"t": [torch.empty(size, dtype=dtype, device=device) for _ in range(3)],
+                              "cover": torch.zeros(h.end - h.start, dtype=torch.int32), "steps": set(),
+                              "axis": axis, "h": h}
+
+    def read(self, name: str, start: int, end: int):
+        st = self.old.get(name)
+        if st is None:
+            raise MigrationError(f"rank {self.rank}: the schedule expects it to hold {name} rows [{start}, {end}), "
+                                 "but it has no such state (is its engine built for the old plan?)")
+        if not (st.start <= start and end <= st.end):
+            raise MigrationError(f"rank {self.rank}: holds {name} rows [{st.start}, {st.end}), the schedule "
+                                 f"expects [{start}, {end})")
+        axis = 0 if st.dim is None else st.dim
+        return [t.narrow(axis, start - st.start, end - start) for t in (st.param, st.exp_avg, st.exp_avg_sq)], st.step
+
+    def _slot(self, name: str) -> dict[str, Any]:
+        slot = self.new.get(name)
+        if slot is None:
+            raise MigrationError(f"rank {self.rank}: received {name}, which it does not hold under the new plan")
+        return slot
+
+    def shape(self, name: str, start: int, end: int) -> list[int]:
+        slot = self._slot(name)
+        size = list(slot["h"].full_shape)
+        size[slot["axis"]] = end - start
+        return size
+
+    def write(self, name: str, start: int, end: int, tensors, step: int) -> None:
+        slot = self._slot(name)
+        h, axis = slot["h"], slot["axis"]
+        for dst, src in zip(slot["t"], tensors):
+            dst.narrow(axis, start - h.start, end - start).copy_(src)
+        slot["cover"][start - h.start:end - h.start] += 1
+        slot["steps"].add(int(step))
+
+    def result(self):
+        from malleus_svc.runtime.engine import ShardState
+
+        out = {}
+        for name, slot in self.new.items():
+            _check_filled(self.rank, name, slot)
+            h = slot["h"]
+            out[name] = ShardState(h.dim, h.start, h.end, *slot["t"], slot["steps"].pop(), tuple(h.full_shape))
+        return out
+
+
+class _Runs:
+    """A migration's state by owned runs (a sharded optimizer's): fp32 masters and moments, read from
+    this rank's `Engine.export_owned()`, and the runs it owns under the new plan."""
+
+    def __init__(self, schedule: MigrationSchedule, rank: int, old_states, dtype, device):
+        import torch
+
+        self.rank, self.old = rank, {}
+        for st in old_states or ():
+            self.old.setdefault(st.run.name, []).append(st)
+        self.new: dict[str, list[dict[str, Any]]] = {}
+        for run in schedule.owned.get(rank, ()):
+            n = run.end - run.start
+            self.new.setdefault(run.name, []).append(
+                {"run": run, "t": [torch.empty(n, dtype=dtype, device=device) for _ in range(3)],
+                 "cover": torch.zeros(n, dtype=torch.int32), "steps": set()})
+
+    def read(self, name: str, start: int, end: int):
+        try:
+            return find(self.old, Run(name, start, end))
+        except KeyError as e:
+            raise MigrationError(f"rank {self.rank}: the schedule expects it to own {e.args[0]} "
+                                 "(is its engine built for the old plan, with the optimizer sharded?)") from None
+
+    def shape(self, name: str, start: int, end: int) -> list[int]:
+        return [end - start]
+
+    def write(self, name: str, start: int, end: int, tensors, step: int) -> None:
+        for slot in self.new.get(name, ()):
+            run = slot["run"]
+            if run.start <= start and end <= run.end:
+                for dst, src in zip(slot["t"], tensors):
+                    dst[start - run.start:end - run.start].copy_(src)
+                slot["cover"][start - run.start:end - run.start] += 1
+                slot["steps"].add(int(step))
+                return
+        raise MigrationError(f"rank {self.rank}: received {name} elements [{start}, {end}), which it does not "
+                             "own under the new plan")
+
+    def result(self) -> dict[str, list[RunState]]:
+        out: dict[str, list[RunState]] = {}
+        for name, slots in self.new.items():
+            for slot in slots:
+                _check_filled(self.rank, name, slot)
+                out.setdefault(name, []).append(RunState(slot["run"], tuple(slot["t"]), slot["steps"].pop()))
+        return out
+
+
+def _check_filled(rank: int, name: str, slot: dict[str, Any]) -> None:
+    cover = slot["cover"]
+    if not bool((cover == 1).all()):
+        bad = (cover != 1).nonzero().flatten().tolist()[:8]
+        raise MigrationError(f"rank {rank}: {name} rows {bad}... were filled {cover[bad].tolist()} times, "
+                             "expected exactly once")
+    if len(slot["steps"]) != 1:
+        raise MigrationError(f"rank {rank}: pieces of {name} come at different Adam steps {sorted(slot['steps'])}")

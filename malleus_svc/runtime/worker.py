@@ -283,11 +283,15 @@ class DeviceWorker:
             return self.engine.export_state()
 
     def hold_state(self) -> None:
-        """Keep this device's shards for the next world's migration (every device with work at once:
-        a sharded optimizer gathers its moments); `close(keep_state=True)` then keeps these."""
+        """Keep this device's shards for the next world's migration; `close(keep_state=True)` then
+        keeps these."""
         if self.engine is not None:
-            with self._watched("a state export"):
-                self._held = self.engine.export_state(copy=False)
+            self._held = self._migration_state()
+
+    def _migration_state(self):
+        """What a migration sends from: the live shards, or a sharded optimizer's owned runs (neither
+        communicates, so a device whose peers are lost can still give it)."""
+        return self.engine.export_owned() if self.engine.optim.shard_optimizer else self.engine.export_state(copy=False)
 
     def load_pretrained(self, folder: str) -> bool:
         """Read this device's shards of a Hugging Face folder's weights into its Engine, if any."""
@@ -368,8 +372,9 @@ class DeviceWorker:
         fresh = self.device_id in set(unavailable)
         if not fresh and old.plan_id != self.plan_id:
             raise RuntimeError(f"device {self.device_id} runs plan {self.plan_id}, asked to migrate from {old.plan_id}")
-        schedule = plan_migration(old, new, shape, bucket_bytes=int(bucket_bytes), unavailable=unavailable)
-        old_states = None if fresh else self.engine.export_state(copy=False) if self.engine is not None else self._held
+        schedule = plan_migration(old, new, shape, bucket_bytes=int(bucket_bytes), unavailable=unavailable,
+                                  sharded=optim.shard_optimizer)
+        old_states = None if fresh else self._migration_state() if self.engine is not None else self._held
         export_s = time.perf_counter() - t0
         with self._watched("a migration"):
             states, stats = execute_migration(schedule, self.device_id, old_states, comm_device=self.torch_device,
@@ -382,7 +387,8 @@ class DeviceWorker:
         if role is not None:
             self.engine = Engine(shape, new, self.device_id, seed=seed, optim=optim,
                                  device=self.torch_device, clock=self.clock, init=False)
-            self.engine.load_state(states)
+            with self._watched("loading the migrated state"):
+                (self.engine.load_owned if optim.shard_optimizer else self.engine.load_state)(states)
         release_unused(new, shape.tie_embeddings)
         self.plan_id = new.plan_id
         out = _as_dict(stats)
@@ -472,10 +478,7 @@ class DeviceWorker:
         from .groups import clear_group_cache
 
         if self.engine is not None:    # a second close (a rendezvous retry) keeps what the first kept
-            # a sharded optimizer's moments are gathered by all devices at once (`hold_state`), never here:
-            # a close may follow a lost peer
-            sharded = self.engine.optim.shard_optimizer
-            self._held = (self._held if sharded else self.engine.export_state(copy=False)) if keep_state else None
+            self._held = self._migration_state() if keep_state else None
         self._drop_engine()
         if self.watchdog is not None:    # first: an abort under way ends before the world is torn down
             self.watchdog.close()

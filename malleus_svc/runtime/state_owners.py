@@ -1,0 +1,113 @@
+"""Who owns each element of a sharded optimizer's state under a plan, from the plan alone.
+
+With the optimizer sharded (distributed_optimizer.py), the fp32 masters and Adam moments of a piece
+that several pipelines hold are cut into one chunk per holder, bucket by bucket; a piece one
+pipeline holds stays with its device. So every element of the model's optimizer state has exactly
+one owner. A migration between two such plans moves an element only where its owner changes
+(migrate.py), and never gathers a piece whole.
+
+Elements are named in one frame per tensor, the same on every plan: a tensor's elements laid out
+axis-major (`TensorSpec.axis` first, the rows a TP shard or a plan's fraction cuts), so a device's
+rows of it are one contiguous range whatever the TP degree. A tied head is named as the embedding.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+from malleus_svc.config.presets import ModelShape
+from malleus_svc.geometry import TIED, tensor_spec
+from malleus_svc.plan import Plan
+from malleus_svc.runtime.gradient_sync import (GRAD_BUCKET_BYTES, Item, ReductionLayout, item_numel,
+                                               item_runs)
+
+
+@dataclass(frozen=True, order=True)
+class Run:
+    """Elements [start, end) of tensor `name`'s axis-major layout."""
+    name: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class RunState:
+    """The optimizer state of one owned run: fp32 masters, exp_avg, exp_avg_sq (1-D, axis-major) and
+    the Adam step (0, with zero moments, before the first update)."""
+    run: Run
+    tensors: tuple  # three torch.Tensor
+    step: int
+
+
+def find(states: "dict[str, list[RunState]]", run: Run) -> tuple[tuple, int]:
+    """The tensors of `run` cut from the state that covers it, and its step; KeyError if none does."""
+    for st in states.get(run.name, ()):
+        if st.run.start <= run.start and run.end <= st.run.end:
+            a, e = run.start - st.run.start, run.end - st.run.start
+            return tuple(t[a:e] for t in st.tensors), st.step
+    raise KeyError(f"{run.name} elements [{run.start}, {run.end}): no state holds them")
+
+
+def chunk_of(total: int, members: int, k: int) -> tuple[int, int, int]:
+    """A bucket of `total` elements cut into `members` equal chunks (the last padded with zeros):
+    (chunk length, [lo, hi) of the bucket that member k owns)."""
+    chunk = math.ceil(total / members)
+    return chunk, min(k * chunk, total), min((k + 1) * chunk, total)
+
+
+def overlaps(items: list[Item], sizes: list[int], lo: int, hi: int) -> Iterator[tuple[Item, int, int, int]]:
+    """(item, a, e, start): elements [a, e) of the chunk [lo, hi) of a bucket of `items` are the
+    item's from its own flat index `start`."""
+    offset = 0
+    for item, n in zip(items, sizes):
+        a, e = max(offset, lo), min(offset + n, hi)
+        if a < e:
+            yield item, a - lo, e - lo, a - offset
+        offset += n
+
+
+def item_start(shape: ModelShape, item: Item, offsets: dict[str, int]) -> int:
+    """Where the item's first element lies in its tensor's axis-major layout (`offsets`: the first
+    row of the device's shard, `ReductionLayout.offsets`)."""
+    return 0 if item[1] is None else (offsets[item[0]] + item[2]) * tensor_spec(shape, item[0]).row_numel
+
+
+def canonical(name: str, tied_names: list[str]) -> str:
+    """The name an element is owned under: a tied weight's copies are one tensor, the embedding."""
+    return TIED[0] if name in tied_names else name
+
+
+def owned_runs(plan: Plan, rank: int, shape: ModelShape, *, itemsize: int = 4,
+               bucket_bytes: int = GRAD_BUCKET_BYTES) -> list[Run]:
+    """The runs of optimizer state device `rank` owns under `plan`: its chunk of every bucket it
+    reduces, cut as the engine cuts them (`itemsize`: the bytes of an fp32 master), and the whole
+    of its shard of every tensor that it alone holds."""
+    layout = ReductionLayout.of(plan, rank, shape)
+    out = []
+    for key, items in layout.buckets.items():
+        sizes = [item_numel(shape, it) for it in items]
+        for a, e in item_runs([n * itemsize for n in sizes], bucket_bytes):
+            _, lo, hi = chunk_of(sum(sizes[a:e]), len(key), key.index(rank))
+            for item, x, y, start in overlaps(items[a:e], sizes[a:e], lo, hi):
+                first = item_start(shape, item, layout.offsets) + start
+                out.append(Run(canonical(item[0], layout.tied_names), first, first + y - x))
+    role = plan.roles()[rank]
+    tp = plan.pipelines[role.pipeline].stages[role.stage].tp
+    for name in layout.unshared:
+        spec = tensor_spec(shape, name)
+        lo, hi = spec.held_rows(role.tp_rank, tp)
+        out.append(Run(canonical(name, layout.tied_names), lo * spec.row_numel, hi * spec.row_numel))
+    return out
+
+
+def owners(plan: Plan, shape: ModelShape, *, itemsize: int = 4,
+           bucket_bytes: int = GRAD_BUCKET_BYTES) -> dict[str, list[tuple[int, int, int]]]:
+    """Every tensor's owners under `plan`: (start, end, device), sorted, covering each element once."""
+    out: dict[str, list[tuple[int, int, int]]] = {}
+    for d in sorted(plan.roles()):
+        for r in owned_runs(plan, d, shape, itemsize=itemsize, bucket_bytes=bucket_bytes):
+            out.setdefault(r.name, []).append((r.start, r.end, d))
+    for runs in out.values():
+        runs.sort()
+    return out
