@@ -355,9 +355,10 @@ class Plan:
 
     @staticmethod
     def moved_bytes(old: "Plan", new: "Plan", sizes: "StateSizes | None" = None) -> float:
-        """`Plan.diff(old, new, sizes).moved_bytes` with every device available (or with the
-        optimizer sharded, `sizes.sharded`, what moves by owner: `_owner_moved_bytes`), without the
-        schedule: what each needer lacks of its new parts. Every old TP group holds all of its
+        """The bytes a migration from `old` to `new` moves with every device available. With the
+        optimizer sharded (`sizes.sharded`) each element's state moves by owner
+        (`_owner_moved_bytes`). Otherwise this is `Plan.diff(old, new, sizes).moved_bytes` without
+        the schedule: what each needer lacks of its new parts. Every old TP group holds all of its
         parts' shards, so some old holder always has the rest, and where it comes from does not
         change the bytes. Device by device, not part by part (a re-plan compares its finalists'
         migrations over thousands of devices), and summed exactly: `diff` adds one rounded float
@@ -400,18 +401,21 @@ def _owner_moved_bytes(old: Plan, new: Plan, sizes: StateSizes) -> float:
     equal shares by its holders, in device order: the runtime's chunks (`runtime/state_owners.py`),
     exactly so where each gradient bucket holds one piece, as a large model's do. A tied head is
     counted apart from the embedding."""
-    total = 0.0
+    total, shares = 0.0, {}
     for part in model_parts(old.num_layers):
+        holders = tuple(tuple(st.devices for _, st in plan.holders(part)) for plan in (old, new))
         for sharded in (True, False):
             nbytes = sizes.bytes_of(part, sharded)
-            if nbytes:
-                total += nbytes * float(_differ(_owners(old, part, sharded), _owners(new, part, sharded)))
+            if nbytes:     # the blocks of a stage share their holders: each pair is measured once
+                if (holders, sharded) not in shares:
+                    shares[holders, sharded] = float(_differ(*(_owners(g, sharded) for g in holders)))
+                total += nbytes * shares[holders, sharded]
     return total
 
 
-def _owners(plan: Plan, part: Part, sharded: bool) -> list[tuple[Fraction, Fraction, int]]:
-    """(start, end, owner) tiling [0, 1) of a part's sharded (or replicated) tensors under `plan`."""
-    groups = [st.devices for _, st in plan.holders(part)]
+def _owners(groups: Sequence[tuple[int, ...]], sharded: bool) -> list[tuple[Fraction, Fraction, int]]:
+    """(start, end, owner) tiling [0, 1) of a part's sharded (or replicated) tensors held by these
+    TP groups."""
     if sharded:
         pieces = [(a, b, sorted({holder_at(g, a) for g in groups}))
                   for a, b in finest_partition(shard_map(groups).values())]

@@ -47,7 +47,7 @@ class FakeWorkers:
         return int(spec["num_samples"])
 
     def apply_plan(self, plan: Plan, shape, *, seed: int = 0, optim=None, init: bool = True) -> list:
-        self.plan = plan
+        self.plan, self.optim = plan, optim
         return []
 
     def set_slowdowns(self, factors: dict[int, float]) -> None:

@@ -134,6 +134,7 @@ def bad(path, value):
      "model.rope_scaling.high_freq_factor", "> 4"),
     (bad(["model"], {"preset": "llama3.1-8b", "rope_scaling": {"factor": 8}}), "model.rope_scaling.low_freq_factor",
      "required"),
+    (bad(["parallel", "shard_optimizer"], "yes"), "parallel.shard_optimizer", "true or false"),
 ])
 def test_bad_scenarios_name_the_field_and_what_is_accepted(scenario, field, hint):
     with pytest.raises(ConfigError) as e:
@@ -172,6 +173,19 @@ def test_fuzzed_fields_give_config_errors_only(path, value):
         assert e.field and str(e)
     else:
         build_problem(s)  # whatever parses must also build a problem
+
+
+def test_the_optimizer_state_is_sharded_as_written_or_as_the_workers_decide():
+    """`parallel.shard_optimizer` absent leaves it to the job's workers (GPUs shard); a plan made
+    offline then assumes the replicated state, the larger."""
+    absent = Scenario.from_dict(GOOD)
+    assert absent.shard_optimizer is None
+    assert absent.sharding_on(True).shard_optimizer is True and absent.sharding_on(False).shard_optimizer is False
+    assert not build_problem(absent).memory.sharded and not build_problem(absent).state_sizes.sharded
+    for written in (True, False):
+        sc = Scenario.from_dict(bad(["parallel", "shard_optimizer"], written))
+        assert sc.shard_optimizer is written and sc.sharding_on(not written).shard_optimizer is written
+        assert build_problem(sc).memory.sharded is written and build_problem(sc).state_sizes.sharded is written
 
 
 def test_tp_sizes_are_the_halvings_of_tp_and_the_planner_groups_by_them():

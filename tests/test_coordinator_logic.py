@@ -412,3 +412,22 @@ def test_a_job_on_gpus_sweeps_lengths_on_its_own_device_not_on_the_head(monkeypa
     assert c.group.sweeps == [(job.shape, [1, 2], job.data.seq_len, job.scenario.device.intra_node_gbps)]
     assert c.lengths.cost is not None and sorted(c.lengths.cost.coeffs) == [1, 2]
     assert any(e["kind"] == "lengths" and "TP1 5.0%, TP2 5.0%" in e["text"] for e in c.status()["events"])
+
+
+@pytest.mark.parametrize("workers, written, sharded", [(FakeWorkers, None, False), (_GpuWorkers, None, True),
+                                                       (_GpuWorkers, False, False), (FakeWorkers, True, True)],
+                         ids=["cpu", "gpu", "gpu-replicated-as-written", "cpu-sharded-as-written"])
+def test_the_optimizer_state_is_sharded_by_default_on_gpu_workers(workers, written, sharded):
+    """Unless the job file says, the optimizer's state is sharded (ZeRO-1) where the workers are
+    GPUs and replicated on CPU workers: the engines get it, and the planner's problem for every
+    re-plan prices it (the first plan assumed the larger, replicated state)."""
+    d = yaml.safe_load((REPO / "examples/tiny_job.yaml").read_text())
+    d["metrics"] = {"enabled": False}
+    if written is not None:
+        d["parallel"]["shard_optimizer"] = written
+    c = JobCoordinator(JobConfig.from_dict(d), grace=1000.0, workers=workers)
+    c.setup()
+    assert c.group.optim.shard_optimizer is sharded
+    problem = c._problem({}, set())
+    assert problem.memory.sharded is sharded and problem.state_sizes.sharded is sharded
+    assert any("sharded" in e["text"] for e in c.status()["events"]) is (sharded and written is None)

@@ -343,6 +343,28 @@ def test_a_sharded_optimizer_state_moves_between_plans_exactly(shape, compute):
     assert 0 < sent == sharded.moved_bytes < plan_migration(HETERO, SEVEN_WAY, shape, itemsize=itemsize).moved_bytes
 
 
+def _owned_without_a_world(rank: int, world: int):
+    from malleus_svc.runtime.state_owners import owned_runs
+
+    engine = _sharded_engine(rank, HETERO, TINY, None)
+    if engine is None:
+        return None
+    def gone(*args, **kwargs):
+        raise RuntimeError("the world is gone")
+
+    # as after a lost peer whose NCCL world was aborted: torch.distributed knows no group any more
+    for name in ("get_group_rank", "get_world_size", "get_rank", "all_gather_single", "all_reduce", "barrier"):
+        setattr(dist, name, gone)
+    owned = engine.export_owned()      # its buckets were never cut: no step ran
+    return sorted(st.run for st in owned) == sorted(owned_runs(HETERO, rank, TINY, itemsize=8, bucket_bytes=512))
+
+
+def test_a_survivor_names_its_owned_state_without_a_world():
+    """A sharded engine gives what it owns for a migration with its world gone (a survivor of a lost
+    peer closes keeping it), also before its first step has cut its buckets."""
+    assert [r for r in run_on_gloo(_owned_without_a_world, HETERO.num_devices) if r is not None] == [True] * 6
+
+
 def _two_phase(rank: int, world: int, batches: list[list[MicroBatch]]):
     engine = Engine(TINY, ONE, rank, seed=SEED, optim=OPTIM, dtype=torch.float64)
     before = engine.export_state()

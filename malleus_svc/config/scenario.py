@@ -10,8 +10,10 @@ Format (YAML or JSON; see README "Scenario format"):
               # {preset: llama-70b, layers: 40}   (override fields of a preset), or
               # {layers: 32, hidden: 4096, heads: 32, ffn: 11008, vocab: 32000, seq_len: 4096}, or
               # {layers: 32}   (only when `profile` gives tp_alpha, layer_memory_mb and embedding_memory_mb)
-    parallel: {dp: 2, tp: 4, pp: 2, shard_optimizer: false}
-              # shard_optimizer: fp32 masters and Adam moments split among the pipelines holding each piece (ZeRO-1)
+    parallel: {dp: 2, tp: 4, pp: 2, shard_optimizer: true}
+              # shard_optimizer: fp32 masters and Adam moments split among the pipelines holding each piece
+              # (ZeRO-1). Absent: sharded where the job's workers are GPUs, replicated on CPU workers; the
+              # first plan, and any plan made offline, assume replicated state (the larger)
     batch:    {global: 64, micro: 1}
     profile:  {tp_alpha: [1, 2, 4], layer_memory_mb: [1500, 1270, 1040, 810], embedding_memory_mb: 600,
                reserved_memory_mb: 4500, safety_margin_mb: 4096, t0_seconds: 0.05, optimizer_seconds: 0.002}
@@ -95,7 +97,8 @@ class Scenario:
     planner: Mapping[str, Any] = field(default_factory=dict)
     device: DeviceSpec = field(default_factory=DeviceSpec)   # what the derived profile terms assume
     pretrained: str | None = None       # model.from_pretrained: a Hugging Face LLaMA folder the job starts from
-    shard_optimizer: bool = False       # the optimizer's state split among the pipelines holding each piece (ZeRO-1)
+    shard_optimizer: bool | None = None  # the optimizer's state split among the pipelines holding each piece
+                                         # (ZeRO-1); None: as the job's workers decide (`sharding_on`)
 
     @property
     def num_devices(self) -> int:
@@ -108,6 +111,11 @@ class Scenario:
     @property
     def tp_sizes(self) -> tuple[int, ...]:
         return tp_sizes(self.tp)
+
+    def sharding_on(self, use_gpu: bool) -> "Scenario":
+        """The scenario as a job on these workers runs it: the optimizer's state sharded by default on
+        GPUs (where memory binds), replicated on CPU workers, as written where the file says."""
+        return self if self.shard_optimizer is not None else dataclasses.replace(self, shard_optimizer=use_gpu)
 
     def rate_vector(self, rates: Mapping[int, float] | None = None) -> tuple[float, ...]:
         r = self.rates if rates is None else rates
@@ -131,7 +139,7 @@ class Scenario:
 
         par = root.section("parallel", required=True)
         dp, tp, pp = par.int("dp", minimum=1), par.int("tp", minimum=1), par.int("pp", minimum=1)
-        shard_optimizer = par.bool("shard_optimizer", False)
+        shard_optimizer = None if par.raw("shard_optimizer", None) is None else par.bool("shard_optimizer")
         par.done()
         if tp & (tp - 1):
             raise ConfigError("parallel.tp", tp, "expected a power of two (groups split into tp/2, tp/4, ..., 1)", source)

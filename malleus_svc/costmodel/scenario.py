@@ -29,7 +29,7 @@ def scenario_costs(sc: Scenario) -> ScenarioCosts:
     if shape is not None and (layer_mb is None or emb is None):
         memory = analytic.memory_profile(shape, sc.tp, sc.pp, sc.micro_batch, sc.gpu_memory_mb,
                                          prof.reserved_memory_mb, prof.safety_margin_mb, sc.device,
-                                         sc.shard_optimizer)
+                                         bool(sc.shard_optimizer))
         if layer_mb is not None or emb is not None:   # measured numbers say nothing of what splits
             memory = dataclasses.replace(memory, layer_mb=tuple(layer_mb or memory.layer_mb),
                                          embedding_mb=memory.embedding_mb if emb is None else emb,
@@ -46,7 +46,7 @@ def scenario_costs(sc: Scenario) -> ScenarioCosts:
         t0 = analytic.block_seconds(shape, sc.tp, sc.micro_batch, sc.device) if shape is not None else 1.0
     comm = analytic.comm_costs(shape, sc.tp, sc.dp, sc.micro_batch, sc.device) if shape is not None else CommCosts()
     sizes = dataclasses.replace(analytic.state_sizes(shape) if shape is not None else StateSizes(),
-                                sharded=sc.shard_optimizer)
+                                sharded=bool(sc.shard_optimizer))
     if prof.optimizer_seconds is not None:
         optimizer = prof.optimizer_seconds / t0
     else:   # in the analytic t0's units, as the communication terms

@@ -647,7 +647,6 @@ class WorkerGroup:
         if not back:
             return []
         running = [d for d in self.live if d not in back]
-        self._each("hold_state", devices=running)
         self._each("close", True, devices=running)
         source = self._restart_world(plan_for(frozenset(self.gone)), sorted(back), back)
         if source != "replicas":   # every running worker kept its shards: this cannot lose state

@@ -30,13 +30,13 @@ import torch
 import torch.distributed as dist
 
 from malleus_svc.config.presets import ModelShape
+from malleus_svc.geometry import tensor_spec
 from malleus_svc.runtime.gradient_sync import (GRAD_BUCKET_BYTES, Bucket, GradientSync, Item, TensorState, narrow,
                                                unflatten)
-from malleus_svc.runtime.precision import WorkingWeights
-from malleus_svc.geometry import tensor_spec
-from malleus_svc.runtime.state_owners import Run, RunState, canonical, chunk_of, find, item_start, overlaps
-from malleus_svc.runtime.groups import Groups, world_rank
+from malleus_svc.runtime.groups import Groups
 from malleus_svc.runtime.optimizer import AdamW, update_bytes
+from malleus_svc.runtime.precision import WorkingWeights
+from malleus_svc.runtime.state_owners import Run, RunState, canonical, chunk_of, find, item_start, overlaps
 
 
 @dataclass
@@ -117,9 +117,9 @@ class ShardedGradientSync(GradientSync):
 
     def _bucket(self, key: tuple[int, ...], index: int, items: list[Item]) -> _Chunked:
         base = super()._bucket(key, index, items)
-        k = key.index(self.rank)          # its group rank: world ranks follow device ids
-        assert k == dist.get_group_rank(base.group, world_rank(self.rank))
-        chunk, lo, hi = chunk_of(sum(base.sizes), len(key), k)
+        # its group rank (world ranks follow device ids), read without torch: a device whose world
+        # was aborted still names its chunks
+        chunk, lo, hi = chunk_of(sum(base.sizes), len(key), key.index(self.rank))
         b = _Chunked(**{f.name: getattr(base, f.name) for f in fields(Bucket)}, chunk=chunk, lo=lo, hi=hi)
         for item, a, e, _ in b.overlaps():     # runs of one weight-decay rule: one Adam tensor each
             decays = self.optimizer.decays(self.params[item[0]])
@@ -253,9 +253,9 @@ class ShardedGradientSync(GradientSync):
 
     @torch.no_grad()
     def owned(self) -> list[RunState]:
-        """The state this device alone holds, as `state_owners.owned_runs` names it: its chunks (the
-        live tensors) and its unshared tensors (axis-major; a copy where the axis is not the first).
-        No communication: a device can give it with its peers lost."""
+        """The state this device alone holds, as `state_owners.owned_runs` names it: its chunks and
+        its unshared tensors (viewed axis-major), the live tensors, copied by nothing. No
+        communication: a device can give it with its peers lost."""
         out = []
         for b in self.chunked:
             master = b.master if b.master is not None else b.own(self.weights)
@@ -269,8 +269,7 @@ class ShardedGradientSync(GradientSync):
             run, axis = self._unshared_run(name)
             st = self.optimizer.state.get(p)
             tensors = (p, st["exp_avg"], st["exp_avg_sq"]) if st else (p, torch.zeros_like(p), torch.zeros_like(p))
-            out.append(RunState(run, tuple(t.detach().movedim(axis, 0).reshape(-1) for t in tensors),
-                                int(st["step"]) if st else 0))
+            out.append(RunState(run, tuple(t.detach().movedim(axis, 0) for t in tensors), int(st["step"]) if st else 0))
         return out
 
     @torch.no_grad()

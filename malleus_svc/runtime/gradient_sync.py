@@ -11,7 +11,7 @@ import torch.distributed as dist
 from malleus_svc.config.presets import ModelShape
 from malleus_svc.geometry import TIED, Part, TensorSpec, model_parts, part_of, part_tensors, tensor_spec
 from malleus_svc.plan import Plan
-from malleus_svc.runtime.groups import Groups, Piece, held_parts, local_pieces, local_tied_pieces
+from malleus_svc.runtime.groups import Groups, Piece, PlanPieces
 from malleus_svc.runtime.optimizer import AdamW, update_bytes
 
 Item = tuple[str, "int | None", int, int]   # a tensor's name, its split dim, and rows [lo, hi) of it there
@@ -57,16 +57,18 @@ class ReductionLayout:
         return [n for n in self.held if n not in bucketed and n not in self.tied_names[1:]]
 
     @classmethod
-    def of(cls, plan: Plan, rank: int, shape: ModelShape) -> "ReductionLayout":
+    def of(cls, plan: Plan, rank: int, shape: ModelShape, pieces: PlanPieces | None = None) -> "ReductionLayout":
+        """`pieces`: the plan's, when several devices' layouts are wanted (computed once)."""
         tied = shape.tie_embeddings
-        role = plan.roles()[rank]
+        pieces = pieces or PlanPieces(plan, tied)
+        role = pieces.roles[rank]
         r, t = role.tp_rank, plan.pipelines[role.pipeline].stages[role.stage].tp
-        held = [spec.name for part in held_parts(plan, rank) for spec in part_tensors(shape, part)]
+        held = [spec.name for part in pieces.parts(rank) for spec in part_tensors(shape, part)]
         tied_names = [n for n in TIED if n in held] if tied else []
         buckets: dict[tuple[int, ...], list[Item]] = {}
         norm_items: list[Item] = []
         offsets: dict[str, int] = {}
-        sharded, replicated = local_pieces(plan, rank, tied)
+        sharded, replicated = pieces.local(rank)
 
         def add(piece: Piece, item: Item) -> None:
             if len(set(piece.members)) > 1:
@@ -83,7 +85,7 @@ class ReductionLayout:
             for spec in part_tensors(shape, piece.part):
                 if spec.split_dim is not None:
                     add_rows(piece, spec)
-        for piece in local_tied_pieces(plan, rank, tied):      # as the first copy this device holds
+        for piece in pieces.local_tied(rank):      # as the first copy this device holds
             add_rows(piece, tensor_spec(shape, tied_names[0]))
         for piece in replicated:
             for spec in part_tensors(shape, piece.part):

@@ -216,7 +216,7 @@ class Groups:
         if rank not in roles:
             raise ValueError(f"rank {rank} has no work in plan {plan.plan_id} "
                              f"(active devices: {list(plan.active_devices)})")
-        self.plan, self.rank, self.role, self.tied = plan, rank, roles[rank], tied
+        self.plan, self.rank, self.role = plan, rank, roles[rank]
         self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for ranks in ordered_group_ranks(plan, tied):
             if rank in ranks:
@@ -237,37 +237,53 @@ class Groups:
             raise KeyError(f"rank {self.rank} is not a member of group {key} under this plan")
         return self._groups[key]
 
-    def parts(self) -> list[Part]:
-        return held_parts(self.plan, self.rank)
 
-    def local_pieces(self) -> tuple[list[Piece], list[Piece]]:
-        return local_pieces(self.plan, self.rank, self.tied)
+class PlanPieces:
+    """Every device's pieces under one plan, each part's computed once: what `GradientSync` reduces
+    on one device, and what a migration's schedule derives for all of them."""
 
-    def local_tied_pieces(self) -> list[Piece]:
-        return local_tied_pieces(self.plan, self.rank, self.tied)
+    def __init__(self, plan: Plan, tied: bool = False):
+        self.plan, self.tied = plan, tied
+        self.roles = plan.roles()
+        self._parts: dict[int, list[Part]] = {}
+        self._sharded: dict[Part, dict[int, list[Piece]]] = {}
+        self._replicated: dict[Part, Piece] = {}
+        for part in model_parts(plan.num_layers):
+            held = {d for _, st in plan.holders(part) for d in st.devices}
+            for d in sorted(held):
+                self._parts.setdefault(d, []).append(part)
+        self._tied = self._by_member(tied_pieces(plan) if tied else [])
 
+    @staticmethod
+    def _by_member(pieces: list[Piece]) -> dict[int, list[Piece]]:
+        out: dict[int, list[Piece]] = {}
+        for p in pieces:
+            for d in dict.fromkeys(p.members):
+                out.setdefault(d, []).append(p)
+        return out
 
-def held_parts(plan: Plan, rank: int) -> list[Part]:
-    """The parts device `rank` holds under `plan`, in model order."""
-    return [p for p in model_parts(plan.num_layers) if any(rank in st.devices for _, st in plan.holders(p))]
+    def parts(self, rank: int) -> list[Part]:
+        """The parts device `rank` holds, in model order."""
+        return self._parts.get(rank, [])
 
+    def local(self, rank: int) -> tuple[list[Piece], list[Piece]]:
+        """(sharded pieces, replicated pieces) of the parts device `rank` holds, in global order.
 
-def local_pieces(plan: Plan, rank: int, tied: bool = False) -> tuple[list[Piece], list[Piece]]:
-    """(sharded pieces, replicated pieces) of the parts device `rank` holds, in global order.
+        Sharded: the pieces inside its shard (with a tied head, those of the embedding and the head
+        are `local_tied`). Replicated: one per held part.
+        """
+        sharded, replicated = [], []
+        for part in self.parts(rank):
+            if part not in self._sharded:
+                self._sharded[part] = self._by_member(sharded_pieces(self.plan, part, self.tied))
+                self._replicated[part] = replicated_piece(self.plan, part)
+            replicated.append(self._replicated[part])
+            sharded.extend(self._sharded[part].get(rank, ()))
+        return sharded, replicated
 
-    Sharded: the pieces inside this device's shard (with a tied head, those of the embedding and
-    the head are `tied_pieces`). Replicated: one per held part.
-    """
-    sharded, replicated = [], []
-    for part in held_parts(plan, rank):
-        replicated.append(replicated_piece(plan, part))
-        sharded.extend(p for p in sharded_pieces(plan, part, tied) if rank in p.members)
-    return sharded, replicated
-
-
-def local_tied_pieces(plan: Plan, rank: int, tied: bool) -> list[Piece]:
-    """The tied pieces inside device `rank`'s copies (none for a model whose head is not tied)."""
-    return [p for p in tied_pieces(plan) if rank in p.members] if tied else []
+    def local_tied(self, rank: int) -> list[Piece]:
+        """The tied pieces inside device `rank`'s copies (none for a model whose head is not tied)."""
+        return self._tied.get(rank, [])
 
 
 def release_unused(plan: Plan, tied: bool = False) -> list[tuple[int, ...]]:

@@ -13,6 +13,7 @@ rows of it are one contiguous range whatever the TP degree. A tied head is named
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -21,6 +22,7 @@ from malleus_svc.geometry import TIED, tensor_spec
 from malleus_svc.plan import Plan
 from malleus_svc.runtime.gradient_sync import (GRAD_BUCKET_BYTES, Item, ReductionLayout, item_numel,
                                                item_runs)
+from malleus_svc.runtime.groups import PlanPieces
 
 
 @dataclass(frozen=True, order=True)
@@ -33,8 +35,9 @@ class Run:
 
 @dataclass(frozen=True)
 class RunState:
-    """The optimizer state of one owned run: fp32 masters, exp_avg, exp_avg_sq (1-D, axis-major) and
-    the Adam step (0, with zero moments, before the first update)."""
+    """The optimizer state of one owned run: fp32 masters, exp_avg, exp_avg_sq, each laid out
+    axis-major (1-D, or a tensor viewed with its axis first, whose flattening the run is), and the
+    Adam step (0, with zero moments, before the first update)."""
     run: Run
     tensors: tuple  # three torch.Tensor
     step: int
@@ -45,8 +48,18 @@ def find(states: "dict[str, list[RunState]]", run: Run) -> tuple[tuple, int]:
     for st in states.get(run.name, ()):
         if st.run.start <= run.start and run.end <= st.run.end:
             a, e = run.start - st.run.start, run.end - st.run.start
-            return tuple(t[a:e] for t in st.tensors), st.step
+            return tuple(_elements(t, a, e) for t in st.tensors), st.step
     raise KeyError(f"{run.name} elements [{run.start}, {run.end}): no state holds them")
+
+
+def _elements(t, a: int, e: int):
+    """Elements [a, e) of `t`'s flattening: a view where `t` is contiguous, else a copy of only the
+    rows (its first dim) they span, never of the whole tensor."""
+    if t.is_contiguous():
+        return t.reshape(-1)[a:e]
+    n = t[0].numel()
+    first, last = a // n, (e - 1) // n + 1
+    return t[first:last].reshape(-1)[a - first * n:e - first * n]
 
 
 def chunk_of(total: int, members: int, k: int) -> tuple[int, int, int]:
@@ -79,20 +92,22 @@ def canonical(name: str, tied_names: list[str]) -> str:
 
 
 def owned_runs(plan: Plan, rank: int, shape: ModelShape, *, itemsize: int = 4,
-               bucket_bytes: int = GRAD_BUCKET_BYTES) -> list[Run]:
+               bucket_bytes: int = GRAD_BUCKET_BYTES, pieces: PlanPieces | None = None) -> list[Run]:
     """The runs of optimizer state device `rank` owns under `plan`: its chunk of every bucket it
     reduces, cut as the engine cuts them (`itemsize`: the bytes of an fp32 master), and the whole
     of its shard of every tensor that it alone holds."""
-    layout = ReductionLayout.of(plan, rank, shape)
+    pieces = pieces or PlanPieces(plan, shape.tie_embeddings)
+    layout = ReductionLayout.of(plan, rank, shape, pieces)
     out = []
     for key, items in layout.buckets.items():
         sizes = [item_numel(shape, it) for it in items]
+        k = bisect_left(key, rank)      # its group rank: keys are sorted device ids
         for a, e in item_runs([n * itemsize for n in sizes], bucket_bytes):
-            _, lo, hi = chunk_of(sum(sizes[a:e]), len(key), key.index(rank))
+            _, lo, hi = chunk_of(sum(sizes[a:e]), len(key), k)
             for item, x, y, start in overlaps(items[a:e], sizes[a:e], lo, hi):
                 first = item_start(shape, item, layout.offsets) + start
                 out.append(Run(canonical(item[0], layout.tied_names), first, first + y - x))
-    role = plan.roles()[rank]
+    role = pieces.roles[rank]
     tp = plan.pipelines[role.pipeline].stages[role.stage].tp
     for name in layout.unshared:
         spec = tensor_spec(shape, name)
@@ -105,8 +120,9 @@ def owners(plan: Plan, shape: ModelShape, *, itemsize: int = 4,
            bucket_bytes: int = GRAD_BUCKET_BYTES) -> dict[str, list[tuple[int, int, int]]]:
     """Every tensor's owners under `plan`: (start, end, device), sorted, covering each element once."""
     out: dict[str, list[tuple[int, int, int]]] = {}
-    for d in sorted(plan.roles()):
-        for r in owned_runs(plan, d, shape, itemsize=itemsize, bucket_bytes=bucket_bytes):
+    pieces = PlanPieces(plan, shape.tie_embeddings)
+    for d in sorted(pieces.roles):
+        for r in owned_runs(plan, d, shape, itemsize=itemsize, bucket_bytes=bucket_bytes, pieces=pieces):
             out.setdefault(r.name, []).append((r.start, r.end, d))
     for runs in out.values():
         runs.sort()

@@ -12,7 +12,7 @@ from malleus_svc.planner.search import check_plan_fits
 def optim_config(job: JobConfig):
     from .engine import OptimConfig
 
-    return OptimConfig.of(job.train, shard_optimizer=job.scenario.shard_optimizer)
+    return OptimConfig.of(job.train, shard_optimizer=bool(job.scenario.shard_optimizer))
 
 
 def check_plan_for_job(plan: Plan, job: JobConfig, where: str = "plan") -> Plan:

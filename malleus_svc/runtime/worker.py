@@ -282,12 +282,6 @@ class DeviceWorker:
         with self._watched("a state export"):
             return self.engine.export_state()
 
-    def hold_state(self) -> None:
-        """Keep this device's shards for the next world's migration; `close(keep_state=True)` then
-        keeps these."""
-        if self.engine is not None:
-            self._held = self._migration_state()
-
     def _migration_state(self):
         """What a migration sends from: the live shards, or a sharded optimizer's owned runs (neither
         communicates, so a device whose peers are lost can still give it)."""

@@ -72,7 +72,7 @@ class StageReport:
 def _analytic_problem(sc: Scenario, problem: PlannerProblem) -> PlannerProblem:
     mem = problem.memory
     auto = analytic.memory_profile(sc.shape, sc.tp, sc.pp, sc.micro_batch, mem.gpu_memory_mb, mem.reserved_mb,
-                                   mem.safety_margin_mb, sc.device, sc.shard_optimizer)
+                                   mem.safety_margin_mb, sc.device, bool(sc.shard_optimizer))
     return dataclasses.replace(problem, memory=auto)
 
 
