@@ -399,13 +399,14 @@ def _owner_moved_bytes(old: Plan, new: Plan, sizes: StateSizes) -> float:
     `old` to its owner under `new`, where the two differ (nothing else moves: the new holders
     all-gather their weights from the owners, as every step does). A piece of a part is owned in
     equal shares by its holders, in device order: the runtime's chunks (`runtime/state_owners.py`),
-    exactly so where each gradient bucket holds one piece, as a large model's do. A tied head is
-    counted apart from the embedding."""
+    exactly so where each gradient bucket holds one piece, as a large model's do. A tied head
+    (`sizes.tied`) is the embedding's weight, owned among the holders of either."""
     total, shares = 0.0, {}
     for part in model_parts(old.num_layers):
-        holders = tuple(tuple(st.devices for _, st in plan.holders(part)) for plan in (old, new))
+        holders = tuple(tuple(st.devices for held in ((part, HEAD) if sizes.tied and part == EMBEDDING else (part,))
+                              for _, st in plan.holders(held)) for plan in (old, new))
         for sharded in (True, False):
-            nbytes = sizes.bytes_of(part, sharded)
+            nbytes = 0.0 if sizes.tied and sharded and part == HEAD else sizes.bytes_of(part, sharded)
             if nbytes:     # the blocks of a stage share their holders: each pair is measured once
                 if (holders, sharded) not in shares:
                     shares[holders, sharded] = float(_differ(*(_owners(g, sharded) for g in holders)))
@@ -578,6 +579,7 @@ class StateSizes:
     block_replicated: float = 0.0
     head_replicated: float = 0.0
     sharded: bool = False    # the optimizer's state split among a piece's holders: moves by owner (`Plan.moved_bytes`)
+    tied: bool = False       # the head is the embedding's weight (`ModelShape.tie_embeddings`)
 
     @classmethod
     def of(cls, shape: ModelShape, bytes_per_param: float) -> "StateSizes":
@@ -586,7 +588,7 @@ class StateSizes:
             return bytes_per_param * sum(t.numel for t in part_tensors(shape, part) if (t.split_dim is not None) == sharded)
 
         return cls(block=size(0, True), block_replicated=size(0, False), embedding=size(EMBEDDING, True),
-                   head=size(HEAD, True), head_replicated=size(HEAD, False))
+                   head=size(HEAD, True), head_replicated=size(HEAD, False), tied=shape.tie_embeddings)
 
     def bytes_of(self, part: Part, sharded: bool | None = None) -> float:
         """The part's state: all of it (`sharded` None), or only its sharded or replicated share."""

@@ -261,13 +261,15 @@ def test_a_sharded_optimizer_moves_each_element_once_from_its_old_owner_to_its_n
         plan_migration(PLAN_A, PLAN_A, _tiny(), sharded=True, unavailable=[lost])
 
 
-def test_the_planners_sharded_migration_bytes_are_the_runtimes():
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_planners_sharded_migration_bytes_are_the_runtimes(tied):
     """The planner prices a sharded optimizer's migration by owner (`Plan.moved_bytes` with
-    `StateSizes.sharded`): each piece owned in equal shares by its holders. Where each gradient
-    bucket holds one piece (a large model's buckets), that is the runtime's schedule up to the
-    rounding of rows and chunks (< 0.1%); and it is not the replicated optimizer's diff."""
+    `StateSizes.sharded`): each piece owned in equal shares by its holders (a tied head's among the
+    holders of either copy). Where each gradient bucket holds one piece (a large model's buckets),
+    that is the runtime's schedule up to the rounding of rows and chunks (< 0.1%); and it is not
+    the replicated optimizer's diff."""
     rng = random.Random(3)
-    shape = ModelShape(layers=6, hidden=64, heads=4, ffn=128, vocab=128, seq_len=16)
+    shape = ModelShape(layers=6, hidden=64, heads=4, ffn=128, vocab=128, seq_len=16, tie_embeddings=tied)
     sizes = dataclasses.replace(_sizes(shape), sharded=True)
     differs = 0
     for _ in range(20):

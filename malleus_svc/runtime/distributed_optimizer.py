@@ -36,7 +36,7 @@ from malleus_svc.runtime.gradient_sync import (GRAD_BUCKET_BYTES, Bucket, Gradie
 from malleus_svc.runtime.groups import Groups
 from malleus_svc.runtime.optimizer import AdamW, update_bytes
 from malleus_svc.runtime.precision import WorkingWeights
-from malleus_svc.runtime.state_owners import Run, RunState, canonical, chunk_of, find, item_start, overlaps
+from malleus_svc.runtime.state_owners import Run, RunState, chunk_of, chunk_run, find, overlaps, unshared_run
 
 
 @dataclass
@@ -247,9 +247,8 @@ class ShardedGradientSync(GradientSync):
     # ------------------------------------------------------------------ owned state (a migration's)
     def _unshared_run(self, name: str) -> tuple[Run, int]:
         """The run of an unshared tensor (all this device holds of it), and its axis."""
-        spec = tensor_spec(self.shape, name)
-        lo, hi = spec.held_rows(self.groups.tp.rank, self.groups.tp.size)
-        return Run(canonical(name, self.tied_names), lo * spec.row_numel, hi * spec.row_numel), spec.axis
+        run = unshared_run(self.shape, self.layout, name, self.groups.tp.rank, self.groups.tp.size)
+        return run, tensor_spec(self.shape, name).axis
 
     @torch.no_grad()
     def owned(self) -> list[RunState]:
@@ -261,8 +260,7 @@ class ShardedGradientSync(GradientSync):
             master = b.master if b.master is not None else b.own(self.weights)
             moments = b.moments or (torch.zeros_like(master), torch.zeros_like(master))
             for item, a, e, start in b.overlaps():
-                first = item_start(self.shape, item, self.offsets) + start
-                out.append(RunState(Run(canonical(item[0], self.tied_names), first, first + e - a),
+                out.append(RunState(chunk_run(self.shape, self.layout, item, a, e, start),
                                     (master[a:e], moments[0][a:e], moments[1][a:e]), self.steps))
         for name in self.layout.unshared:
             p = self.params[name]
@@ -281,8 +279,7 @@ class ShardedGradientSync(GradientSync):
         for b in self.chunked:
             own = [next(iter(self.weights.values())).new_zeros(b.chunk) for _ in range(3)]
             for item, a, e, start in b.overlaps():
-                first = item_start(self.shape, item, self.offsets) + start
-                tensors, step = find(states, Run(canonical(item[0], self.tied_names), first, first + e - a))
+                tensors, step = find(states, chunk_run(self.shape, self.layout, item, a, e, start))
                 for dst, src in zip(own, tensors):
                     dst[a:e] = src
                 steps.add(step)

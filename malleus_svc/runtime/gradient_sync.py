@@ -146,11 +146,9 @@ class GradientSync:
     def __init__(self, groups: Groups, params: Mapping[str, torch.nn.Parameter], shape: ModelShape,
                  optimizer: AdamW, bucket_bytes: int = GRAD_BUCKET_BYTES):
         self.groups, self.rank, self.bucket_bytes, self.optimizer = groups, groups.rank, bucket_bytes, optimizer
-        self.shape = shape
-        layout = ReductionLayout.of(groups.plan, groups.rank, shape)
+        self.shape, self.params = shape, params
+        self.layout = layout = ReductionLayout.of(groups.plan, groups.rank, shape)
         self.buckets, self.norm_items, self.tied_names = layout.buckets, layout.norm_items, layout.tied_names
-        self.layout, self.offsets = layout, layout.offsets
-        self.params = params
         self._parts = {part: i for i, part in enumerate(model_parts(shape.layers))}
         self._order: list[Bucket] | None = None    # cut at first use, once bucket_bytes is final
         self._armed, self._final, self._next, self._folded = False, set(), 0, False

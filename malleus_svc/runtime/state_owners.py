@@ -91,6 +91,19 @@ def canonical(name: str, tied_names: list[str]) -> str:
     return TIED[0] if name in tied_names else name
 
 
+def chunk_run(shape: ModelShape, layout: ReductionLayout, item: Item, a: int, e: int, start: int) -> Run:
+    """The run of an `overlaps` entry: elements [a, e) of a chunk, the item's from `start`."""
+    first = item_start(shape, item, layout.offsets) + start
+    return Run(canonical(item[0], layout.tied_names), first, first + e - a)
+
+
+def unshared_run(shape: ModelShape, layout: ReductionLayout, name: str, tp_rank: int, tp: int) -> Run:
+    """The run of a tensor only this device holds (`ReductionLayout.unshared`): all its rows of it."""
+    spec = tensor_spec(shape, name)
+    lo, hi = spec.held_rows(tp_rank, tp)
+    return Run(canonical(name, layout.tied_names), lo * spec.row_numel, hi * spec.row_numel)
+
+
 def owned_runs(plan: Plan, rank: int, shape: ModelShape, *, itemsize: int = 4,
                bucket_bytes: int = GRAD_BUCKET_BYTES, pieces: PlanPieces | None = None) -> list[Run]:
     """The runs of optimizer state device `rank` owns under `plan`: its chunk of every bucket it
@@ -104,16 +117,10 @@ def owned_runs(plan: Plan, rank: int, shape: ModelShape, *, itemsize: int = 4,
         k = bisect_left(key, rank)      # its group rank: keys are sorted device ids
         for a, e in item_runs([n * itemsize for n in sizes], bucket_bytes):
             _, lo, hi = chunk_of(sum(sizes[a:e]), len(key), k)
-            for item, x, y, start in overlaps(items[a:e], sizes[a:e], lo, hi):
-                first = item_start(shape, item, layout.offsets) + start
-                out.append(Run(canonical(item[0], layout.tied_names), first, first + y - x))
+            out += [chunk_run(shape, layout, *entry) for entry in overlaps(items[a:e], sizes[a:e], lo, hi)]
     role = pieces.roles[rank]
     tp = plan.pipelines[role.pipeline].stages[role.stage].tp
-    for name in layout.unshared:
-        spec = tensor_spec(shape, name)
-        lo, hi = spec.held_rows(role.tp_rank, tp)
-        out.append(Run(canonical(name, layout.tied_names), lo * spec.row_numel, hi * spec.row_numel))
-    return out
+    return out + [unshared_run(shape, layout, name, role.tp_rank, tp) for name in layout.unshared]
 
 
 def owners(plan: Plan, shape: ModelShape, *, itemsize: int = 4,
