@@ -53,6 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from malleus_svc.planner import InfeasibleError
     from malleus_svc.runtime.data import DataError
 
+    job = None
     try:
         job = _with_metrics_args(load_job_config(args.config), args)
         from malleus_svc.runtime.datasets import check_before_start
@@ -67,7 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except InfeasibleError as e:
-        print(f"error: infeasible: {e}", file=sys.stderr)
+        hint = ("; the first plan assumes the optimizer's state replicated, as parallel.shard_optimizer leaves "
+                "it to the workers: true plans it sharded (ZeRO-1)" if job and job.scenario.shard_optimizer is None else "")
+        print(f"error: infeasible: {e}{hint}", file=sys.stderr)
         return 2
     except DataError as e:
         print(f"error: data: {e}", file=sys.stderr)

@@ -168,6 +168,11 @@ def test_a_job_the_planner_cannot_fit_is_one_line_from_the_training_entry_point(
     assert train.main([str(tmp_path / "job.yaml")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: infeasible: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "shard_optimizer leaves it to the workers: true plans it sharded" in err   # the file says nothing
+    (tmp_path / "job.yaml").write_text(job.replace("pp: 2}", "pp: 2, shard_optimizer: true}"))
+    assert train.main([str(tmp_path / "job.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: infeasible: ") and "shard_optimizer" not in err, err
 
 
 # ---------------------------------------------------------------------- one line for each kind of hostile file

@@ -280,6 +280,34 @@ def test_the_planners_sharded_migration_bytes_are_the_runtimes(tied):
     assert differs >= 10
 
 
+def test_an_owned_run_must_be_filled_exactly_once():
+    """A receiving owner's runs are tracked as the ranges filled (a run is up to billions of
+    elements: no per-element count): a gap or an overlap is refused, naming the elements."""
+    import torch
+
+    from malleus_svc.runtime.migrate import _Runs
+    from malleus_svc.runtime.state_owners import Run
+
+    schedule = plan_migration(PLAN_A, PLAN_B, _tiny(), sharded=True)
+    run = Run("blocks.0.attn.wq", 100, 110)
+    schedule = dataclasses.replace(schedule, owned={0: (run,)})
+
+    def fill(*ranges):
+        state = _Runs(schedule, 0, None, torch.float32, torch.device("cpu"))
+        for a, e in ranges:
+            state.write(run.name, a, e, [torch.full((e - a,), float(a))] * 3, 4)
+        return state.result()
+
+    out = fill((105, 110), (100, 105))[run.name][0]
+    assert out.run == run and out.step == 4 and out.tensors[0].tolist() == [100.0] * 5 + [105.0] * 5
+    with pytest.raises(MigrationError, match=r"elements \[105, 110\) were never filled"):
+        fill((100, 105))
+    with pytest.raises(MigrationError, match=r"elements \[103, 105\) were filled twice"):
+        fill((100, 105), (103, 110))
+    with pytest.raises(MigrationError, match="does not own"):
+        fill((95, 105))
+
+
 # --------------------------------------------------------------------------- Ray
 @pytest.fixture(scope="module")
 def group(ray_cluster):

@@ -136,7 +136,7 @@ class JobCoordinator(ClientAPI, Membership, Replanning):
                 job = self.job = dataclasses.replace(job, scenario=job.scenario.sharding_on(group.use_gpu))
                 if job.scenario.shard_optimizer:
                     self._event("start", "optimizer state sharded among each piece's holders (ZeRO-1; the default "
-                                         "on GPU workers): re-plans count it, the first plan did not")
+                                         "on GPU workers): re-plans price it")
             try:
                 if group.gone & set(plan.roles()):   # started without nodes that could not be placed (yet)
                     self._event("membership", f"starting without devices {sorted(group.gone)}: their nodes could not "

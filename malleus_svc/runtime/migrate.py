@@ -564,7 +564,7 @@ class _Runs:
             n = run.end - run.start
             self.new.setdefault(run.name, []).append(
                 {"run": run, "t": [torch.empty(n, dtype=dtype, device=device) for _ in range(3)],
-                 "cover": torch.zeros(n, dtype=torch.int32), "steps": set()})
+                 "filled": [], "steps": set()})     # [a, e) received: a run is billions of elements
 
     def read(self, name: str, start: int, end: int):
         try:
@@ -582,7 +582,7 @@ class _Runs:
             if run.start <= start and end <= run.end:
                 for dst, src in zip(slot["t"], tensors):
                     dst[start - run.start:end - run.start].copy_(src)
-                slot["cover"][start - run.start:end - run.start] += 1
+                slot["filled"].append((start, end))
                 slot["steps"].add(int(step))
                 return
         raise MigrationError(f"rank {self.rank}: received {name} elements [{start}, {end}), which it does not "
@@ -592,8 +592,14 @@ class _Runs:
         out: dict[str, list[RunState]] = {}
         for name, slots in self.new.items():
             for slot in slots:
-                _check_filled(self.rank, name, slot)
-                out.setdefault(name, []).append(RunState(slot["run"], tuple(slot["t"]), slot["steps"].pop()))
+                run, at = slot["run"], slot["run"].start
+                for a, e in sorted(slot["filled"]) + [(run.end, run.end)]:
+                    if a != at:
+                        raise MigrationError(f"rank {self.rank}: {name} elements [{min(a, at)}, {max(a, at)}) were "
+                                             f"{'filled twice' if a < at else 'never filled'}, expected exactly once")
+                    at = e
+                _check_steps(self.rank, name, slot["steps"])
+                out.setdefault(name, []).append(RunState(run, tuple(slot["t"]), slot["steps"].pop()))
         return out
 
 
@@ -603,5 +609,9 @@ def _check_filled(rank: int, name: str, slot: dict[str, Any]) -> None:
         bad = (cover != 1).nonzero().flatten().tolist()[:8]
         raise MigrationError(f"rank {rank}: {name} rows {bad}... were filled {cover[bad].tolist()} times, "
                              "expected exactly once")
-    if len(slot["steps"]) != 1:
-        raise MigrationError(f"rank {rank}: pieces of {name} come at different Adam steps {sorted(slot['steps'])}")
+    _check_steps(rank, name, slot["steps"])
+
+
+def _check_steps(rank: int, name: str, steps: set[int]) -> None:
+    if len(steps) != 1:
+        raise MigrationError(f"rank {rank}: pieces of {name} come at different Adam steps {sorted(steps)}")
