@@ -403,8 +403,8 @@ def _owner_moved_bytes(old: Plan, new: Plan, sizes: StateSizes) -> float:
     (`sizes.tied`) is the embedding's weight, owned among the holders of either."""
     total, shares = 0.0, {}
     for part in model_parts(old.num_layers):
-        holders = tuple(tuple(st.devices for held in ((part, HEAD) if sizes.tied and part == EMBEDDING else (part,))
-                              for _, st in plan.holders(held)) for plan in (old, new))
+        parts = (part, HEAD) if sizes.tied and part == EMBEDDING else (part,)
+        holders = tuple(tuple(st.devices for p in parts for _, st in plan.holders(p)) for plan in (old, new))
         for sharded in (True, False):
             nbytes = 0.0 if sizes.tied and sharded and part == HEAD else sizes.bytes_of(part, sharded)
             if nbytes:     # the blocks of a stage share their holders: each pair is measured once

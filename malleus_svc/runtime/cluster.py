@@ -537,7 +537,8 @@ class WorkerGroup:
         collective with a lost peer errors out, at the latest at the timeout), leave the old world
         keeping their shards, and join a new one with a fresh actor in each lost device's bundle.
         A lost device whose bundle cannot host one (see the module docstring) is gone: then
-        `plan_for(gone devices)` gives the plan to run on the rest. When every slice has a surviving copy (data parallelism keeps replicas), the
+        `plan_for(gone devices)` gives the plan to run on the rest. When every slice has a
+        surviving copy (data parallelism keeps replicas), the
         survivors send their shards where the plan needs them, worker to worker (a migration with
         the lost devices unavailable as sources; nothing passes through the driver):
         `source="replicas"`. Otherwise `source="none"` and the caller restores a checkpoint. No

@@ -228,10 +228,9 @@ class GradientSync:
             self.params[self.tied_names[0]].grad.add_(self.params[self.tied_names[1]].grad)
             self._folded = True
 
-    def _view(self, item: Item, grad: bool = True) -> torch.Tensor:
-        """The item's rows of its parameter's gradient (or, not `grad`, of the parameter itself)."""
-        p = self.params[item[0]]
-        return narrow(p.grad if grad else p.detach(), item)
+    def _view(self, item: Item) -> torch.Tensor:
+        """The item's rows of its parameter's gradient."""
+        return narrow(self.params[item[0]].grad, item)
 
     def reduce(self) -> None:
         """Launch the buckets not launched yet and wait for all of them (the step's one wait)."""

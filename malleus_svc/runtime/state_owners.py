@@ -80,21 +80,17 @@ def overlaps(items: list[Item], sizes: list[int], lo: int, hi: int) -> Iterator[
         offset += n
 
 
-def item_start(shape: ModelShape, item: Item, offsets: dict[str, int]) -> int:
-    """Where the item's first element lies in its tensor's axis-major layout (`offsets`: the first
-    row of the device's shard, `ReductionLayout.offsets`)."""
-    return 0 if item[1] is None else (offsets[item[0]] + item[2]) * tensor_spec(shape, item[0]).row_numel
-
-
 def canonical(name: str, tied_names: list[str]) -> str:
     """The name an element is owned under: a tied weight's copies are one tensor, the embedding."""
     return TIED[0] if name in tied_names else name
 
 
 def chunk_run(shape: ModelShape, layout: ReductionLayout, item: Item, a: int, e: int, start: int) -> Run:
-    """The run of an `overlaps` entry: elements [a, e) of a chunk, the item's from `start`."""
-    first = item_start(shape, item, layout.offsets) + start
-    return Run(canonical(item[0], layout.tied_names), first, first + e - a)
+    """The run of an `overlaps` entry: elements [a, e) of a chunk, the item's from `start` (an item
+    of a split tensor begins at its rows' first element, `offsets` being its shard's first row)."""
+    if item[1] is not None:
+        start += (layout.offsets[item[0]] + item[2]) * tensor_spec(shape, item[0]).row_numel
+    return Run(canonical(item[0], layout.tied_names), start, start + e - a)
 
 
 def unshared_run(shape: ModelShape, layout: ReductionLayout, name: str, tp_rank: int, tp: int) -> Run:
