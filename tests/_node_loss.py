@@ -48,7 +48,8 @@ def mark(what: str) -> None:
     print(f"[node-loss {time.monotonic() - T0:6.1f} s] {what}", file=sys.stderr, flush=True)
 
 
-SLOW = 40.0   # emulated slowdown (sleeps only) that keeps a job running while a node starts
+SLOW = 40.0   # the most emulated slowdown (sleeps only) that keeps a job running while a node starts
+COLLECTIVE_TIMEOUT_S = 20.0
 
 
 def remove(cluster, node) -> None:
@@ -63,7 +64,7 @@ def remove(cluster, node) -> None:
         time.sleep(0.2)
 
 
-def start_job(cfg, out: Path, slow: bool = False) -> dict:
+def start_job(cfg, out: Path) -> dict:
     """Train on a thread (Ray starts nodes from the main thread only: it sets signal handlers);
     the dict gets rc and lines when the job ends, and has its coordinator's handle now."""
     import ray
@@ -72,7 +73,7 @@ def start_job(cfg, out: Path, slow: bool = False) -> dict:
 
     run: dict = {}
     run["thread"] = threading.Thread(target=lambda: run.update(zip(("rc", "lines"), train(
-        cfg, out, collective_timeout_s=20, replace_timeout_s=10, rejoin_check_s=0.5,
+        cfg, out, collective_timeout_s=COLLECTIVE_TIMEOUT_S, replace_timeout_s=10, rejoin_check_s=0.5,
         cpus_per_worker=1.0))), daemon=True)   # one CPU each, as on GPUs: a node holds one logical node
     run["thread"].start()
     while "handle" not in run:
@@ -80,9 +81,21 @@ def start_job(cfg, out: Path, slow: bool = False) -> dict:
             run["handle"] = ray.get_actor(actor_name(cfg.name), namespace=NAMESPACE)
         except ValueError:
             time.sleep(0.2)
-    if slow:
-        ray.get(run["handle"].emulate.remote({d: SLOW for d in range(4)}))
     return run
+
+
+def slowdown(h) -> float:
+    """How much to slow the devices that run while a node starts. An op of a slowed step must end
+    well inside the collective timeout, or the watchdog rightly counts its device as hung: a step
+    at full speed bounds its ops' time, a device may hold twice the blocks without the node, and
+    the host's load varies, so a quarter of the timeout over twice the step. On a loaded host,
+    where the pace is fitted to slow ops, that is far less than SLOW."""
+    import ray
+
+    while (st := ray.get(h.status.remote()))["iteration_seconds"] is None:   # a step's time to go by
+        assert st["state"] not in ("done", "failed"), st
+        time.sleep(0.05)
+    return max(1.0, min(SLOW, COLLECTIVE_TIMEOUT_S / 4 / (2 * st["iteration_seconds"])))
 
 
 def watch(run: dict) -> None:
@@ -112,16 +125,18 @@ def grow(cluster, run: dict) -> dict:
     assert gone, ("nothing to rejoin", ray.get(h.status.remote()))
     # Slower steps (emulation only: sleeps, the arithmetic is unchanged) so that the job is still
     # running when the new node is up; back to full speed once the devices are back.
-    here = {d: SLOW for d in range(4) if d not in gone}
-    ray.get(h.emulate.remote(here))
+    slow = slowdown(h)
+    ray.get(h.emulate.remote({d: slow for d in range(4) if d not in gone}))
+    mark(f"devices slowed {slow:.1f}x while a node starts")
     cluster.add_node(num_cpus=2)
     out["added_at_step"] = ray.get(h.status.remote())["step"]
     # done when the coordinator has booked the rejoin of the last gone device (the group's own `gone`
     # empties earlier). The devices come back together, or one by one on a busy host: a fresh worker
     # that does not start within replace_timeout_s is taken back at a later iteration boundary.
-    added = time.monotonic()
+    added, events = time.monotonic(), {}
     while True:
         st = ray.get(h.status.remote())         # before the history: a rejoin in between is still seen
+        events.update(((e["time"], e["text"]), e) for e in st["events"])   # the status holds the last few
         hist = ray.get(h.get_history.remote())
         if any("rejoined" in e["reason"] and e.get("gone") == [] for e in hist):
             break
@@ -132,7 +147,8 @@ def grow(cluster, run: dict) -> dict:
                                    "had left to train")
             break
         time.sleep(0.1)
-    out.update(rejoined=ray.get(h.status.remote()), history=hist)
+    out.update(rejoined=ray.get(h.status.remote()), history=hist,
+               job_events=sorted(events.values(), key=lambda e: e["time"]))
     ray.get(h.emulate.remote({d: 1.0 for d in range(4)}))
     watch(run)      # the driver ends the job and its coordinator: read nothing from it after
     out.update(rc=run.get("rc"), lines=run.get("lines"))
@@ -188,7 +204,7 @@ def main() -> int:
         spare = next(n for n in cluster.list_all_nodes() if not n.is_head() and n.node_id != driver)
         remove(cluster, spare)
         mark("spare node removed")
-        grown = start_job(job("nl-grow", tmp / "ckpt-grow"), tmp / "grow.jsonl", slow=True)
+        grown = start_job(job("nl-grow", tmp / "ckpt-grow"), tmp / "grow.jsonl")
         while (st := ray.get(grown["handle"].status.remote()))["state"] != "training":
             assert st["state"] not in ("done", "failed"), st
             time.sleep(0.2)

@@ -114,7 +114,15 @@ def test_the_losses_continue_the_uninterrupted_curve(outcome):
     check_losses(outcome["lines"], outcome["reference"])
     judged(outcome)
     # before, without the node, with it again (one plan per rejoin): each plan change the history books
-    assert _plan_segments(outcome["lines"]) == len(outcome["history"]) >= 3
+    assert _plan_segments(outcome["lines"]) == len(outcome["history"]) >= 3, _story(outcome)
+
+
+def _story(run: dict) -> str:
+    """What a failed verdict shows: each step's plan, the plan changes booked and the job's events."""
+    steps = [(x["step"], x["plan_id"]) for x in run["lines"]]
+    booked = [(h["step"], h["outcome"], h["reason"]) for h in run["history"]]
+    events = [f"{e['step']} {e['kind']}: {e['text'][:300]}" for e in run["job_events"]]
+    return "\n".join([f"steps: {steps}", f"booked: {booked}", *events])
 
 
 def check_losses(got: list[dict], ref: list[dict]) -> None:

@@ -55,6 +55,7 @@ def status(c) -> dict:
         "calibrated": c.measurement.calibrated,
         "planning": c.rounds.status(),
         "pending_requests": [r.to_dict() for r in c.rounds.pending],
+        "iteration_seconds": last["iteration_seconds"] if last else None,
         "tokens_per_second": (last["tokens"] / last["iteration_seconds"]) if last else None,
         "avg_tokens_per_second": hist.tokens_total / elapsed if elapsed > 0 else None,
         "healthy_tokens_per_second": c.measurement.healthy_tokens_per_second,
