@@ -96,6 +96,17 @@ def test_a_node_of_many_straggler_rates_is_regrouped_within_the_family():
 def test_the_stage_order_is_the_best_of_every_order(seed):
     """`stage_order.best_order` against every distinct order of up to 6 stages of mixed memory factors,
     under memory from loose to tight: the same least ILP-1 bottleneck (or both find no order)."""
+    _check_best_order(seed, stages=(1, 6), kinds=None)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_stage_order_of_a_deep_pipeline_is_the_best_of_every_order(seed):
+    """The same on 7-10 stages of three kinds, where memory binds the first stages and not the last
+    ones (the programme decides only the positions where a cap binds)."""
+    _check_best_order(100 + seed, stages=(7, 10), kinds=3)
+
+
+def _check_best_order(seed: int, stages: tuple[int, int], kinds: int | None) -> None:
     import random
     from malleus_svc.planner import MemoryProfile
     from malleus_svc.planner.lower import bottleneck, memory_caps, position_caps
@@ -107,7 +118,9 @@ def test_the_stage_order_is_the_best_of_every_order(seed):
                            0.0, 0.0, rng.uniform(300.0, 3000.0))
     def rate() -> float:
         return round(rng.choice((1.0, 1.9, 3.66, 7.22)) * rng.choice((1.0, 1.0, 2.5)), 2)
-    classes = sorted((rate(), rng.choice((1, 2, 4, 8))) for _ in range(rng.randint(1, 6)))
+    kinds_drawn = None if kinds is None else [(rate(), rng.choice((1, 2, 4, 8))) for _ in range(kinds)]
+    classes = sorted((rate(), rng.choice((1, 2, 4, 8))) if kinds_drawn is None else rng.choice(kinds_drawn)
+                     for _ in range(rng.randint(*stages)))
 
     def z(order):
         caps = memory_caps([float(h) for _, h in order], layers, memory)

@@ -12,12 +12,15 @@ For a level v, a group of rate y can hold min(cap, ⌊v/y⌋) blocks; v is feasi
 holds L blocks in all. Within one h the exchange argument puts the groups in increasing order of
 ⌊v/y⌋ on that h's positions, so an order is a choice of h per position: a dynamic programme over
 positions whose state is how many groups of each h are placed (at most (n_h + 1) per factor), exact.
+It runs only over the positions where some cap binds (past them the groups left hold all their
+blocks in any order) and drops a state whose groups left could not make up the rest uncapped.
 The least feasible v is found by bisection over the values y·n, and the order is read back from it.
 Caps that fall along the pipeline before its last stage (a memory table no model here gives) are
 outside what this is exact for: it then answers None and the caller keeps its order.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Callable, Sequence
 
@@ -33,7 +36,7 @@ def best_order(classes: Sequence[Class], caps_of: Callable[[int, int], Sequence[
     given order). None when no order holds `num_layers` blocks."""
     s = len(classes)
     caps = {h: caps_of(h, s) for h in {h for _, h in classes}}
-    levels = sorted({y * n for y, _ in classes for n in range(1, num_layers + 1)
+    levels = sorted({y * n for y in {y for y, _ in classes} for n in range(1, num_layers + 1)
                      if lower * (1 - REL_TOL) <= y * n <= upper * (1 + REL_TOL)})
     if not levels:
         return None
@@ -84,13 +87,20 @@ def _positions(classes: Sequence[Class], caps: dict[int, Sequence[int]], blocks:
     queue = [sorted((c for c in classes if c[1] == h), key=lambda c: blocks[c]) for h in factors]
     held_by = [[blocks[c] for c in q] for q in queue]
     cap_by = [caps[h] for h in factors]
+    # what a factor's groups from its k-th on hold where no cap binds them
+    rest = [list(itertools.accumulate(reversed(held), initial=0))[::-1] for held in held_by]
+    # From the first position where every cap reaches the most blocks its factor's groups hold, no
+    # cap binds (caps only grow along the pipeline): the groups left hold their blocks in any order
+    # there, so the programme decides the positions before it only.
+    free = next((j for j in range(len(classes))
+                 if all(cap[j] >= held[-1] for cap, held in zip(cap_by, held_by))), len(classes))
     # a state is how many groups of each factor are placed, as one mixed-radix integer
     radix = [1]
     for q in queue[:-1]:
         radix.append(radix[-1] * (len(q) + 1))
     best: dict[int, tuple[int, int, int]] = {0: (0, -1, -1)}    # state -> (blocks held, previous state, factor)
     layer = {0: (0,) * len(factors)}
-    for j in range(len(classes)):
+    for j in range(free):
         nxt: dict[int, tuple[int, ...]] = {}
         for state, counts in layer.items():
             held = best[state][0]
@@ -103,9 +113,14 @@ def _positions(classes: Sequence[Class], caps: dict[int, Sequence[int]], blocks:
                     best[after] = (value, state, i)
                     if after not in nxt:
                         nxt[after] = counts[:i] + (k + 1,) + counts[i + 1:]
-        layer = nxt
-    end = sum(r * len(q) for r, q in zip(radix, queue))
-    if end not in best or best[end][0] < need:
+        # a state whose groups left cannot make up what is missing even uncapped ends here
+        layer = {st: c for st, c in nxt.items() if best[st][0] + sum(r[k] for r, k in zip(rest, c)) >= need}
+        if not layer:
+            return None
+    def total(st: int) -> int:
+        return best[st][0] + sum(r[k] for r, k in zip(rest, layer[st]))
+    end = max(layer, key=total)
+    if total(end) < need:     # with no binding position, the initial state unchecked
         return None
     picks, state = [], end
     while state:
@@ -116,4 +131,6 @@ def _positions(classes: Sequence[Class], caps: dict[int, Sequence[int]], blocks:
     for i in reversed(picks):
         out.append(queue[i][taken[i]])
         taken[i] += 1
-    return tuple(out)
+    # past `free`, the groups left in the order they were given
+    left = [c for q, k in zip(queue, taken) for c in q[k:]]
+    return (*out, *sorted(left, key=list(classes).index))
