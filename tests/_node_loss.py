@@ -89,10 +89,13 @@ def slowdown(h) -> float:
     well inside the collective timeout, or the watchdog rightly counts its device as hung: a step
     at full speed bounds its ops' time, a device may hold twice the blocks without the node, and
     the host's load varies, so a quarter of the timeout over twice the step. On a loaded host,
-    where the pace is fitted to slow ops, that is far less than SLOW."""
+    where the pace is fitted to slow ops, that is far less than SLOW. The step read is one run on
+    the pace the warm-up refits (before step `skip`; a refit only slows it)."""
     import ray
 
-    while (st := ray.get(h.status.remote()))["iteration_seconds"] is None:   # a step's time to go by
+    from malleus_svc.config.job import ControlConfig
+
+    while (st := ray.get(h.status.remote()))["step"] <= ControlConfig.skip:
         assert st["state"] not in ("done", "failed"), st
         time.sleep(0.05)
     return max(1.0, min(SLOW, COLLECTIVE_TIMEOUT_S / 4 / (2 * st["iteration_seconds"])))
