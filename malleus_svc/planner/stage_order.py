@@ -100,6 +100,10 @@ def _positions(classes: Sequence[Class], caps: dict[int, Sequence[int]], blocks:
         radix.append(radix[-1] * (len(q) + 1))
     best: dict[int, tuple[int, int, int]] = {0: (0, -1, -1)}    # state -> (blocks held, previous state, factor)
     layer = {0: (0,) * len(factors)}
+
+    def uncapped(state: int, counts: tuple[int, ...]) -> int:
+        """What the state holds plus all its groups left hold uncapped: the most it can end with."""
+        return best[state][0] + sum(r[k] for r, k in zip(rest, counts))
     for j in range(free):
         nxt: dict[int, tuple[int, ...]] = {}
         for state, counts in layer.items():
@@ -114,13 +118,11 @@ def _positions(classes: Sequence[Class], caps: dict[int, Sequence[int]], blocks:
                     if after not in nxt:
                         nxt[after] = counts[:i] + (k + 1,) + counts[i + 1:]
         # a state whose groups left cannot make up what is missing even uncapped ends here
-        layer = {st: c for st, c in nxt.items() if best[st][0] + sum(r[k] for r, k in zip(rest, c)) >= need}
+        layer = {st: c for st, c in nxt.items() if uncapped(st, c) >= need}
         if not layer:
             return None
-    def total(st: int) -> int:
-        return best[st][0] + sum(r[k] for r, k in zip(rest, layer[st]))
-    end = max(layer, key=total)
-    if total(end) < need:     # with no binding position, the initial state unchecked
+    end = max(layer, key=lambda st: uncapped(st, layer[st]))
+    if uncapped(end, layer[end]) < need:     # with no binding position, the initial state unchecked
         return None
     picks, state = [], end
     while state:
