@@ -9,12 +9,13 @@ block that still fits the baseline layout).
 The reference is the planner's simulated annealing over concrete plans (`planner.anneal`: every
 grouping of each node that holds a straggler, any group in any pipeline or idle, pipelines merged
 and split, each pipeline's stages in their best order under the memory caps), which the default
-search runs for ANNEAL_STEPS from its best organisation with seed 0: here `--restarts` runs from the
-default plan and one from the healthy baseline's groups, `--steps` each, other seeds (no clock: the
-same seeds give the same plans). Its best plan is valued by `planner.evaluate` and checked against
-the memory model like the default's. Healthy nodes keep their full groups in both: under 'paper'
-splitting them too can beat even the straggler-free plan (a TP1 block takes 7.22 t0 on 1 device, a
-TP8 one 1 t0 on 8), a reshaping of the whole cluster the planner does not make for a straggler.
+search runs for ANNEAL_STEPS scored candidates from its best organisation with seed 0: here
+`--restarts` runs from the default plan and one from the healthy baseline's groups, `--steps` each,
+other seeds (no clock: the same seeds give the same plans). Its best plan is valued by
+`planner.evaluate` and checked against the memory model like the default's. Healthy nodes keep
+their full groups in both: under 'paper' splitting them too can beat even the straggler-free plan
+(a TP1 block takes 7.22 t0 on 1 device, a TP8 one 1 t0 on 8), a reshaping of the whole cluster the
+planner does not make for a straggler.
 Also shown: the capacity bound (`capacity_bound`), which no plan of that space beats.
 """
 from __future__ import annotations
@@ -102,7 +103,7 @@ def reference(problem: PlannerProblem, default_plan: Plan, steps: int, restarts:
 
 
 def scaled_steps(steps: int, num_devices: int) -> int:
-    """`--steps` up to 64 devices, 64/devices of it beyond: a move there scores more pipelines."""
+    """`--steps` up to 64 devices, 64/devices of it beyond: a candidate there has more pipelines."""
     return max(1, steps * 64 // max(64, num_devices))
 
 
@@ -163,7 +164,7 @@ def main(argv: list[str]) -> int:
     number_option(ap, "--seeds", 1, 10_000, integer=True, default=10, help="random scenarios per size and objective")
     ap.add_argument("--objectives", default="paper,bubble", help="comma-separated objectives")
     number_option(ap, "--steps", 1, 10_000_000, integer=True, default=10000,
-                  help="annealing moves per restart up to 64 devices, 64/devices of them beyond")
+                  help="candidates each annealing run scores, up to 64 devices; 64/devices of them beyond")
     number_option(ap, "--restarts", 1, 100, integer=True, default=2,
                   help="annealing runs from the default plan (one more from the baseline's groups)")
     ap.add_argument("--write", metavar="MD", help="update this markdown file's planner-reference section")

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from malleus_svc.planner import ilp
 from malleus_svc.planner.lower import (
-    DataSolution, LayerSolution, PlannerInternalError, layer_caps, solve_layers,
-    solve_micro_batches, solve_micro_batches_by_class,
+    DataSolution, LayerSolution, PlannerInternalError, bottleneck, layer_caps, solve_layers,
+    solve_micro_batches, solve_micro_batches_by_class, uncapped_bottleneck,
 )
 from malleus_svc.costmodel.profile import MemoryProfile
 from malleus_svc.highs import SolverError
@@ -186,6 +186,13 @@ def test_layers_closed_form_against_brute_force(inst):
     else:
         check_layers(sol, y, h, L, mem, ee)
         assert close(sol.z, best)
+
+
+@PROPS
+@given(st.lists(rate, min_size=1, max_size=40), st.integers(1, 160))
+def test_the_uncapped_bottleneck_equals_ilp1_with_no_cap(y, L):
+    """The annealing's floor and the stage order's lower bound: the same z as ILP-1 with every cap L."""
+    assert uncapped_bottleneck(y, L) == bottleneck(y, [L] * len(y), L)
 
 
 @PROPS

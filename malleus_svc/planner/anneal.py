@@ -16,13 +16,17 @@ each scored by the lower level with every pipeline's stages in their best order 
 caps (`Scorer.stage_order`). A worse candidate is accepted with probability exp(-worse / heat), the
 heat falling from 1% to 0.01% of the objective over the run: whole blocks make the objective flat
 across single moves, and the way to a better plan often passes an equal or slightly worse one.
+Under 'paper' most candidates are refused before they are scored: the acceptance draw is made
+first, and a lower bound without memory caps (`Anneal._floor`) already passes what it accepts.
 Without reshaping, the pipeline count stays and no node the start used is dropped whole; at most
 `max_pipelines` pipelines.
 Healthy nodes keep their full groups: under 'paper' splitting them too can beat even the
 straggler-free plan, a reshaping of a whole healthy cluster that no straggler asks for.
 
-The default search makes `search.ANNEAL_STEPS` moves from a fixed seed, so equal inputs give equal
-plans (unless the search's time budget stops it first); `malleus bench planner-reference` makes many more as the reference it is measured against.
+The run's length is counted in scored candidates, so the refused ones lengthen it for next to no
+time. The default search scores `search.ANNEAL_STEPS` from a fixed seed, so equal inputs give equal
+plans (unless the search's time budget stops it first); `malleus bench planner-reference` scores
+many more as the reference it is measured against.
 """
 from __future__ import annotations
 
@@ -34,10 +38,12 @@ from typing import Mapping, Sequence
 from .budget import NEVER, Deadline
 from .grouping import (Group, NodeOption, available_devices, every_grouping, is_straggler, node_options,
                        slowest_first)
+from .lower import solve_micro_batches, uncapped_bottleneck
 from .organize import Score, Scorer
 from .problem import PlannerProblem
 
 HEAT = (0.01, 0.0001)     # the heat's start and end, as a share of the objective
+MOVES = 5                 # moves per scored candidate at most (`Anneal.run`)
 KICK = 0.2                # share of moves that regroup a node of the slowest pipeline by rule (`_kick`)
 
 
@@ -97,33 +103,55 @@ class Anneal:
         self.problem, self.scorer, self.rng, self.roles = problem, scorer, random.Random(seed), roles
         self.most = max_pipelines
         self._options: dict[int, list[NodeOption]] = {}
+        self._known: tuple[Organisation | None, dict] = (None, {})   # an organisation, its pipelines' z
         self.nodes = [n for n in range(problem.num_nodes) if available_devices(problem, n)]
         self.regroup = [n for n in (self.nodes if regroup is None else regroup) if n in self.nodes]
 
     def run(self, rows: Sequence[Sequence[Group]], idle: Sequence[Group], steps: int,
             deadline: Deadline = NEVER) -> Organisation | None:
-        """The best organisation met in `steps` moves (or until the deadline) from `rows` and `idle`."""
+        """The best organisation met in `steps` scored candidates (or until the deadline) from `rows`
+        and `idle`. A move that yields no valid candidate, or one the floor refuses (`_floor`), costs
+        next to nothing and is not counted, up to MOVES moves per step."""
         cur = score_rows(self.scorer, rows, idle)
         best = cur
         self.pipelines = sum(1 for r in rows if r)
         self.used = {g.node for r in rows for g in r}
-        for step in range(steps if cur is not None else 0):
-            if deadline.passed():
+        scored = 0
+        for _ in range(MOVES * steps if cur is not None else 0):
+            if scored == steps or deadline.passed():
                 break
-            heat = HEAT[0] * (HEAT[1] / HEAT[0]) ** (step / steps)
+            heat = HEAT[0] * (HEAT[1] / HEAT[0]) ** (scored / steps)
             if self.rng.random() < KICK and self.regroup:
                 new = self._kick(cur)
             else:
                 new = self._neighbour([list(r) for r in cur.rows], list(cur.idle))
-            s = None if new is None else score_rows(self.scorer, *new)
-            if s is None:
+            if new is None:
                 continue
-            worse = s.score.objective / cur.score.objective - 1
-            if worse <= 0 or self.rng.random() < math.exp(-worse / heat):
+            # accepted at or below this: better, or worse by w with probability exp(-w / heat)
+            limit = cur.score.objective * (1 - heat * math.log(1 - self.rng.random()))
+            if self._floor(cur, new[0]) > limit:
+                continue
+            scored += 1
+            s = score_rows(self.scorer, *new)
+            if s is not None and s.score.objective <= limit:
                 cur = s
                 if s.score.objective < best.score.objective * (1 - 1e-9):
                     best = s
         return best
+
+    def _floor(self, cur: Organisation, rows: Sequence[Sequence[Group]]) -> float:
+        """A lower bound on these pipelines' objective under 'paper', cheap beside scoring them: the
+        pipelines of `cur` at their bottleneck, a changed one at its bottleneck without memory caps,
+        the micro-batches split without the bounds m_i >= S_i. Most candidates are refused on it.
+        0 under 'bubble' and 'full': their fill and drain count the stages that hold blocks, which
+        only the layout tells."""
+        if self.scorer.objective != "paper":
+            return 0.0
+        if self._known[0] is not cur:     # a move leaves most pipelines as they were, groups in place
+            self._known = (cur, {tuple(map(id, r)): z for r, z in zip(cur.rows, cur.score.z)})
+        known, L = self._known[1], self.problem.num_layers
+        zs = [known.get(tuple(map(id, row))) or uncapped_bottleneck([g.rate for g in row], L) for row in rows]
+        return solve_micro_batches(zs, [1] * len(zs), self.problem.num_micro_batches, "paper").w
 
     def options(self, node: int) -> list[NodeOption]:
         if node not in self._options:

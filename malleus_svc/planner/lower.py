@@ -216,6 +216,22 @@ def bottleneck(rates: Sequence[float], caps: Sequence[int], num_layers: int, ext
     return _optimum(rates, extra or [0.0] * len(rates), lo, caps, num_layers)
 
 
+def uncapped_bottleneck(rates: Sequence[float], num_layers: int) -> float:
+    """`bottleneck` with no memory cap: the least z with Σ ⌊z / y_j⌋ >= num_layers, a lower bound on
+    it under any caps. From the continuous level, whose floors fall short by less than one slot per
+    stage, the next slots are taken smallest first."""
+    v = num_layers / sum(1.0 / y for y in rates) * (1 - 1e-12)     # rounding never takes a floor past it
+    x = [int(v // y) for y in rates]
+    z = max((y * n for y, n in zip(rates, x) if n), default=0.0)
+    heap = [(y * (n + 1), j) for j, (y, n) in enumerate(zip(rates, x))]
+    heapq.heapify(heap)
+    for _ in range(num_layers - sum(x)):
+        z, j = heapq.heappop(heap)
+        x[j] += 1
+        heapq.heappush(heap, (rates[j] * (x[j] + 1), j))
+    return z
+
+
 def lay_out(rates: Sequence[float], extra: Sequence[float], caps: Sequence[int], z: float, num_layers: int,
             min_layers: int = 0) -> list[int]:
     """ILP-1's layout at its optimum `z` (from `bottleneck` with the same caps and `min_layers`), by

@@ -35,7 +35,7 @@ from typing import Hashable, Iterator, Mapping, Sequence
 from .budget import NEVER, Deadline
 from .grouping import Group
 from .lower import (ClassSplit, DataSolution, LayerSolution, bottleneck, memory_caps, position_caps, solve_layers,
-                    solve_micro_batches, solve_micro_batches_by_class)
+                    solve_micro_batches, solve_micro_batches_by_class, uncapped_bottleneck)
 from .problem import PlannerProblem
 from .stage_order import best_order
 from .timing import PipelineTimes, fill_drain, iteration_time
@@ -181,7 +181,7 @@ class Scorer:
 
     def _reorder(self, classes: tuple[tuple[float, int], ...]) -> tuple[tuple[float, int], ...]:
         L = self.problem.num_layers
-        free = bottleneck([y for y, _ in classes], [L] * len(classes), L)
+        free = uncapped_bottleneck([y for y, _ in classes], L)
         given = self._bottleneck(classes)
         if given is not None and given <= free * (1 + 1e-12):
             return classes

@@ -69,7 +69,7 @@ THOROUGH_SMALL = 8          # the same on small clusters, where the greedy pass 
                             # often (`malleus bench planner --small 300` before the exhaustive check: 2 -> 8
                             # took the scenarios more than 1% above exhaustive from 8 to 5 of 600)
 FINALISTS = 6               # organisations kept for concretisation
-ANNEAL_STEPS = 1000         # moves the annealing over concrete groups makes from the best finalist (`anneal`)
+ANNEAL_STEPS = 1000         # candidates the annealing over concrete groups scores from the best finalist (`anneal`)
 ANNEAL_DEVICES = 256        # on clusters of at most this many devices: beyond, a move scores dozens of pipelines
                             # (7 ms a move at 1,024 devices) for plans the family already finds
 WIDE_GROUPS = 16            # combinations of at most this many groups try every pipeline count

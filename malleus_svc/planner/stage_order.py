@@ -9,12 +9,16 @@ caps are non-decreasing along the pipeline for every h; else, for each class (ra
 the last position, the other positions are taken in order, where they are.
 
 For a level v, a group of rate y can hold min(cap, ⌊v/y⌋) blocks; v is feasible when some order
-holds L blocks in all. Within one h the exchange argument puts the groups in increasing order of
-⌊v/y⌋ on that h's positions, so an order is a choice of h per position: a dynamic programme over
-positions whose state is how many groups of each h are placed (at most (n_h + 1) per factor), exact.
-It runs only over the positions where some cap binds (past them the groups left hold all their
-blocks in any order) and drops a state whose groups left could not make up the rest uncapped.
-The least feasible v is found by bisection over the values y·n, and the order is read back from it.
+holds L blocks in all. A group whose blocks fit the first position's cap goes first (anywhere else
+it holds no more, and the group it displaces no less). Where the level leaves room, the rest ordered
+by the first position that holds all their blocks already hold L. Else the exact search: within one
+h the exchange argument puts the groups in increasing order of ⌊v/y⌋ on that h's positions, so an
+order is a choice of h per position, a dynamic programme over positions whose state is how many
+groups of each h are placed (at most (n_h + 1) per factor). It runs only over the positions where
+some cap binds (past them the groups left hold all their blocks in any order) and drops a state that
+could not make up the rest even with its groups left uncapped, or with every position left holding
+the most any group could hold there. The least feasible v is found by bisection over the values
+y·n, and the order is read back from it.
 Caps that fall along the pipeline before its last stage (a memory table no model here gives) are
 outside what this is exact for: it then answers None and the caller keeps its order.
 """
@@ -82,57 +86,75 @@ def _arrange(classes: Sequence[Class], caps: dict[int, Sequence[int]], v: float,
 def _positions(classes: Sequence[Class], caps: dict[int, Sequence[int]], blocks: dict[Class, int],
                need: int) -> tuple[Class, ...] | None:
     """`classes` on positions 0.. (caps non-decreasing for each h) holding at least `need` blocks."""
-    factors = sorted({h for _, h in classes})
+    # A group whose blocks fit the first position's cap holds them at any position: such groups take
+    # the first positions (swapping one with a capped group before it never loses a block).
+    first = sorted((c for c in classes if caps[c[1]][0] >= blocks[c]), key=list(classes).index)
+    need -= sum(blocks[c] for c in first)
+    start = len(first)
+    capped = [c for c in classes if caps[c[1]][0] < blocks[c]]
+    end = len(classes)
+    # Where the level leaves room, the groups ordered by the first position that holds all their
+    # blocks often hold enough: then no programme is needed.
+    uncapped_from = {c: next((p for p in range(start, end) if caps[c[1]][p] >= blocks[c]), end) for c in set(capped)}
+    quick = sorted(capped, key=lambda c: (uncapped_from[c], blocks[c]))
+    if all(caps[h][p] >= 0 for p, (_, h) in enumerate(quick, start)) and sum(
+            min(caps[c[1]][p], blocks[c]) for p, c in enumerate(quick, start)) >= need:
+        return (*first, *quick)
+    factors = sorted({h for _, h in capped})
     # per factor, its classes in increasing order of blocks at the level (the exchange argument)
-    queue = [sorted((c for c in classes if c[1] == h), key=lambda c: blocks[c]) for h in factors]
+    queue = [sorted((c for c in capped if c[1] == h), key=lambda c: blocks[c]) for h in factors]
     held_by = [[blocks[c] for c in q] for q in queue]
     cap_by = [caps[h] for h in factors]
-    # what a factor's groups from its k-th on hold where no cap binds them
-    rest = [list(itertools.accumulate(reversed(held), initial=0))[::-1] for held in held_by]
     # From the first position where every cap reaches the most blocks its factor's groups hold, no
     # cap binds (caps only grow along the pipeline): the groups left hold their blocks in any order
     # there, so the programme decides the positions before it only.
-    free = next((j for j in range(len(classes))
-                 if all(cap[j] >= held[-1] for cap, held in zip(cap_by, held_by))), len(classes))
+    binding = next((p for p in range(start, end)
+                    if all(cap[p] >= held[-1] for cap, held in zip(cap_by, held_by))), end) - start
+    # the most the positions from p on can hold, whoever takes them
+    most = list(itertools.accumulate(
+        (max((min(cap[p], held[-1]) for cap, held in zip(cap_by, held_by)), default=0)
+         for p in reversed(range(start, end))), initial=0))[::-1]
     # a state is how many groups of each factor are placed, as one mixed-radix integer
     radix = [1]
     for q in queue[:-1]:
         radix.append(radix[-1] * (len(q) + 1))
     best: dict[int, tuple[int, int, int]] = {0: (0, -1, -1)}    # state -> (blocks held, previous state, factor)
-    layer = {0: (0,) * len(factors)}
-
-    def uncapped(state: int, counts: tuple[int, ...]) -> int:
-        """What the state holds plus all its groups left hold uncapped: the most it can end with."""
-        return best[state][0] + sum(r[k] for r, k in zip(rest, counts))
-    for j in range(free):
-        nxt: dict[int, tuple[int, ...]] = {}
-        for state, counts in layer.items():
+    # state -> (its counts, what its groups left hold uncapped)
+    layer = {0: ((0,) * len(factors), sum(map(sum, held_by)))}
+    for j in range(binding):
+        p = start + j
+        nxt: dict[int, tuple[tuple[int, ...], int]] = {}
+        for state, (counts, left) in layer.items():
             held = best[state][0]
             for i, k in enumerate(counts):
-                if k == len(queue[i]) or cap_by[i][j] < 0:
+                if k == len(queue[i]) or cap_by[i][p] < 0:
                     continue
-                value = held + min(cap_by[i][j], held_by[i][k])
+                b = held_by[i][k]
+                value = held + min(cap_by[i][p], b)
+                # a state that cannot make up what is missing, with its groups left uncapped or
+                # the positions left full, ends here
+                if value + min(left - b, most[j + 1]) < need:
+                    continue
                 after = state + radix[i]
                 if after not in best or value > best[after][0]:
                     best[after] = (value, state, i)
                     if after not in nxt:
-                        nxt[after] = counts[:i] + (k + 1,) + counts[i + 1:]
-        # a state whose groups left cannot make up what is missing even uncapped ends here
-        layer = {st: c for st, c in nxt.items() if uncapped(st, c) >= need}
+                        nxt[after] = (counts[:i] + (k + 1,) + counts[i + 1:], left - b)
+        layer = nxt
         if not layer:
             return None
-    end = max(layer, key=lambda st: uncapped(st, layer[st]))
-    if uncapped(end, layer[end]) < need:     # with no binding position, the initial state unchecked
+    last = max(layer, key=lambda st: best[st][0] + layer[st][1])
+    if best[last][0] + layer[last][1] < need:     # with no binding position, the initial state unchecked
         return None
-    picks, state = [], end
+    picks, state = [], last
     while state:
         _, state, i = best[state]
         picks.append(i)
     taken = [0] * len(factors)
-    out = []
+    out = list(first)
     for i in reversed(picks):
         out.append(queue[i][taken[i]])
         taken[i] += 1
-    # past `free`, the groups left in the order they were given
-    left = [c for q, k in zip(queue, taken) for c in q[k:]]
-    return (*out, *sorted(left, key=list(classes).index))
+    # past the binding positions, the groups left in the order they were given
+    rest = [c for q, k in zip(queue, taken) for c in q[k:]]
+    return (*out, *sorted(rest, key=list(classes).index))
