@@ -69,6 +69,40 @@ def test_the_floor_that_refuses_candidates_unscored_is_below_each_ones_objective
     assert sum(f >= o * (1 - 1e-9) for f, o in scored) > len(scored) / 10    # and often tight
 
 
+def test_with_the_optimizer_sharded_a_pipeline_count_change_prices_every_pipeline_again():
+    """More pipelines share a sharded state among more replicas, so every stage's cap rises: a
+    pipeline left as it was holds its blocks at a lower bottleneck (here 8 -> 7), and the floor must
+    not keep the old one."""
+    from malleus_svc.costmodel.profile import MemoryProfile
+    from malleus_svc.planner.anneal import Anneal, score_rows
+    from malleus_svc.planner.grouping import make_group
+    from malleus_svc.planner.organize import Scorer
+    from malleus_svc.planner.problem import PlannerProblem
+    memory = MemoryProfile(tuple(100.0 * (1 + 0.15 * d) for d in (3, 2, 1, 0)), 50.0, 0.0, 0.0, 622.0,
+                           sharded_layer_mb=60.0)
+    problem = PlannerProblem(num_nodes=3, gpus_per_node=4, num_layers=25, dp=3, tp=1, pp=4, num_micro_batches=12,
+                             micro_batch_size=1, rates=(1.0,) * 12, tp_alpha=(1.0,), memory=memory, objective="paper")
+    rows = [[make_group(problem, (d,)) for d in range(n, n + 4)] for n in (0, 4, 8)]
+    scorer = Scorer(problem)
+    two, three = score_rows(scorer, rows[:2], []), score_rows(scorer, rows, [])
+    assert two.score.z == (8.0, 8.0) and three.score.z == (7.0, 7.0, 7.0)
+    assert Anneal(problem, scorer, 0, 3)._floor(two, rows) <= three.score.objective
+
+
+def test_the_floor_refuses_more_pipelines_than_micro_batches():
+    """Under 'paper' each pipeline takes at least one micro-batch: a candidate with more pipelines
+    than micro-batches has no split, and the floor says so rather than failing."""
+    from malleus_svc.planner.anneal import Anneal, score_rows
+    from malleus_svc.planner.grouping import make_group
+    from malleus_svc.planner.organize import Scorer
+    problem, _ = paper_shaped(*TWO_BAD_NODES, "paper")
+    g = [make_group(problem, tuple(range(n, n + 8))) for n in (0, 8, 16, 24)]
+    cur = score_rows(Scorer(problem), [g], [])          # the baseline's one pipeline of four stages
+    few = replace(problem, num_micro_batches=2)
+    assert Anneal(few, Scorer(few), 0, 8)._floor(cur, [g[:2], g[2:3], g[3:]]) == float("inf")
+    assert Anneal(few, Scorer(few), 0, 8)._floor(cur, [g[:2], g[2:]]) < float("inf")
+
+
 def test_without_reshaping_annealing_keeps_the_pipelines_and_every_node():
     problem = replace(paper_shaped(*TWO_BAD_NODES, "paper")[0], allow_reshape=False)
     p = plan(problem).plan

@@ -17,14 +17,15 @@ caps (`Scorer.stage_order`). A worse candidate is accepted with probability exp(
 heat falling from 1% to 0.01% of the objective over the run: whole blocks make the objective flat
 across single moves, and the way to a better plan often passes an equal or slightly worse one.
 Under 'paper' most candidates are refused before they are scored: the acceptance draw is made
-first, and a lower bound without memory caps (`Anneal._floor`) already passes what it accepts.
+first, and a lower bound (`Anneal._floor`: a changed pipeline priced without memory caps) already
+passes what it accepts.
 Without reshaping, the pipeline count stays and no node the start used is dropped whole; at most
 `max_pipelines` pipelines.
 Healthy nodes keep their full groups: under 'paper' splitting them too can beat even the
 straggler-free plan, a reshaping of a whole healthy cluster that no straggler asks for.
 
-The run's length is counted in scored candidates, so the refused ones lengthen it for next to no
-time. The default search scores `search.ANNEAL_STEPS` from a fixed seed, so equal inputs give equal
+The run's length is counted in scored candidates (at most MOVES moves each), so the refused ones
+lengthen it for next to no time. The default search scores `search.ANNEAL_STEPS` from a fixed seed, so equal inputs give equal
 plans (unless the search's time budget stops it first); `malleus bench planner-reference` scores
 many more as the reference it is measured against.
 """
@@ -149,9 +150,12 @@ class Anneal:
             return 0.0
         if self._known[0] is not cur:     # a move leaves most pipelines as they were, groups in place
             self._known = (cur, {tuple(map(id, r)): z for r, z in zip(cur.rows, cur.score.z)})
-        known, L = self._known[1], self.problem.num_layers
+        # a sharded state's caps depend on the pipeline count: z carries over only where they do not
+        same_caps = self.scorer.for_pipelines(len(rows)) is self.scorer.for_pipelines(len(cur.rows))
+        known, L = self._known[1] if same_caps else {}, self.problem.num_layers
         zs = [known.get(tuple(map(id, row))) or uncapped_bottleneck([g.rate for g in row], L) for row in rows]
-        return solve_micro_batches(zs, [1] * len(zs), self.problem.num_micro_batches, "paper").w
+        split = solve_micro_batches(zs, [1] * len(zs), self.problem.num_micro_batches, "paper")
+        return math.inf if split is None else split.w     # None: more pipelines than micro-batches
 
     def options(self, node: int) -> list[NodeOption]:
         if node not in self._options:

@@ -222,7 +222,7 @@ def uncapped_bottleneck(rates: Sequence[float], num_layers: int) -> float:
     stage, the next slots are taken smallest first."""
     v = num_layers / sum(1.0 / y for y in rates) * (1 - 1e-12)     # rounding never takes a floor past it
     x = [int(v // y) for y in rates]
-    z = max((y * n for y, n in zip(rates, x) if n), default=0.0)
+    z = 0.0         # Σ x < num_layers: the last slot taken below is z
     heap = [(y * (n + 1), j) for j, (y, n) in enumerate(zip(rates, x))]
     heapq.heapify(heap)
     for _ in range(num_layers - sum(x)):

@@ -11,14 +11,14 @@ the last position, the other positions are taken in order, where they are.
 For a level v, a group of rate y can hold min(cap, ⌊v/y⌋) blocks; v is feasible when some order
 holds L blocks in all. A group whose blocks fit the first position's cap goes first (anywhere else
 it holds no more, and the group it displaces no less). Where the level leaves room, the rest ordered
-by the first position that holds all their blocks already hold L. Else the exact search: within one
-h the exchange argument puts the groups in increasing order of ⌊v/y⌋ on that h's positions, so an
-order is a choice of h per position, a dynamic programme over positions whose state is how many
-groups of each h are placed (at most (n_h + 1) per factor). It runs only over the positions where
-some cap binds (past them the groups left hold all their blocks in any order) and drops a state that
-could not make up the rest even with its groups left uncapped, or with every position left holding
-the most any group could hold there. The least feasible v is found by bisection over the values
-y·n, and the order is read back from it.
+by the first position that holds all their blocks often hold L: that order is taken when it does.
+Else the exact search: within one h the exchange argument puts the groups in increasing order of
+⌊v/y⌋ on that h's positions, so an order is a choice of h per position, a dynamic programme over
+positions whose state is how many groups of each h are placed (at most (n_h + 1) per factor). It
+runs only over the positions where some cap binds (past them the groups left hold all their blocks
+in any order, the order they came in) and drops a state that could not make up the rest even with
+its groups left uncapped, or with every position left holding the most any group could hold there.
+The least feasible v is found by bisection over the values y·n, and the order is read back from it.
 Caps that fall along the pipeline before its last stage (a memory table no model here gives) are
 outside what this is exact for: it then answers None and the caller keeps its order.
 """
@@ -88,7 +88,7 @@ def _positions(classes: Sequence[Class], caps: dict[int, Sequence[int]], blocks:
     """`classes` on positions 0.. (caps non-decreasing for each h) holding at least `need` blocks."""
     # A group whose blocks fit the first position's cap holds them at any position: such groups take
     # the first positions (swapping one with a capped group before it never loses a block).
-    first = sorted((c for c in classes if caps[c[1]][0] >= blocks[c]), key=list(classes).index)
+    first = [c for c in classes if caps[c[1]][0] >= blocks[c]]
     need -= sum(blocks[c] for c in first)
     start = len(first)
     capped = [c for c in classes if caps[c[1]][0] < blocks[c]]
