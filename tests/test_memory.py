@@ -78,10 +78,17 @@ def test_depth_multiplies_what_each_micro_batch_keeps():
 
 
 def test_cli_on_llama70b_reports_every_stage(capsys):
+    from malleus_svc.config.job import load_scenario_of
+    from malleus_svc.config.scenario import find_scenario
+    from malleus_svc.planner import plan
+    from malleus_svc.planner.build import build_problem
     rc = main(["memory", "llama70b-64gpu", "--json"])
     out = capsys.readouterr().out
     rows = json.loads(out[out.index("\n["):])
-    assert len(rows) == 14 and {r["layers"] for r in rows} and sum(r["layers"] for r in rows) == 160
+    planned = plan(build_problem(load_scenario_of(find_scenario("llama70b-64gpu")))).plan
+    assert [(r["pipeline"], r["stage"], r["layers"]) for r in rows] == [
+        (i, j, s.num_layers) for i, pipe in enumerate(planned.pipelines) for j, s in enumerate(pipe.stages)]
+    assert len(rows) >= 8 and sum(r["layers"] for r in rows) == 160       # two pipelines of 80 blocks
     for r in rows:
         terms = sum(r[f"{k}_mb"] for k in ("params", "grads", "adam", "working", "activations", "boundary", "logits"))
         assert r["total_mb"] == pytest.approx(terms + r["reserved_mb"], abs=1)
@@ -92,9 +99,9 @@ def test_cli_on_llama70b_reports_every_stage(capsys):
     assert {r["tp"] for r in rows} >= {1, 2, 4, 8}
     # short by the boundary tensors it leaves out
     assert all(abs(r["planner_gap"]) < 0.03 for r in rows)
-    # the embedding and the head split by vocabulary rows: a TP-8 end holds about 1/8 of a TP-1 end's
+    # the embedding and the head split by vocabulary rows: a TP-t end holds about 1/t of a TP-1 end's
     ends = {int(t): (float(e), float(h)) for t, e, h in re.findall(r"TP (\d+) ([\d.]+) / ([\d.]+)", out)}
-    assert set(ends) == {1, 8} and all(8 * ends[8][k] < 1.5 * ends[1][k] for k in (0, 1)), ends
+    assert 1 in ends and 8 in ends and all(t * ends[t][k] < 1.5 * ends[1][k] for t in ends for k in (0, 1)), ends
 
 
 def test_cli_bad_input_is_one_line_and_exit_2(capsys, tmp_path):
