@@ -25,9 +25,9 @@ Healthy nodes keep their full groups: under 'paper' splitting them too can beat 
 straggler-free plan, a reshaping of a whole healthy cluster that no straggler asks for.
 
 The run's length is counted in scored candidates (at most MOVES moves each), so the refused ones
-lengthen it for next to no time. The default search scores `search.ANNEAL_STEPS` from a fixed seed, so equal inputs give equal
-plans (unless the search's time budget stops it first); `malleus bench planner-reference` scores
-many more as the reference it is measured against.
+lengthen it for next to no time. The default search scores `search.ANNEAL_STEPS` from a fixed seed,
+so equal inputs give equal plans (unless the search's time budget stops it first); `malleus bench
+planner-reference` scores many more as the reference it is measured against.
 """
 from __future__ import annotations
 

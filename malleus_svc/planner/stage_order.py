@@ -95,7 +95,8 @@ def _positions(classes: Sequence[Class], caps: dict[int, Sequence[int]], blocks:
     end = len(classes)
     # Where the level leaves room, the groups ordered by the first position that holds all their
     # blocks often hold enough: then no programme is needed.
-    uncapped_from = {c: next((p for p in range(start, end) if caps[c[1]][p] >= blocks[c]), end) for c in set(capped)}
+    uncapped_from = {c: next((p for p in range(start, end) if caps[c[1]][p] >= blocks[c]), end)
+                     for c in set(capped)}
     quick = sorted(capped, key=lambda c: (uncapped_from[c], blocks[c]))
     if all(caps[h][p] >= 0 for p, (_, h) in enumerate(quick, start)) and sum(
             min(caps[c[1]][p], blocks[c]) for p, c in enumerate(quick, start)) >= need:
