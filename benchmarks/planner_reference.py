@@ -9,9 +9,9 @@ block that still fits the baseline layout).
 The reference is the planner's simulated annealing over concrete plans (`planner.anneal`: every
 grouping of each node that holds a straggler, any group in any pipeline or idle, pipelines merged
 and split, each pipeline's stages in their best order under the memory caps), which the default
-search runs for ANNEAL_STEPS scored candidates from its best organisation with seed 0: here
-`--restarts` runs from the default plan and one from the healthy baseline's groups, `--steps` each,
-other seeds (no clock: the same seeds give the same plans). Its best plan is valued by
+search runs for ANNEAL_STEPS scored candidates from its best organisation (ANNEAL_CHAINS runs, seeds
+0, 1, ...): here `--restarts` runs from the default plan and one from the healthy baseline's groups,
+`--steps` each, other seeds (no clock: the same seeds give the same plans). Its best plan is valued by
 `planner.evaluate` and checked against the memory model like the default's. Healthy nodes keep
 their full groups in both: under 'paper' splitting them too can beat even the straggler-free plan
 (a TP1 block takes 7.22 t0 on 1 device, a TP8 one 1 t0 on 8), a reshaping of the whole cluster the
@@ -28,7 +28,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from malleus_svc.config import Scenario
 from malleus_svc.config.options import number_option
@@ -40,7 +39,7 @@ from malleus_svc.planner.grouping import Group, available_devices, make_group
 from malleus_svc.planner.organize import Scorer
 from malleus_svc.planner.problem import PlannerProblem
 from malleus_svc.planner.anneal import Anneal, irregular_nodes, regroup_options
-from malleus_svc.planner.search import assemble, lower_bound, max_pipelines, memory_violations
+from malleus_svc.planner.search import ANNEAL_CHAINS, assemble, lower_bound, max_pipelines, memory_violations
 
 from .planner import write_section
 
@@ -91,7 +90,7 @@ def reference(problem: PlannerProblem, default_plan: Plan, steps: int, restarts:
     irregular = irregular_nodes(problem)
     best_value, best_plan = evaluate(problem, default_plan), default_plan
     starts = [rows_of(default_plan)] * restarts + [rows_of(baseline_plan(problem))]
-    for seed, rows in enumerate(starts, start=1):      # seed 0 is the default search's own run
+    for seed, rows in enumerate(starts, start=ANNEAL_CHAINS):    # the seeds below are the default search's own
         org = Anneal(problem, scorer, seed, max_pipelines(problem), irregular).run(rows, idle_of(rows), steps)
         if org is None:
             continue

@@ -14,20 +14,22 @@ side by side. From the search's best organisation, random moves:
     pipelines; an idle group back into a pipeline; merge two pipelines; split one in two;
 each scored by the lower level with every pipeline's stages in their best order under the memory
 caps (`Scorer.stage_order`). A worse candidate is accepted with probability exp(-worse / heat), the
-heat falling from 1% to 0.01% of the objective over the run: whole blocks make the objective flat
+heat falling from 1% to 0.01% of the energy over the run: whole blocks make the objective flat
 across single moves, and the way to a better plan often passes an equal or slightly worse one.
-Under 'paper' most candidates are refused before they are scored: the acceptance draw is made
-first, and a lower bound (`Anneal._floor`: a changed pipeline priced without memory caps) already
-passes what it accepts.
+Under 'paper' and 'bubble' the energy adds a relaxed objective (`Anneal.energy`) that tells apart
+organisations of equal objective. Under 'paper' most candidates are refused before they are scored:
+the acceptance draw is made first, and a lower bound (`Anneal._floor`: a changed pipeline priced
+without memory caps) already passes what it accepts.
 Without reshaping, the pipeline count stays and no node the start used is dropped whole; at most
 `max_pipelines` pipelines.
 Healthy nodes keep their full groups: under 'paper' splitting them too can beat even the
 straggler-free plan, a reshaping of a whole healthy cluster that no straggler asks for.
 
 The run's length is counted in scored candidates (at most MOVES moves each), so the refused ones
-lengthen it for next to no time. The default search scores `search.ANNEAL_STEPS` from a fixed seed,
-so equal inputs give equal plans (unless the search's time budget stops it first); `malleus bench
-planner-reference` scores many more as the reference it is measured against.
+lengthen it for next to no time. The default search shares `search.ANNEAL_STEPS` among
+`search.ANNEAL_CHAINS` runs from fixed seeds, so equal inputs give equal plans (unless the
+search's time budget stops it first); `malleus bench planner-reference` scores many more as the
+reference it is measured against.
 """
 from __future__ import annotations
 
@@ -43,9 +45,10 @@ from .lower import solve_micro_batches, uncapped_bottleneck
 from .organize import Score, Scorer
 from .problem import PlannerProblem
 
-HEAT = (0.01, 0.0001)     # the heat's start and end, as a share of the objective
+HEAT = (0.01, 0.0001)     # the heat's start and end, as a share of the energy
 MOVES = 5                 # moves per scored candidate at most (`Anneal.run`)
 KICK = 0.2                # share of moves that regroup a node of the slowest pipeline by rule (`_kick`)
+RELAXED = 0.3             # weight of the relaxed objective in the energy under 'paper' and 'bubble' (`Anneal.energy`)
 
 
 @dataclass(frozen=True)
@@ -97,11 +100,12 @@ def regroup_options(problem: PlannerProblem, node: int,
 
 
 class Anneal:
-    """`regroup`: the nodes whose grouping may change (`irregular_nodes`; default: every node)."""
+    """`regroup`: the nodes whose grouping may change (`irregular_nodes`; default: every node).
+    `seed`: the first run's; a run after it takes the next."""
 
     def __init__(self, problem: PlannerProblem, scorer: Scorer, seed: int, max_pipelines: int,
                  regroup: Sequence[int] | None = None, roles: Mapping[int, tuple[int, int]] | None = None):
-        self.problem, self.scorer, self.rng, self.roles = problem, scorer, random.Random(seed), roles
+        self.problem, self.scorer, self.seed, self.roles = problem, scorer, seed, roles
         self.most = max_pipelines
         self._options: dict[int, list[NodeOption]] = {}
         self._known: tuple[Organisation | None, dict] = (None, {})   # an organisation, its pipelines' z
@@ -109,12 +113,22 @@ class Anneal:
         self.regroup = [n for n in (self.nodes if regroup is None else regroup) if n in self.nodes]
 
     def run(self, rows: Sequence[Sequence[Group]], idle: Sequence[Group], steps: int,
-            deadline: Deadline = NEVER) -> Organisation | None:
-        """The best organisation met in `steps` scored candidates (or until the deadline) from `rows`
-        and `idle`. A move that yields no valid candidate, or one the floor refuses (`_floor`), costs
-        next to nothing and is not counted, up to MOVES moves per step."""
+            deadline: Deadline = NEVER, runs: int = 1) -> Organisation | None:
+        """The best organisation met by `runs` runs from `rows` and `idle` that share `steps` scored
+        candidates (or stop at the deadline), each from its own seed."""
+        found = [self._run(rows, idle, steps // runs, deadline) for _ in range(runs)]
+        return min((o for o in found if o is not None), key=lambda o: o.score.objective, default=None)
+
+    def _run(self, rows: Sequence[Sequence[Group]], idle: Sequence[Group], steps: int,
+             deadline: Deadline) -> Organisation | None:
+        """One run: the best organisation met in `steps` scored candidates. A move that yields no
+        valid candidate, or one the floor refuses (`_floor`), costs next to nothing and is not
+        counted, up to MOVES moves per step."""
+        self.rng = random.Random(self.seed)
+        self.seed += 1
         cur = score_rows(self.scorer, rows, idle)
         best = cur
+        energy = self.energy
         self.pipelines = sum(1 for r in rows if r)
         self.used = {g.node for r in rows for g in r}
         scored = 0
@@ -129,21 +143,36 @@ class Anneal:
             if new is None:
                 continue
             # accepted at or below this: better, or worse by w with probability exp(-w / heat)
-            limit = cur.score.objective * (1 - heat * math.log(1 - self.rng.random()))
+            limit = energy(cur.score) * (1 - heat * math.log(1 - self.rng.random()))
             if self._floor(cur, new[0]) > limit:
                 continue
             scored += 1
             s = score_rows(self.scorer, *new)
-            if s is not None and s.score.objective <= limit:
+            if s is not None and energy(s.score) <= limit:
                 cur = s
-                if s.score.objective < best.score.objective * (1 - 1e-9):
+                gain = best.score.objective - s.score.objective
+                if gain > best.score.objective * 1e-9 or (gain >= 0 and energy(s.score) < energy(best.score)):
                     best = s
         return best
 
+    def energy(self, score: Score) -> float:
+        """What the annealing lowers: the objective, and under 'paper' and 'bubble' RELAXED times the
+        relaxed one, M / Σ_i 1/z_i ('paper' with micro-batches split continuously, at most the
+        objective). Whole blocks and micro-batches leave the objective flat across most moves; of two
+        organisations of equal objective this prefers the one whose bottlenecks leave more room,
+        from which a lower objective is fewer moves away."""
+        if self.scorer.objective == "full":
+            return score.objective
+        return score.objective + RELAXED * self._relaxed(score.z)
+
+    def _relaxed(self, z: Sequence[float]) -> float:
+        return self.problem.num_micro_batches / sum(1 / v for v in z)
+
     def _floor(self, cur: Organisation, rows: Sequence[Sequence[Group]]) -> float:
-        """A lower bound on these pipelines' objective under 'paper', cheap beside scoring them: the
+        """A lower bound on these pipelines' energy under 'paper', cheap beside scoring them: the
         pipelines of `cur` at their bottleneck, a changed one at its bottleneck without memory caps,
-        the micro-batches split without the bounds m_i >= S_i. Most candidates are refused on it.
+        the micro-batches split without the bounds m_i >= S_i (both terms of the energy only fall
+        as z does). Most candidates are refused on it.
         0 under 'bubble' and 'full': their fill and drain count the stages that hold blocks, which
         only the layout tells."""
         if self.scorer.objective != "paper":
@@ -155,7 +184,9 @@ class Anneal:
         known, L = self._known[1] if same_caps else {}, self.problem.num_layers
         zs = [known.get(tuple(map(id, row))) or uncapped_bottleneck([g.rate for g in row], L) for row in rows]
         split = solve_micro_batches(zs, [1] * len(zs), self.problem.num_micro_batches, "paper")
-        return math.inf if split is None else split.w     # None: more pipelines than micro-batches
+        if split is None:       # more pipelines than micro-batches
+            return math.inf
+        return split.w + RELAXED * self._relaxed(zs)
 
     def options(self, node: int) -> list[NodeOption]:
         if node not in self._options:
