@@ -9,13 +9,13 @@ block that still fits the baseline layout).
 The reference is the planner's simulated annealing over concrete plans (`planner.anneal`: every
 grouping of each node that holds a straggler, any group in any pipeline or idle, pipelines merged
 and split, each pipeline's stages in their best order under the memory caps), which the default
-search runs for ANNEAL_STEPS scored candidates from its best organisation (ANNEAL_CHAINS runs, seeds
-0, 1, ...): here `--restarts` runs from the default plan and one from the healthy baseline's groups,
-`--steps` each, other seeds (no clock: the same seeds give the same plans). Its best plan is valued by
-`planner.evaluate` and checked against the memory model like the default's. Healthy nodes keep
-their full groups in both: under 'paper' splitting them too can beat even the straggler-free plan
-(a TP1 block takes 7.22 t0 on 1 device, a TP8 one 1 t0 on 8), a reshaping of the whole cluster the
-planner does not make for a straggler.
+search runs for ANNEAL_STEPS scored candidates from its best organisation (ANNEAL_CHAINS runs under
+'paper' and 'bubble', seeds 0, 1, ...): here `--restarts` runs from the default plan and one from
+the healthy baseline's groups, `--steps` each, other seeds (no clock: the same seeds give the same
+plans). Its best plan is valued by `planner.evaluate` and checked against the memory model like the
+default's. Healthy nodes keep their full groups in both: under 'paper' splitting them too can beat
+even the straggler-free plan (a TP1 block takes 7.22 t0 on 1 device, a TP8 one 1 t0 on 8), a
+reshaping of the whole cluster the planner does not make for a straggler.
 Also shown: the capacity bound (`capacity_bound`), which no plan of that space beats.
 """
 from __future__ import annotations

@@ -96,6 +96,24 @@ def test_the_energy_tells_apart_equal_objectives_by_a_relaxation_never_above_the
     assert any(len(rs) > 1 for rs in by_objective.values())
 
 
+def test_runs_share_the_candidates_each_from_the_next_seed():
+    """`run(..., runs=3)` is the best of three runs from seeds 0, 1 and 2, a third of the
+    candidates each: three trajectories, not one run three times."""
+    from malleus_svc.planner import baseline_plan
+    from malleus_svc.planner.anneal import Anneal, irregular_nodes
+    from malleus_svc.planner.grouping import make_group
+    from malleus_svc.planner.organize import Scorer
+    problem, _ = paper_shaped(64, 0, "paper")
+    rows = [[make_group(problem, s.devices) for s in pipe.stages] for pipe in baseline_plan(problem).pipelines]
+    scorer, regroup = Scorer(problem), irregular_nodes(problem)
+    together = Anneal(problem, scorer, 0, 8, regroup)
+    best = together.run(rows, [], 90, runs=3)
+    alone = [Anneal(problem, scorer, seed, 8, regroup).run(rows, [], 30) for seed in range(3)]
+    assert together.seed == 3
+    assert len({o.rows for o in alone}) == 3
+    assert best.rows == min(alone, key=lambda o: o.score.objective).rows
+
+
 def test_with_the_optimizer_sharded_a_pipeline_count_change_prices_every_pipeline_again():
     """More pipelines share a sharded state among more replicas, so every stage's cap rises: a
     pipeline left as it was holds its blocks at a lower bottleneck (here 8 -> 7), and the floor must

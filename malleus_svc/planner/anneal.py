@@ -27,9 +27,9 @@ straggler-free plan, a reshaping of a whole healthy cluster that no straggler as
 
 The run's length is counted in scored candidates (at most MOVES moves each), so the refused ones
 lengthen it for next to no time. The default search shares `search.ANNEAL_STEPS` among
-`search.ANNEAL_CHAINS` runs from fixed seeds, so equal inputs give equal plans (unless the
-search's time budget stops it first); `malleus bench planner-reference` scores many more as the
-reference it is measured against.
+`search.ANNEAL_CHAINS` runs from fixed seeds (one run under 'full'), so equal inputs give equal
+plans (unless the search's time budget stops it first); `malleus bench planner-reference` scores
+many more as the reference it is measured against.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from .organize import Score, Scorer
 from .problem import PlannerProblem
 
 HEAT = (0.01, 0.0001)     # the heat's start and end, as a share of the energy
-MOVES = 5                 # moves per scored candidate at most (`Anneal.run`)
+MOVES = 5                 # moves per scored candidate at most (`Anneal._run`)
 KICK = 0.2                # share of moves that regroup a node of the slowest pipeline by rule (`_kick`)
 RELAXED = 0.3             # weight of the relaxed objective in the energy under 'paper' and 'bubble' (`Anneal.energy`)
 
@@ -114,8 +114,8 @@ class Anneal:
 
     def run(self, rows: Sequence[Sequence[Group]], idle: Sequence[Group], steps: int,
             deadline: Deadline = NEVER, runs: int = 1) -> Organisation | None:
-        """The best organisation met by `runs` runs from `rows` and `idle` that share `steps` scored
-        candidates (or stop at the deadline), each from its own seed."""
+        """The best organisation met by `runs` runs from `rows` and `idle`, each from its own seed
+        and `steps // runs` scored candidates (or until the deadline)."""
         found = [self._run(rows, idle, steps // runs, deadline) for _ in range(runs)]
         return min((o for o in found if o is not None), key=lambda o: o.score.objective, default=None)
 
@@ -150,8 +150,9 @@ class Anneal:
             s = score_rows(self.scorer, *new)
             if s is not None and energy(s.score) <= limit:
                 cur = s
-                gain = best.score.objective - s.score.objective
-                if gain > best.score.objective * 1e-9 or (gain >= 0 and energy(s.score) < energy(best.score)):
+                gain = best.score.objective - s.score.objective      # at an equal objective, the lower energy
+                if gain > best.score.objective * 1e-9 or (
+                        gain >= 0 and energy(s.score) - s.score.objective < energy(best.score) - best.score.objective):
                     best = s
         return best
 
