@@ -150,9 +150,8 @@ class Anneal:
             s = score_rows(self.scorer, *new)
             if s is not None and energy(s.score) <= limit:
                 cur = s
-                gain = best.score.objective - s.score.objective      # at an equal objective, the lower energy
-                if gain > best.score.objective * 1e-9 or (
-                        gain >= 0 and energy(s.score) - s.score.objective < energy(best.score) - best.score.objective):
+                gain = best.score.objective - s.score.objective
+                if gain > best.score.objective * 1e-9 or (gain >= 0 and self._tie(s.score) < self._tie(best.score)):
                     best = s
         return best
 
@@ -162,9 +161,11 @@ class Anneal:
         objective). Whole blocks and micro-batches leave the objective flat across most moves; of two
         organisations of equal objective this prefers the one whose bottlenecks leave more room,
         from which a lower objective is fewer moves away."""
-        if self.scorer.objective == "full":
-            return score.objective
-        return score.objective + RELAXED * self._relaxed(score.z)
+        return score.objective + self._tie(score)
+
+    def _tie(self, score: Score) -> float:
+        """The energy's part that tells equal objectives apart (none under 'full')."""
+        return 0.0 if self.scorer.objective == "full" else RELAXED * self._relaxed(score.z)
 
     def _relaxed(self, z: Sequence[float]) -> float:
         return self.problem.num_micro_batches / sum(1 / v for v in z)
